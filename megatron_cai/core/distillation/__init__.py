@@ -1,0 +1,47 @@
+"""Gumbel top-k teacher sampling, sparse-target distillation losses and the teacher-sample store."""
+from .gumbel import (
+    ESTIMATORS,
+    counter_gumbel,
+    estimator_weights,
+    gumbel_noise,
+    gumbel_topk,
+    priority_weights,
+    self_normalized_weights,
+    topk_select,
+    topk_weights,
+    vocab_parallel_gumbel_topk,
+)
+from .kd_loss import full_kd_loss, sparse_kd_loss, vocab_parallel_full_kd_loss, vocab_parallel_sparse_kd_loss
+from .teacher_samples import (
+    TeacherSamples,
+    TeacherSamplesError,
+    TeacherSamplesMismatchError,
+    TeacherSamplesWriter,
+    dataset_fingerprint,
+    position_keys,
+    shard_seed,
+)
+
+__all__ = [
+    "ESTIMATORS",
+    "TeacherSamples",
+    "TeacherSamplesError",
+    "TeacherSamplesMismatchError",
+    "TeacherSamplesWriter",
+    "counter_gumbel",
+    "dataset_fingerprint",
+    "estimator_weights",
+    "full_kd_loss",
+    "gumbel_noise",
+    "gumbel_topk",
+    "position_keys",
+    "priority_weights",
+    "self_normalized_weights",
+    "shard_seed",
+    "sparse_kd_loss",
+    "topk_select",
+    "topk_weights",
+    "vocab_parallel_full_kd_loss",
+    "vocab_parallel_gumbel_topk",
+    "vocab_parallel_sparse_kd_loss",
+]
