@@ -1,0 +1,173 @@
+"""Block-skipping attention over visibility intervals, in plain torch (the CPU default backend).
+
+Queries are processed in blocks of ``block_q`` rows. For each query block the key blocks that may
+hold a visible pair come from per-block min/max summaries (:func:`visibility.block_map`); only those
+keys are gathered (a slice when they are contiguous), and the element mask is built only when a
+tile is partial. Memory is O(heads * block_q * visible_keys) per step, never a T x T mask. The
+backward is flash-style: it recomputes each block's probabilities from the saved lse and shifts
+``D_i = rowsum(dO * O)`` by the lse gradient (Z-Reg: ``2 w lse_i / N``, see :mod:`zreg`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_cai.core.transformer import visibility
+from megatron_cai.core.transformer.zreg import zreg_lse_grad
+
+__all__ = ["blocked_attention"]
+
+
+class _Plan:
+    """Per (batch row, query block): the key token positions to gather and whether masking is needed."""
+
+    def __init__(self, start, limit, window, position_ids, block_q: int, block_k: int):
+        seq = start.shape[-1]
+        any_, full = visibility.block_map(start, limit, block_q, block_k, window, position_ids)
+        any_l, full_l = any_.cpu().tolist(), full.cpu().tolist()
+        self.steps: list[list[tuple]] = []
+        for b in range(start.shape[0]):
+            row = []
+            for qb, flags in enumerate(any_l[b]):
+                qs, qe = qb * block_q, min(seq, (qb + 1) * block_q)
+                kbs = [kb for kb, f in enumerate(flags) if f]
+                if not kbs:
+                    row.append((qs, qe, None, False))
+                    continue
+                needs_mask = not all(full_l[b][qb][kb] for kb in kbs)
+                if kbs[-1] - kbs[0] + 1 == len(kbs):
+                    keys = slice(kbs[0] * block_k, min(seq, (kbs[-1] + 1) * block_k))
+                else:
+                    idx = torch.tensor(kbs, dtype=torch.int64).view(-1, 1) * block_k + torch.arange(block_k)
+                    idx = idx.flatten()
+                    keys = idx[idx < seq].to(start.device)
+                row.append((qs, qe, keys, needs_mask))
+            self.steps.append(row)
+
+
+def _tile_mask(start_b, limit_b, pos_b, window, qs: int, qe: int, keys) -> torch.Tensor:
+    """Bool [qe - qs, n_keys] visibility of the gathered keys from queries qs..qe-1."""
+    qi = torch.arange(qs, qe, device=start_b.device).view(-1, 1)
+    s, lim = start_b[keys].view(1, -1), limit_b[keys].view(1, -1)
+    mask = (s <= qi) & (qi < lim)
+    if window is not None:
+        mask &= (pos_b[qs:qe].view(-1, 1) - pos_b[keys].view(1, -1)).abs() < window
+    return mask
+
+
+def _gather(x_b: torch.Tensor, keys) -> torch.Tensor:
+    """x_b [kv_heads, T, D] -> [kv_heads, n_keys, D] (a view for a slice)."""
+    return x_b[:, keys] if isinstance(keys, slice) else x_b.index_select(1, keys)
+
+
+def _q_block(x_b: torch.Tensor, qs: int, qe: int, kv_heads: int) -> torch.Tensor:
+    """x_b [heads, T, D] rows qs..qe-1 -> [kv_heads, group * rows, D] (GQA groups stacked)."""
+    h, _, d = x_b.shape
+    return x_b[:, qs:qe].reshape(kv_heads, (h // kv_heads) * (qe - qs), d)
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block_q, block_k):
+        ctx.set_materialize_grads(False)
+        in_dtype = q.dtype
+        cd = torch.float64 if in_dtype == torch.float64 else torch.float32
+        qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
+        bsz, heads, seq, dim = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        scale = 1.0 / math.sqrt(dim)
+        pos = visibility._positions(start, position_ids) if window is not None else None
+        plan = _Plan(start, limit, window, pos, block_q, block_k)
+        out = torch.zeros(bsz, heads, seq, dim, dtype=cd, device=q.device)
+        lse = torch.full((bsz, heads, seq), float("-inf"), dtype=cd, device=q.device)
+        for b in range(bsz):
+            for qs, qe, keys, needs_mask in plan.steps[b]:
+                if keys is None:
+                    continue
+                rows = qe - qs
+                kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
+                s = torch.matmul(_q_block(qf[b], qs, qe, kv_heads), kb.transpose(1, 2)).mul_(scale)
+                if needs_mask:
+                    pos_b = pos[b] if pos is not None else None
+                    mask = _tile_mask(start[b], limit[b], pos_b, window, qs, qe, keys)
+                    s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
+                m = s.amax(-1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                p = s.sub_(m).exp_()
+                z = p.sum(-1, keepdim=True)
+                o = torch.matmul(p, vb).div_(torch.where(z > 0, z, torch.ones_like(z)))
+                out[b, :, qs:qe] = o.view(heads, rows, dim)
+                lse[b, :, qs:qe] = (z.log() + m).view(heads, rows)
+        ctx.save_for_backward(qf, kf, vf, out, lse, start, limit, pos)
+        ctx.plan, ctx.window, ctx.coeff, ctx.in_dtype = plan, window, coeff, in_dtype
+        ctx.kv_heads = kv_heads
+        return out.to(in_dtype), lse.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        qf, kf, vf, out, lse, start, limit, pos = ctx.saved_tensors
+        bsz, heads, seq, dim = qf.shape
+        kv_heads = ctx.kv_heads
+        group = heads // kv_heads
+        scale = 1.0 / math.sqrt(dim)
+        cd = qf.dtype
+        dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        do = grad_out.to(cd)
+        delta = (do * out).sum(-1)  # D_i
+        if dlse is not None:
+            delta = delta - dlse.to(cd)
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        for b in range(bsz):
+            for qs, qe, keys, needs_mask in ctx.plan.steps[b]:
+                if keys is None:
+                    continue
+                rows = qe - qs
+                kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
+                qb = _q_block(qf[b], qs, qe, kv_heads)
+                dob = _q_block(do[b], qs, qe, kv_heads)
+                s = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)
+                if needs_mask:
+                    pos_b = pos[b] if pos is not None else None
+                    mask = _tile_mask(start[b], limit[b], pos_b, ctx.window, qs, qe, keys)
+                    s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
+                p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
+                dvb = torch.matmul(p.transpose(1, 2), dob)
+                dp = torch.matmul(dob, vb.transpose(1, 2))
+                ds = p.mul_(dp.sub_(delta[b, :, qs:qe].reshape(kv_heads, group * rows, 1))).mul_(scale)
+                dq[b, :, qs:qe] = torch.matmul(ds, kb).view(heads, rows, dim)
+                dkb = torch.matmul(ds.transpose(1, 2), qb)
+                if isinstance(keys, slice):
+                    dk[b, :, keys] += dkb
+                    dv[b, :, keys] += dvb
+                else:
+                    dk[b].index_add_(1, keys, dkb)
+                    dv[b].index_add_(1, keys, dvb)
+        dt = ctx.in_dtype
+        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    limit: torch.Tensor,
+    *,
+    zreg_coeff: float = 0.0,
+    window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-skipping attention; returns ``(out [B, H, T, D] in q.dtype, lse [B, H, T] fp32)``.
+
+    Shapes and semantics as :func:`megatron_cai.core.transformer.attention.attend`.
+    """
+    return _BlockedAttention.apply(
+        q, k, v, start, limit, position_ids, window, float(zreg_coeff), int(block_q), int(block_k)
+    )
