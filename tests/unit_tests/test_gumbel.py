@@ -121,7 +121,8 @@ def test_priority_estimator_unbiased_and_topk_biased(dist):
 def test_weights_sum_estimates_one_and_self_normalized_sums_to_one():
     logits, tau = _dists()["zipf_tail"]
     n = 20_000
-    _, tl, kappa, lse = gumbel_topk(logits.expand(n, V), 6, tau=tau, generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    _, tl, kappa, lse = gumbel_topk(logits.expand(n, V), 6, tau=tau, generator=gen)
     w = priority_weights(tl, kappa, lse, tau=tau).double().sum(-1)
     assert abs(float(w.mean()) - 1.0) < 4.5 * float(w.std()) / math.sqrt(n)
     sn = self_normalized_weights(tl, kappa, lse, tau=tau)

@@ -69,6 +69,7 @@ _HEADER = struct.Struct("<8sIIQIII")
 _HEADER_BYTES = 64
 _ALIGN = 64
 _LOGITS_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAX_OPEN_SHARDS = 64  # memory maps kept open by a reader (each holds a file descriptor)
 
 
 class TeacherSamplesError(ValueError):
@@ -327,8 +328,15 @@ class TeacherSamples(_Store):
                                       f"finished: {shown}; resume the dump to complete it")
         self._maps: dict[int, dict[str, np.ndarray]] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = {}  # data-loader workers re-open their own memory maps
+        return state
+
     def _shard(self, shard_index: int) -> dict[str, np.ndarray]:
         if shard_index not in self._maps:
+            if len(self._maps) >= _MAX_OPEN_SHARDS:
+                self._maps.pop(next(iter(self._maps)))
             why = self._finished[shard_index]
             if why is not None:
                 raise TeacherSamplesError(f"{self.shard_path(shard_index)}: shard not finished ({why})")
