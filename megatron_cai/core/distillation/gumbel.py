@@ -20,8 +20,9 @@ support size the estimate is exact as well.
 
 Randomness. ``generator=`` uses torch's RNG (reproducible for the same device type and call sequence).
 :func:`counter_gumbel` is a counter-based alternative: the noise of (row key, token id) is a fixed hash of
-``(seed, row key, token id)``, identical on CPU and GPU and independent of batching, vocab sharding and
-world size, so a teacher dump can recompute any shard exactly.
+``(seed, row key, token id)``: the same random bits on any device (CPU and GPU agree up to the rounding
+of an elementwise log) and independent of batching, vocab sharding and world size, so a teacher dump can
+recompute any shard exactly.
 """
 from __future__ import annotations
 
