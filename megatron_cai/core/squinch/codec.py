@@ -1,0 +1,196 @@
+"""Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cpu_kernels
+from . import format as fmt
+from . import reference as ref
+
+BACKENDS = ("torch", "cpu", "triton")
+
+
+def _triton():
+    try:
+        from . import triton_kernels
+    except ImportError as e:  # pragma: no cover - triton is a test/gpu extra
+        raise RuntimeError(f"squinch: backend='triton' needs the triton package ({e})") from e
+    return triton_kernels
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The backend that will run: None -> "triton" on CUDA, "cpu" (C kernel) or "torch" on CPU."""
+    if backend is None:
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu" and cpu_kernels.available():
+            return "cpu"
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"squinch: backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"squinch: backend='cpu' needs CPU tensors, got device {device}")
+        return "cpu" if cpu_kernels.available() else "torch"  # load() logged the one warning
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("squinch: backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tests)")
+    return backend
+
+
+def _payload_out(out: torch.Tensor | None, numel: int, device: torch.device) -> torch.Tensor:
+    nbytes = fmt.payload_nbytes(numel)
+    if out is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"squinch: payload out= must be a contiguous uint8 tensor of {nbytes} bytes on {device}, "
+            f"got {out.dtype} numel={out.numel()} contiguous={out.is_contiguous()} on {out.device}"
+        )
+    return out
+
+
+def _seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    gen_dev = generator.device if generator is not None else torch.device("cpu")
+    s = torch.randint(0, 2**62, (1,), generator=generator, device=gen_dev, dtype=torch.int64)
+    return s.to(device)
+
+
+def _check_residual(grad: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"squinch: residual must be float32 or bfloat16, got {residual.dtype}")
+    if residual.numel() != grad.numel() or residual.device != grad.device:
+        raise ValueError(
+            f"squinch: residual must match grad (numel {grad.numel()} on {grad.device}), "
+            f"got numel {residual.numel()} on {residual.device}"
+        )
+    if not residual.is_contiguous():
+        raise ValueError("squinch: residual must be contiguous (it is updated in place)")
+
+
+def encode_with_feedback(
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused error-feedback encode, one pass over memory: y = grad + residual (fp32),
+    payload = encode(y), residual <- y - decode(payload) (in place; bf16 residuals round to nearest even).
+
+    Returns (payload, nonfinite): the uint8 payload (written into `out` if given) and a 0-dim bool
+    tensor on grad's device, True iff y held NaN/Inf (not synchronised on CUDA). residual=None gives a
+    plain encode that still reports non-finite input.
+
+    When nonfinite is True the payload is still defined byte for byte (blocks holding NaN/Inf get
+    q_max = 255, NaN elements q = 0, Inf elements q = 15) but meaningless, and the residual holds
+    y - decode(payload), i.e. NaN/Inf exactly where y was non-finite (and y itself for the other
+    elements of those blocks). Nothing becomes finite silently: the caller must skip the step on every
+    rank and reset the residual (``residual.zero_()``), dropping that step's error feedback; a
+    residual left non-finite keeps flagging every later step.
+    """
+    ref.check_float_input(grad, "grad")
+    if residual is not None:
+        _check_residual(grad, residual)
+    bk = resolve_backend(backend, grad.device)
+    payload = _payload_out(out, grad.numel(), grad.device)
+    if bk == "torch":
+        p, nonfinite = ref.encode_with_feedback(grad, residual, stochastic=stochastic, generator=generator)
+        payload.copy_(p)
+        return payload, nonfinite
+    g = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
+    if bk == "cpu":
+        seed = int(_seed(generator, grad.device).item()) if stochastic else 0
+        flag = cpu_kernels.encode_into(g, residual, payload, stochastic, seed)
+        return payload, torch.tensor(flag, dtype=torch.bool)
+    seed_t = _seed(generator, grad.device) if stochastic else None
+    nonfinite = _triton().encode_into(g, residual, payload, stochastic, seed_t)
+    return payload, nonfinite
+
+
+def encode(
+    x: torch.Tensor,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Encode x (fp32/bf16/fp16, any shape, contiguous or not) into a uint8 payload of
+    6 * ceil(numel / 8) bytes (written into `out` if given). Deterministic mode is byte-exact per
+    shared/squinch-format.md on every backend; stochastic payloads are reproducible with `generator`
+    but not byte-specified across backends."""
+    payload, _ = encode_with_feedback(x, None, stochastic=stochastic, generator=generator, backend=backend,
+                                      out=out)
+    return payload
+
+
+def _check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
+    if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"squinch: out must be a contiguous float32 tensor of {numel} elements on {device}, "
+            f"got {out.dtype} numel={out.numel()} contiguous={out.is_contiguous()} on {out.device}"
+        )
+
+
+def decode(
+    payload: torch.Tensor,
+    numel: int,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Decode a payload to `numel` fp32 values: a new flat tensor, or written into `out`
+    (out += decoded with accumulate=True), which is returned."""
+    payload = payload.reshape(-1)
+    ref.check_payload(payload, numel)
+    if out is None:
+        if accumulate:
+            raise ValueError("squinch: decode(accumulate=True) needs out=")
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    _check_out(out, numel, payload.device)
+    bk = resolve_backend(backend, payload.device)
+    if bk == "torch":
+        return ref.decode(payload, numel, out=out, accumulate=accumulate)
+    payload = payload.contiguous()
+    if bk == "cpu":
+        cpu_kernels.decode_into(payload, numel, out, accumulate)
+    else:
+        _triton().decode_into(payload, numel, out, accumulate)
+    return out
+
+
+def decode_accumulate(
+    payloads: torch.Tensor, out: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """out += s with s = ((d_0 + d_1) + d_2) + ... + d_{W-1}, d_w = decode(payloads[w]), all in fp32,
+    in one pass (payloads: [W, nbytes] uint8, one row per sending rank). Returns out.
+
+    The order is part of the contract: the reference reproduces it bit for bit with
+    ``s = decode(p[0]); s = s + decode(p[1]); ...; out += s``.
+    """
+    if payloads.dim() != 2:
+        raise ValueError(f"squinch: payloads must be [W, nbytes] uint8, got shape {tuple(payloads.shape)}")
+    numel = out.numel()
+    _check_out(out, numel, payloads.device)
+    if payloads.dtype != torch.uint8 or payloads.shape[1] != fmt.payload_nbytes(numel):
+        raise ValueError(
+            f"squinch: payloads must be uint8 [W, {fmt.payload_nbytes(numel)}] for numel={numel}, "
+            f"got {payloads.dtype} {tuple(payloads.shape)}"
+        )
+    if payloads.shape[0] == 0:
+        return out
+    bk = resolve_backend(backend, out.device)
+    if bk == "torch":
+        return ref.decode_accumulate(payloads, out)
+    if payloads.stride(1) != 1:
+        payloads = payloads.contiguous()
+    if bk == "cpu":
+        cpu_kernels.decode_into(payloads, numel, out, True)
+    else:
+        _triton().decode_into(payloads, numel, out, True)
+    return out
