@@ -1,0 +1,100 @@
+"""Build the train/valid/test datasets from ``--data-path``, ``--split`` and the sample counts."""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from megatron_cai.core.datasets.blended_dataset import BlendedDataset
+from megatron_cai.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetError, get_idx_path
+from megatron_cai.core.datasets.utils import SPLIT_NAMES, get_blend_from_list, split_ranges
+
+logger = logging.getLogger(__name__)
+
+Dataset = torch.utils.data.Dataset
+
+
+def _open(prefix: str, config: GPTDatasetConfig) -> IndexedDataset:
+    if not IndexedDataset.exists(prefix):
+        raise IndexedDatasetError(
+            f"--data-path {prefix}: {get_idx_path(prefix)} or .bin not found (pass the prefix written by "
+            f"tools/preprocess_data.py, e.g. '<output-prefix>_text_document', without .bin/.idx)"
+        )
+    return IndexedDataset(prefix, mmap=config.mmap_bin_files)
+
+
+def build_train_valid_test_datasets(
+    data_path: str | Sequence[str], split: str, num_samples: Sequence[int | None], config: GPTDatasetConfig,
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
+    """The (train, valid, test) datasets of ``--data-path`` under ``--split``.
+
+    ``data_path`` follows Megatron's ``--data-path`` rules: one prefix, a list of prefixes, or
+    ``[W1, P1, W2, P2, ...]`` weight/prefix pairs. Each prefix is split into contiguous document
+    ranges by ``split`` (e.g. ``"969,30,1"``). ``num_samples`` holds the samples wanted per split
+    (Megatron: train = train_iters * global_batch; valid = (train_iters // eval_interval + 1) *
+    eval_iters * global_batch; test = eval_iters * global_batch); ``None`` means one epoch.
+
+    A split is ``None`` when its weight in ``split`` is 0, it was asked for 0 samples, or it has
+    no documents (a tiny corpus); the training loop then skips it. One prefix gives
+    :class:`GPTDataset` objects; several give :class:`BlendedDataset` objects. An unweighted list
+    of prefixes is weighted by the token count of each prefix's split (Megatron weights by the
+    samples of one epoch and caps the blend at one epoch; here blends may span several epochs).
+    """
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must give (train, valid, test), got {num_samples}")
+    prefixes, weights = get_blend_from_list(data_path)
+    if weights is not None:
+        keep = [i for i, w in enumerate(weights) if w > 0]
+        prefixes, weights = [prefixes[i] for i in keep], [weights[i] for i in keep]
+    indexed = [_open(p, config) for p in prefixes]
+    ranges = [split_ranges(split, len(ds)) for ds in indexed]
+    out: list[Dataset | None] = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = num_samples[s]
+        if n is not None and n <= 0:
+            out.append(None)
+            continue
+        parts: list[tuple[str, IndexedDataset, np.ndarray, float]] = []
+        for i, (prefix, ds) in enumerate(zip(prefixes, indexed)):
+            rng = ranges[i][s]
+            if rng is None:
+                continue
+            docs = np.arange(rng[0], rng[1], dtype=np.int64)
+            tokens = int(ds.sequence_lengths[docs].astype(np.int64).sum()) if len(docs) else 0
+            if tokens < 2:
+                logger.warning("%s: the %s split of --split %s has %d documents (%d tokens); skipped",
+                               prefix, name, split, len(docs), tokens)
+                continue
+            parts.append((prefix, ds, docs, weights[i] if weights is not None else float(tokens)))
+        if not parts:
+            out.append(None)
+        elif len(parts) == 1:
+            prefix, ds, docs, _ = parts[0]
+            out.append(GPTDataset(ds, prefix, docs, n, name, config))
+        else:
+            out.append(_build_blend(parts, n, name, config))
+    return out[0], out[1], out[2]
+
+
+def _build_blend(parts: list[tuple[str, IndexedDataset, np.ndarray, float]], n: int | None, name: str,
+                 config: GPTDatasetConfig) -> BlendedDataset:
+    """Blend the splits in ``parts`` with Megatron's per-dataset sizes (target * (1 + surplus))."""
+    w = np.asarray([p[3] for p in parts], dtype=np.float64)
+    w = w / w.sum()
+    if n is None:  # one epoch of everything, in proportion to the weights
+        singles = [GPTDataset(ds, prefix, docs, None, name, config) for prefix, ds, docs, _ in parts]
+        n = sum(len(d) for d in singles)
+    targets = [int(math.ceil(n * wi)) for wi in w]
+    size = sum(targets)
+    datasets = []
+    for (prefix, ds, docs, _), target, wi in zip(parts, targets, w):
+        # The greedy interleave never takes more than ceil(w_i * size) samples from dataset i
+        # (BlendedDataset re-checks); the surplus follows Megatron.
+        surplus = int(math.ceil(target * (1.0 + config.mid_level_dataset_surplus)))
+        want = max(int(math.ceil(wi * size)), surplus)
+        datasets.append(GPTDataset(ds, prefix, docs, want, name, config))
+    return BlendedDataset(datasets, w.tolist(), size, name, config.path_to_cache)

@@ -1,0 +1,336 @@
+#!/usr/bin/env python
+"""Tokenize a JSONL corpus into Megatron MMIDIDX ``<prefix>_<key>_document.bin/.idx`` files.
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
+
+Megatron-LM's flags. Each line is a JSON object; every ``--json-keys`` key must hold a string.
+Workers (a process pool) decode, parse and tokenize chunks of lines; the parent writes the results
+in input order (single writer). A malformed line (invalid UTF-8, bad JSON, missing key, non-string
+value) stops the run with ``<file>:<line>: <reason>`` and exit code 1, and leaves no output behind;
+``--skip-bad-lines`` skips and counts them instead. Documents with no tokens are skipped and
+counted; blank lines are ignored and counted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_cai.core.datasets.indexed_dataset import (  # noqa: E402
+    DType,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from megatron_cai.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+MAX_BAD_LINES_SHOWN = 5
+CHUNK_LINES = 256
+CHUNK_BYTES = 1 << 20
+
+
+class BadLine(ValueError):
+    """One input line cannot be used; ``reason`` says why."""
+
+
+class PreprocessError(RuntimeError):
+    """Preprocessing stopped; the message names the file and line."""
+
+
+def parse_json_line(raw: bytes, keys: Sequence[str]) -> dict[str, str] | None:
+    """The ``keys`` of one JSONL line as strings; ``None`` for a blank line; ``BadLine`` otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadLine(f"invalid UTF-8 at byte {e.start} ({raw[e.start:e.start + 4]!r})") from None
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(obj, dict):
+        raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
+    out = {}
+    for key in keys:
+        if key not in obj:
+            present = ", ".join(repr(k) for k in list(obj)[:5])
+            raise BadLine(f"missing key {key!r} (keys present: {present or 'none'})")
+        value = obj[key]
+        if not isinstance(value, str):
+            raise BadLine(f"key {key!r} holds {type(value).__name__}, expected a string")
+        out[key] = value
+    return out
+
+
+def iter_jsonl_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line number from 1, raw bytes without the newline)`` of a file."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            yield line_no, raw.rstrip(b"\r\n")
+
+
+def iter_chunks(path: str) -> Iterator[list[tuple[int, bytes]]]:
+    """Lines grouped into chunks of at most CHUNK_LINES lines / CHUNK_BYTES bytes."""
+    chunk: list[tuple[int, bytes]] = []
+    size = 0
+    for item in iter_jsonl_lines(path):
+        chunk.append(item)
+        size += len(item[1]) + 1
+        if len(chunk) >= CHUNK_LINES or size >= CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+class Encoder:
+    """Parses and tokenizes lines (one instance per worker process)."""
+
+    def __init__(self, keys: Sequence[str], tokenizer_kwargs: dict, append_eod: bool, dtype: type) -> None:
+        self.keys = list(keys)
+        self.tokenizer = build_tokenizer(**tokenizer_kwargs)
+        self.append_eod = append_eod
+        self.eod = self.tokenizer.eod if append_eod else None
+        self.dtype = dtype
+
+    def encode_line(self, raw: bytes) -> dict[str, np.ndarray] | None:
+        """Token arrays per key (EOD appended to non-empty documents); ``None`` for a blank line."""
+        fields = parse_json_line(raw, self.keys)
+        if fields is None:
+            return None
+        out = {}
+        for key, text in fields.items():
+            try:
+                ids = self.tokenizer.tokenize(text)
+            except ValueError as e:
+                raise BadLine(f"key {key!r}: {e}") from None
+            if ids and self.append_eod:
+                ids.append(self.eod)
+            out[key] = np.asarray(ids, dtype=self.dtype)
+        return out
+
+    def encode_chunk(self, chunk: list[tuple[int, bytes]]) -> list[tuple[int, int, str, object]]:
+        """``(line, nbytes, kind, payload)`` per line; kind is "ok", "blank" or "bad" (payload = reason)."""
+        results = []
+        for line_no, raw in chunk:
+            try:
+                tokens = self.encode_line(raw)
+            except BadLine as e:
+                results.append((line_no, len(raw) + 1, "bad", str(e)))
+                continue
+            results.append((line_no, len(raw) + 1, "blank" if tokens is None else "ok", tokens))
+        return results
+
+
+_WORKER_ENCODER: Encoder | None = None
+
+
+def _init_worker(*args) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = Encoder(*args)
+
+
+def _encode_chunk_in_worker(chunk: list[tuple[int, bytes]]) -> list[tuple[int, int, str, object]]:
+    return _WORKER_ENCODER.encode_chunk(chunk)
+
+
+@dataclass
+class PreprocessStats:
+    """What a run did (also printed as the summary)."""
+
+    lines: int = 0
+    bytes: int = 0
+    blank_lines: int = 0
+    bad_lines: int = 0
+    first_bad_lines: list[tuple[int, str]] = field(default_factory=list)
+    documents: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    empty_documents: dict[str, int] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def summary(self, path: str) -> str:
+        """Human-readable summary."""
+        rate = self.lines / max(self.seconds, 1e-9)
+        mbps = self.bytes / 1e6 / max(self.seconds, 1e-9)
+        rows = [f"processed {path}: {self.lines} lines, {self.bytes / 1e6:.2f} MB in {self.seconds:.1f} s "
+                f"({rate:.0f} docs/s, {mbps:.2f} MB/s)"]
+        for key, prefix in self.outputs.items():
+            rows.append(f"  {key}: {self.documents[key]} documents, {self.tokens[key]} tokens, "
+                        f"{self.empty_documents[key]} empty documents skipped -> {prefix}.bin/.idx")
+        rows.append(f"  blank lines ignored: {self.blank_lines}")
+        bad = f"  bad lines skipped: {self.bad_lines}"
+        if self.first_bad_lines:
+            bad += " (first: " + "; ".join(f"line {n}: {r}" for n, r in self.first_bad_lines) + ")"
+        rows.append(bad)
+        return "\n".join(rows)
+
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    """``<output_prefix>_<key>_document`` (Megatron's naming)."""
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
+               vocab_size: int | None = None, json_keys: Sequence[str] = ("text",), append_eod: bool = False,
+               workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
+               progress: bool | None = None, log=None) -> PreprocessStats:
+    """Tokenize ``input_path`` into ``<output_prefix>_<key>_document.{bin,idx}`` for every key.
+
+    Raises ``PreprocessError`` (``"<file>:<line>: <reason>"``) on a bad line unless
+    ``skip_bad_lines``; then no output files exist for this run (earlier files at the output paths
+    are left untouched). ``progress``: tqdm bar (``None``: only on a terminal); ``log``: a function
+    for progress lines when the bar is off (default: stderr).
+    """
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"--input {input_path}: file not found")
+    if workers < 1:
+        raise ValueError("--workers must be >= 1")
+    if len(set(json_keys)) != len(json_keys) or not json_keys:
+        raise ValueError(f"--json-keys must be distinct and non-empty, got {list(json_keys)}")
+    tokenizer_kwargs = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
+                        "vocab_size": vocab_size}
+    tokenizer = build_tokenizer(**tokenizer_kwargs)
+    if append_eod:
+        _ = tokenizer.eod  # fails early with a clear message when there is none
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    stats = PreprocessStats()
+    builders: dict[str, IndexedDatasetBuilder] = {}
+    for key in json_keys:
+        prefix = output_prefix_for(output_prefix, key)
+        builders[key] = IndexedDatasetBuilder(get_bin_path(prefix), dtype)
+        stats.outputs[key] = prefix
+        stats.documents[key] = stats.tokens[key] = stats.empty_documents[key] = 0
+
+    total_bytes = os.path.getsize(input_path)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="tokenizing",
+               disable=(not progress) if progress is not None else None, dynamic_ncols=True)
+    t0 = time.time()
+    next_log = log_interval
+    init_args = (list(json_keys), tokenizer_kwargs, append_eod, dtype)
+
+    def handle(results: list[tuple[int, int, str, object]]) -> None:
+        nonlocal next_log
+        for line_no, nbytes, kind, payload in results:
+            stats.lines += 1
+            stats.bytes += nbytes
+            if kind == "bad":
+                if not skip_bad_lines:
+                    raise PreprocessError(f"{input_path}:{line_no}: {payload}")
+                stats.bad_lines += 1
+                if len(stats.first_bad_lines) < MAX_BAD_LINES_SHOWN:
+                    stats.first_bad_lines.append((line_no, str(payload)))
+            elif kind == "blank":
+                stats.blank_lines += 1
+            else:
+                for key, ids in payload.items():
+                    if len(ids) == 0:
+                        stats.empty_documents[key] += 1
+                        continue
+                    builders[key].add_item(ids)
+                    builders[key].end_document()
+                    stats.documents[key] += 1
+                    stats.tokens[key] += len(ids)
+        bar.update(sum(r[1] for r in results))
+        elapsed = max(time.time() - t0, 1e-9)
+        bar.set_postfix_str(f"{stats.lines / elapsed:.0f} docs/s", refresh=False)
+        if bar.disable and log_interval > 0 and stats.lines >= next_log:
+            log(f"processed {stats.lines} documents ({stats.lines / elapsed:.0f} docs/s, "
+                f"{stats.bytes / 1e6 / elapsed:.2f} MB/s)")
+            next_log = (stats.lines // log_interval + 1) * log_interval
+
+    pool = None
+    finalized = False
+    try:
+        if workers == 1:
+            encoder = Encoder(*init_args)
+            for chunk in iter_chunks(input_path):
+                handle(encoder.encode_chunk(chunk))
+        else:
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, init_args)
+            pending: deque = deque()
+            for chunk in iter_chunks(input_path):  # bounded window keeps memory flat, order preserved
+                pending.append(pool.apply_async(_encode_chunk_in_worker, (chunk,)))
+                if len(pending) >= 4 * workers:
+                    handle(pending.popleft().get())
+            while pending:
+                handle(pending.popleft().get())
+        for key, builder in builders.items():
+            builder.finalize(get_idx_path(stats.outputs[key]))
+        finalized = True
+    finally:
+        bar.close()
+        if pool is not None:
+            if finalized:
+                pool.close()
+            else:
+                pool.terminate()
+            pool.join()
+        if not finalized:
+            for builder in builders.values():
+                builder.abort()
+    stats.seconds = time.time() - t0
+    return stats
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", default=None,
+                       help="sentencepiece .model, or a local tokenizer.json / directory for HuggingFace")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True,
+                       help="writes <output-prefix>_<key>_document.bin/.idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="log progress every N documents when no progress bar is shown")
+    group.add_argument("--skip-bad-lines", action="store_true",
+                       help="skip malformed lines (reported with line numbers) instead of stopping")
+    group.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args(argv)
+    try:
+        stats = preprocess(args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
+                           args.vocab_size, args.json_keys, args.append_eod, args.workers, args.log_interval,
+                           args.skip_bad_lines, progress=False if args.no_progress else None)
+    except PreprocessError as e:
+        print(f"preprocess_data.py: error: {e}\n  (no output written; use --skip-bad-lines to skip such "
+              f"lines)", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, ImportError) as e:
+        print(f"preprocess_data.py: error: {e}", file=sys.stderr)
+        return 1
+    print(stats.summary(args.input))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
