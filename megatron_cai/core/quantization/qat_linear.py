@@ -1,0 +1,334 @@
+"""Quantization-aware GEMMs: QATConfig and the GemmInputQuantizer that the parallel linears call.
+
+A linear layer holds ``self.gemm_quantizer`` (None without QAT) and calls, just before its GEMM::
+
+    y = self.gemm_quantizer.linear(x, w, bias, predicted_input_rms=predicted_input_rms)
+    # or, keeping F.linear:  x, w = self.gemm_quantizer(x, w, predicted_input_rms=...)
+    #                        y = self.gemm_quantizer.output(F.linear(x, w)) (+ bias)
+
+``linear`` also routes to the real low-precision GEMMs (:mod:`.gemm_backends`) when configured and
+applies the optional output-gradient quantization. The layer never needs to know the format.
+
+Tensor parallelism: build the quantizer with the TP group and how the layer is split
+(``weight_shard_dim=0`` for ColumnParallelLinear, ``1`` plus ``input_sharded=True`` for
+RowParallelLinear; :func:`attach_gemm_quantizers` reads this from ``weight.tp_dim``). Then:
+
+- "block" granularity is TP-invariant with no communication, provided each shard of K is a multiple of
+  the block size (128);
+- "row" is invariant for ColumnParallelLinear (its rows are whole on each rank, its input replicated);
+  for RowParallelLinear the per-row statistics are all-reduced over TP (one small collective);
+- "tensor" statistics are all-reduced over TP whenever the tensor is split (a scalar collective);
+- "weight-rms" needs no reduction over the activation; the prediction is the caller's (pass the TP
+  group to :func:`.dynamic_clamp.predict_relu2_ffn_rms` to make it TP-invariant too).
+
+State: a "static" clamp keeps its value in the buffers ``input_static_c`` / ``weight_static_c`` (NaN
+until calibrated from the first batch's absmax when no ``static_value`` is given), so checkpoints save
+and restore it. Quantizers must be attached before a checkpoint is loaded.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gemm_backends
+from .dynamic_clamp import (
+    BLOCK_SIZE,
+    CLAMP_RULES,
+    DEFAULT_EPS,
+    GRANULARITIES,
+    compute_clamp,
+    default_alpha,
+    group_absmax,
+    needs_group_reduction,
+)
+from .fake_quant import fake_quant, fake_quant_with_clamp
+
+QAT_FORMATS = ("none", "int8", "fp8")
+FP8_FORMATS = ("e4m3", "hybrid")
+GEMM_BACKENDS = ("fake", "real", "auto")
+
+
+@dataclass
+class QATConfig:
+    """Quantization-aware training of the GEMM inputs (flags: --qat, --qat-clamp, --qat-clamp-alpha,
+    --fp8-format).
+
+    ``fmt``: "none" | "int8" | "fp8" (FP8 forward operands are E4M3).
+    Activations (the GEMM's X): ``clamp`` rule, ``alpha`` (None: dynamic_clamp.default_alpha),
+    ``static_value`` (for "static"; None: calibrate from the first batch's absmax), ``granularity``.
+    Weights: ``weight_clamp`` ("absmax" | "rms" | "static"), ``weight_alpha``, ``weight_static_value``,
+    ``weight_granularity`` (per output row by default).
+    ``fp8_format``: "e4m3" or "hybrid" (E4M3 forward, E5M2 output gradient in backward, as in
+    Transformer Engine). ``quantize_output_grad``: fake-quantize dL/dy before the backward GEMMs (per
+    tensor absmax); None means on for fp8 hybrid only. The gradient format is E5M2, except E4M3 for
+    fp8 with fp8_format "e4m3".
+    ``gemm_backend``: "fake" (fake quant + high-precision GEMM, the reference), "real" (torch._int_mm /
+    torch._scaled_mm on any device that runs them), "auto" (real on CUDA GPUs that have them, else fake).
+    """
+
+    fmt: str = "none"
+    clamp: str = "rms"
+    alpha: float | None = None
+    static_value: float | None = None
+    granularity: str = "tensor"
+    weight_clamp: str = "absmax"
+    weight_alpha: float | None = None
+    weight_static_value: float | None = None
+    weight_granularity: str = "row"
+    fp8_format: str = "e4m3"
+    quantize_output_grad: bool | None = None
+    gemm_backend: str = "fake"
+    block_size: int = BLOCK_SIZE
+    eps: float = DEFAULT_EPS
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, value, allowed) -> ValueError:
+            return ValueError(f"QATConfig: {flag} {value!r} is not one of {', '.join(map(str, allowed))}")
+
+        if self.fmt not in QAT_FORMATS:
+            raise bad("--qat", self.fmt, QAT_FORMATS)
+        if self.clamp not in CLAMP_RULES:
+            raise bad("--qat-clamp", self.clamp, CLAMP_RULES)
+        if self.weight_clamp not in ("absmax", "rms", "static"):
+            raise bad("weight_clamp (weights use their own RMS: 'rms')", self.weight_clamp,
+                      ("absmax", "rms", "static"))
+        for name in ("granularity", "weight_granularity"):
+            if getattr(self, name) not in GRANULARITIES:
+                raise bad(name, getattr(self, name), GRANULARITIES)
+        if self.fp8_format not in FP8_FORMATS:
+            raise bad("--fp8-format", self.fp8_format, FP8_FORMATS)
+        if self.gemm_backend not in GEMM_BACKENDS:
+            raise bad("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
+        for name in ("alpha", "weight_alpha", "static_value", "weight_static_value"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"QATConfig: {name} must be > 0, got {v}")
+        if self.block_size < 1 or self.eps <= 0:
+            raise ValueError(f"QATConfig: block_size ({self.block_size}) must be >= 1 and eps "
+                             f"({self.eps}) > 0")
+
+    @classmethod
+    def from_args(cls, args) -> QATConfig:
+        """From parsed Megatron-style flags (qat, qat_clamp, qat_clamp_alpha, fp8_format; optional
+        qat_static_value, qat_granularity, qat_weight_granularity, qat_quantize_output_grad,
+        qat_gemm_backend)."""
+        kw = {"fmt": getattr(args, "qat", None) or "none"}
+        for field_name, arg in (("clamp", "qat_clamp"), ("alpha", "qat_clamp_alpha"),
+                                ("fp8_format", "fp8_format"), ("static_value", "qat_static_value"),
+                                ("granularity", "qat_granularity"),
+                                ("weight_granularity", "qat_weight_granularity"),
+                                ("quantize_output_grad", "qat_quantize_output_grad"),
+                                ("gemm_backend", "qat_gemm_backend")):
+            value = getattr(args, arg, None)
+            if value is not None:
+                kw[field_name] = value
+        return cls(**kw)
+
+    @property
+    def enabled(self) -> bool:
+        return self.fmt != "none"
+
+    @property
+    def operand_fmt(self) -> str:
+        """The fake-quant format of the forward GEMM operands."""
+        return "int8" if self.fmt == "int8" else "fp8_e4m3"
+
+    @property
+    def output_grad_enabled(self) -> bool:
+        if self.quantize_output_grad is None:
+            return self.fmt == "fp8" and self.fp8_format == "hybrid"
+        return self.enabled and self.quantize_output_grad
+
+    @property
+    def grad_fmt(self) -> str:
+        return "fp8_e4m3" if self.fmt == "fp8" and self.fp8_format == "e4m3" else "fp8_e5m2"
+
+
+class _QuantizeOutputGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, fmt: str) -> torch.Tensor:
+        ctx.fmt = fmt
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return fake_quant(grad, ctx.fmt, clamp="absmax"), None
+
+
+def quantize_output_grad(y: torch.Tensor, fmt: str = "fp8_e5m2") -> torch.Tensor:
+    """Identity in forward; in backward the incoming gradient is fake-quantized (per-tensor absmax)."""
+    return _QuantizeOutputGrad.apply(y, fmt)
+
+
+class GemmInputQuantizer(nn.Module):
+    """Fake-quantizes a linear layer's GEMM inputs (activation X and weight W) per a :class:`QATConfig`.
+
+    ``tp_group``: the tensor-parallel group; ``weight_shard_dim``: the dim along which this rank holds a
+    shard of the weight (0: column-parallel, 1: row-parallel, None: whole); ``input_sharded``: X is split
+    along its last dim (row-parallel). These decide which statistics are all-reduced (module docstring).
+    """
+
+    def __init__(self, config: QATConfig | None, *, tp_group=None, weight_shard_dim: int | None = None,
+                 input_sharded: bool = False) -> None:
+        super().__init__()
+        self.config = config = config or QATConfig()
+        if weight_shard_dim not in (None, 0, 1, -1):
+            raise ValueError(f"weight_shard_dim must be None, 0 or 1 for an (out, in) weight, "
+                             f"got {weight_shard_dim}")
+        self.weight_shard_dim = weight_shard_dim
+        self.input_sharded = input_sharded
+        self._input_group = tp_group if needs_group_reduction(
+            config.granularity, sharded=input_sharded, sharded_along_last_dim=True) else None
+        self._weight_group = tp_group if needs_group_reduction(
+            config.weight_granularity, sharded=weight_shard_dim is not None,
+            sharded_along_last_dim=weight_shard_dim in (1, -1)) else None
+        # A static clamp is scalar and calibrated on the whole tensor: all-reduce its max whenever split.
+        self._input_static_group = tp_group if input_sharded else None
+        self._weight_static_group = tp_group if weight_shard_dim is not None else None
+        self._calibrated = {"input": False, "weight": False}
+        if config.enabled and config.clamp == "static":
+            self.register_buffer("input_static_c", self._initial(config.static_value))
+        if config.enabled and config.weight_clamp == "static":
+            self.register_buffer("weight_static_c", self._initial(config.weight_static_value))
+        self.register_load_state_dict_post_hook(self._after_load)
+        self._warned_fallback = False
+
+    @staticmethod
+    def _initial(value: float | None) -> torch.Tensor:
+        return torch.tensor(float("nan") if value is None else float(value), dtype=torch.float32)
+
+    @staticmethod
+    def _after_load(module: GemmInputQuantizer, incompatible_keys) -> None:
+        module._calibrated = {"input": False, "weight": False}
+
+    @torch.no_grad()
+    def _static_c(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        buf = getattr(self, f"{which}_static_c")
+        if not self._calibrated[which]:
+            if bool(torch.isnan(buf)):
+                group = self._input_static_group if which == "input" else self._weight_static_group
+                buf.copy_(group_absmax(x, "tensor", group=group).clamp_min(self.config.eps))
+            self._calibrated[which] = True
+        return buf
+
+    def input_clamp(self, x: torch.Tensor, predicted_input_rms: torch.Tensor | float | None = None
+                    ) -> tuple[torch.Tensor, str]:
+        """(c, rule) for the activation X. "weight-rms" without a prediction falls back to "rms"."""
+        cfg = self.config
+        rule = cfg.clamp
+        if rule == "weight-rms" and predicted_input_rms is None:
+            rule = "rms"
+        static = self._static_c("input", x) if rule == "static" else None
+        c = compute_clamp(x, rule, granularity=cfg.granularity, alpha=cfg.alpha, static_value=static,
+                          predicted_rms=predicted_input_rms, fmt=cfg.operand_fmt, eps=cfg.eps,
+                          block_size=cfg.block_size, group=self._input_group)
+        return c, rule
+
+    def weight_clamp(self, weight: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        static = self._static_c("weight", weight) if cfg.weight_clamp == "static" else None
+        return compute_clamp(weight, cfg.weight_clamp, granularity=cfg.weight_granularity,
+                             alpha=cfg.weight_alpha, static_value=static, fmt=cfg.operand_fmt, eps=cfg.eps,
+                             block_size=cfg.block_size, group=self._weight_group)
+
+    def _clip_possible(self, rule: str, alpha: float | None) -> bool:
+        return not (rule == "absmax" and (alpha is None or alpha >= 1.0))
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, *,
+                predicted_input_rms: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fake-quantized ``(x_q, w_q)`` (STE backward); ``(x, weight)`` unchanged when QAT is off."""
+        cfg = self.config
+        if not cfg.enabled:
+            return x, weight
+        c_x, rule = self.input_clamp(x, predicted_input_rms)
+        x_q = fake_quant_with_clamp(x, cfg.operand_fmt, c_x, granularity=cfg.granularity,
+                                    block_size=cfg.block_size,
+                                    clip_possible=self._clip_possible(rule, cfg.alpha))
+        c_w = self.weight_clamp(weight)
+        w_q = fake_quant_with_clamp(weight, cfg.operand_fmt, c_w, granularity=cfg.weight_granularity,
+                                    block_size=cfg.block_size,
+                                    clip_possible=self._clip_possible(cfg.weight_clamp, cfg.weight_alpha))
+        return x_q, w_q
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        """The GEMM output, with its gradient fake-quantized in backward when configured."""
+        if self.config.output_grad_enabled:
+            return quantize_output_grad(y, self.config.grad_fmt)
+        return y
+
+    def _use_real_gemm(self, x: torch.Tensor) -> bool:
+        backend = self.config.gemm_backend
+        if backend == "fake":
+            return False
+        ok = gemm_backends.real_gemm_available(self.config.operand_fmt, x.device,
+                                               require_gpu=backend == "auto")
+        if backend == "real" and not ok and not self._warned_fallback:
+            warnings.warn(f"QAT gemm_backend 'real': no {self.config.operand_fmt} GEMM on {x.device}; "
+                          "using fake quantization", stacklevel=3)
+            self._warned_fallback = True
+        return ok
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               predicted_input_rms: torch.Tensor | float | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` with quantized GEMM inputs (and output gradient when configured).
+
+        The bias is added after the quantized GEMM in high precision.
+        """
+        cfg = self.config
+        if not cfg.enabled:
+            return F.linear(x, weight, bias)
+        if self._use_real_gemm(x):
+            c_x, _ = self.input_clamp(x, predicted_input_rms)
+            c_w = self.weight_clamp(weight)
+            y = gemm_backends.quantized_linear(x, c_x, weight, c_w, cfg.operand_fmt,
+                                               x_granularity=cfg.granularity,
+                                               w_granularity=cfg.weight_granularity,
+                                               block_size=cfg.block_size)
+        else:
+            x_q, w_q = self(x, weight, predicted_input_rms=predicted_input_rms)
+            y = F.linear(x_q, w_q)
+        y = self.output(y)
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        c = self.config
+        if not c.enabled:
+            return "fmt=none"
+        alpha = default_alpha(c.operand_fmt, c.clamp) if c.alpha is None else c.alpha
+        grad = c.grad_fmt if c.output_grad_enabled else "off"
+        return (f"fmt={c.operand_fmt}, clamp={c.clamp}(alpha={alpha:g}), granularity={c.granularity}, "
+                f"weight={c.weight_clamp}/{c.weight_granularity}, grad={grad}, backend={c.gemm_backend}, "
+                f"weight_shard_dim={self.weight_shard_dim}, input_sharded={self.input_sharded}")
+
+
+def attach_gemm_quantizers(model: nn.Module, config: QATConfig, *, tp_group=None,
+                           exclude: tuple[str, ...] = ()) -> int:
+    """Set ``gemm_quantizer`` on every module that has that attribute and a ``weight``; return how many.
+
+    The split is read from ``weight.tp_dim`` (0: column-parallel, 1: row-parallel, None: replicated).
+    ``tp_group`` defaults to parallel_state's TP group when TP > 1. Modules whose qualified name contains
+    any string in ``exclude`` are skipped. Does nothing when ``config.fmt == "none"``. Call before
+    loading a checkpoint (static clamps live in the quantizers' buffers).
+    """
+    if not config.enabled:
+        return 0
+    if tp_group is None:
+        from .. import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            tp_group = ps.get_tensor_model_parallel_group()
+    n = 0
+    for name, module in model.named_modules():
+        if not hasattr(module, "gemm_quantizer") or getattr(module, "weight", None) is None:
+            continue
+        if any(e in name for e in exclude):
+            continue
+        tp_dim = getattr(module.weight, "tp_dim", None)
+        module.gemm_quantizer = GemmInputQuantizer(config, tp_group=tp_group, weight_shard_dim=tp_dim,
+                                                   input_sharded=tp_dim in (1, -1))
+        n += 1
+    return n
