@@ -217,3 +217,47 @@ def nonfinite_cases() -> dict[str, torch.Tensor]:
     x[3], x[30] = math.nan, math.inf
     out["nan_and_inf"] = x
     return out
+
+
+# ---- stochastic mode ----------------------------------------------------------------------------------
+def monte_carlo(encode_fn, decode_fn, x: torch.Tensor, trials: int) -> dict:
+    """Encode `trials` copies of x stochastically in one call and compare with the spec.
+
+    Returns z-scores of (mean decode - x) / standard error per element with non-zero spread, the
+    max abs gap where the spread is zero, and whether every draw is one of the two levels that
+    bracket u = |x| / M (with q_max as in deterministic mode).
+    """
+    n = x.numel()
+    assert n % 8 == 0
+    payload = encode_fn(x.repeat(trials))
+    dec = decode_fn(payload, n * trials).view(trials, n).double()
+    mean, std = dec.mean(0), dec.std(0)
+    xs = x.double()
+    se = std / math.sqrt(trials)
+    spread = std > 0
+    z = (mean[spread] - xs[spread]) / se[spread]
+    zero_spread_gap = (mean[~spread] - xs[~spread]).abs().max().item() if (~spread).any() else 0.0
+    # bracketing: every draw's magnitude is M * L[a] or M * L[a + 1] with L[a] <= u < L[a + 1]
+    vals = values(x)
+    lo, hi = [], []
+    for blk in blocks(vals):
+        _, M, _ = encode_block(blk)
+        for v in blk:
+            u = f32(abs(v) / M)
+            a = sum(1 for k in range(1, 16) if u >= L[k])
+            lo.append(f32(M * L[a]))
+            hi.append(f32(M * L[min(a + 1, 15)]))
+    mag = dec.abs()
+    lo_t, hi_t = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
+    bracketed = bool(((mag == lo_t) | (mag == hi_t)).all())
+    qmax_same = bool((payload.view(trials, -1)[:, 0::6] == torch.tensor(list(encode(vals)[0::6]))).all())
+    return {"z": z, "zero_spread_gap": zero_spread_gap, "bracketed": bracketed, "qmax_same": qmax_same,
+            "n_spread": int(spread.sum())}
+
+
+def stochastic_input(seed: int = 0) -> torch.Tensor:
+    """64 values with varied in-block ratios (some exactly on levels, some tiny, some zero)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, generator=g) * torch.exp(torch.randn(64, generator=g) * 2)
+    x[5], x[9], x[17], x[40] = 0.0, -x[8] * 0.5, 1e-6 * x[16], -0.0
+    return x
