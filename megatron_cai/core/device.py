@@ -1,0 +1,133 @@
+"""Device and collective-backend resolution: one code path for CPU (gloo) and CUDA (NCCL).
+
+Nothing else in the project calls ``torch.cuda.*`` directly; it asks this module. Collectives that a
+backend lacks get their fallback here, never at call sites.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(name: str | None = None, local_rank: int = 0) -> torch.device:
+    """`cpu`, `cuda` or None (cuda when available). On CUDA, selects the local GPU of this process."""
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but torch.cuda.is_available() is False")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if name != "cpu":
+        raise ValueError(f"unknown device {name!r}: expected 'cpu' or 'cuda'")
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for a device type: nccl on CUDA, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def autocast(device: torch.device, enabled: bool, dtype: torch.dtype = torch.bfloat16):
+    """bf16 autocast on CPU and CUDA alike (a no-op context when disabled)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (for timing); no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def max_memory_allocated(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+# ----------------------------------------------------------------------------------------------- RNG
+def get_rng_state() -> dict[str, Any]:
+    """All generator states of this process (python, numpy, torch CPU and the current CUDA device)."""
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def device_rng_state(device: torch.device) -> torch.Tensor:
+    """The state of the generator that dropout uses on `device`."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+# ------------------------------------------------------------------------------------- collectives
+def _backend(group) -> str:
+    return dist.get_backend(group)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum-reduce `input` (world * len(output) elements) and keep this rank's chunk in `output`."""
+    try:
+        return dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError):
+        # Fallback for backends without reduce_scatter: all-reduce a copy, keep our slice.
+        buf = input.clone()
+        dist.all_reduce(buf, group=group)
+        rank = dist.get_rank(group)
+        output.copy_(buf.view(-1, output.numel())[rank].view_as(output))
+        return _DoneWork() if async_op else None
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Gather every rank's `input` into consecutive chunks of `output`."""
+    try:
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    except (RuntimeError, NotImplementedError):
+        chunks = list(output.view(-1, input.numel()).unbind(0))
+        dist.all_gather(chunks, input.reshape(-1), group=group)
+        return _DoneWork() if async_op else None
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Equal-split all-to-all: chunk i of `input` goes to rank i; chunk i of `output` comes from rank i."""
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+class _DoneWork:
+    """A finished work handle, for fallbacks that ran synchronously."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True

@@ -1,0 +1,89 @@
+"""Megatron-style data parallelism over contiguous gradient buckets.
+
+Backward hooks add each parameter's gradient into its ``main_grad`` view of the bucket buffer. On the
+last micro-batch of an iteration, a bucket whose parameters are all ready is handed to the reducer
+at once (``overlap_grad_reduce``), so communication overlaps the rest of backward;
+``finish_grad_sync`` launches whatever is left and waits. Earlier micro-batches only accumulate.
+
+Gradients that are partial per rank in another dimension are summed there too: the tied word
+embeddings of the first and last pipeline stage over the embedding group (before their own, deferred,
+bucket is reduced, because the two stages lay out their buffers differently), and TP-partial gradients
+(sequence-parallel norms/biases, replicated KV projections) over the TP group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .. import parallel_state as ps
+from .grad_buffer import ParamAndGradBuffer
+from .reducers import GradReducer
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, reducer: GradReducer, *, device: torch.device,
+                 grad_dtype: torch.dtype = torch.float32, bucket_size: int | None = None,
+                 overlap_grad_reduce: bool = False) -> None:
+        super().__init__()
+        self.module = module
+        self.reducer = reducer
+        self.overlap_grad_reduce = overlap_grad_reduce
+        params = [p for p in module.parameters() if p.requires_grad]
+        shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
+        self.shared_params = [p for p in params if id(p) in shared]
+        self.tp_partial_params = [p for p in params if getattr(p, "allreduce_over_tp", False)]
+        self.buffer = ParamAndGradBuffer(
+            params, grad_dtype=grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
+            dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device,
+            separate=shared)
+        self.is_last_microbatch = True
+        self._handles: dict[int, object] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        self.zero_grad_buffer()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+        if self.overlap_grad_reduce and self.is_last_microbatch:
+            bucket = self.buffer.bucket_of[id(param)]
+            bucket.pending.discard(id(param))
+            if not bucket.pending and not bucket.deferred and bucket.index not in self._handles:
+                self._handles[bucket.index] = self.reducer.reduce(bucket)
+
+    def zero_grad_buffer(self) -> None:
+        self.buffer.zero_grad()
+        for bucket in self.buffer.buckets:
+            bucket.pending = {id(p) for p in bucket.params}
+        self._handles = {}
+
+    def set_is_last_microbatch(self, last: bool) -> None:
+        """Only the last micro-batch's backward hands buckets to the reducer (grad accumulation)."""
+        self.is_last_microbatch = last
+
+    def finish_grad_sync(self) -> None:
+        """Complete the DP reduction of every bucket and the cross-stage / cross-TP gradient sums."""
+        embd_group = ps.get_embedding_group()
+        if self.shared_params and embd_group is not None and len(ps.get_embedding_global_ranks()) > 1:
+            for p in self.shared_params:
+                dist.all_reduce(p.main_grad, group=embd_group)
+        for bucket in self.buffer.buckets:
+            if bucket.index not in self._handles:
+                self._handles[bucket.index] = self.reducer.reduce(bucket)
+        for bucket in self.buffer.buckets:
+            self._handles[bucket.index].wait()
+        if self.tp_partial_params and ps.get_tensor_model_parallel_world_size() > 1:
+            grads = [p.main_grad for p in self.tp_partial_params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+    @property
+    def grad_comm_bytes(self) -> int:
+        return self.reducer.bytes_sent

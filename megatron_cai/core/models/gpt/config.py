@@ -1,0 +1,78 @@
+"""The GPT model configuration (a dataclass; saved in every checkpoint)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    vocab_size: int = 8000                 # real vocabulary (tokenizer size)
+    padded_vocab_size: int | None = None   # embedding rows (multiple of make_vocab_size_divisible_by * TP)
+    ffn_hidden_size: int | None = None     # default 4 * hidden_size
+    num_query_groups: int | None = None    # KV heads (MQA = 1, GQA < heads); default = heads
+    kv_channels: int | None = None         # head dim; default hidden_size / heads
+    seq_length: int = 256
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "rope"  # rope | learned_absolute
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"       # LayerNorm | RMSNorm
+    layernorm_epsilon: float = 1e-5
+    activation: str = "relu2"              # relu2 | swiglu | gelu
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    sequence_parallel: bool = False
+    attention_backend: str | None = None   # None: the best available (see core.transformer.attention)
+    attention_zreg_coeff: float = 0.0
+    output_zreg_coeff: float = 0.0
+    window_size: int | None = None
+    qat: dict[str, Any] = field(default_factory=dict)  # quantization-aware training settings (empty: off)
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(f"hidden-size {self.hidden_size} is not divisible by num-attention-heads "
+                                 f"{self.num_attention_heads}; set --kv-channels")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(f"num-attention-heads {self.num_attention_heads} is not divisible by "
+                             f"num-query-groups {self.num_query_groups}")
+        choices = {"position_embedding_type": ("rope", "learned_absolute"),
+                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("relu2", "swiglu", "gelu")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    # Fields that define the weights' shapes and meaning: a checkpoint must agree on these.
+    ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
+                           "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
+                           "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
+                           "max_position_embeddings")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def architecture_diff(self, other: GPTConfig) -> list[str]:
+        """Names and values of the architecture fields where the two configs differ."""
+        return [f"{k}: {getattr(other, k)!r} (checkpoint) vs {getattr(self, k)!r} (this run)"
+                for k in self.ARCHITECTURE_FIELDS if getattr(self, k) != getattr(other, k)]

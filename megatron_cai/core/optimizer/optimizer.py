@@ -1,0 +1,172 @@
+"""AdamW over the flat parameter/gradient buffers, optionally sharded over DP (ZeRO-1).
+
+Parameters are fp32 (bf16 runs use autocast), so the flat ``param_data`` buffer *is* the fp32 master
+copy. The optimizer updates the buffer ranges it owns: everything, or with the distributed optimizer
+this rank's shard of every bucket, after which the shards are all-gathered. Adam state lives only
+for owned elements. The update is elementwise and matches ``torch.optim.AdamW``'s formula.
+No weight decay on 1-D parameters (norm weights and biases), as in Megatron.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import device as device_mod
+from .. import parallel_state as ps
+from ..distributed.ddp import DistributedDataParallel
+
+
+def _intersect(segments: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(max(s, lo), min(e, hi)) for s, e in segments if s < hi and e > lo]
+
+
+class _Chunk:
+    """One owned contiguous buffer range of one model chunk, with its Adam state."""
+
+    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, decay_segments, norm_segments) -> None:
+        buf = ddp.buffer
+        self.lo, self.hi = lo, hi
+        self.param = buf.param_data[lo:hi]
+        self.grad = buf.grad_data[lo:hi]
+        self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=buf.param_data.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.decay = [(s - lo, e - lo) for s, e in _intersect(decay_segments, lo, hi)]
+        self.norm = [(s - lo, e - lo) for s, e in _intersect(norm_segments, lo, hi)]
+
+
+class DistributedAdamW:
+    def __init__(self, model_chunks: list[DistributedDataParallel], *, lr: float, weight_decay: float = 0.01,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False) -> None:
+        self.model_chunks = model_chunks
+        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
+        self.distributed = distributed and ps.get_data_parallel_world_size() > 1
+        self.step_count = 0
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        dp_rank = ps.get_data_parallel_rank()
+        self.chunks: list[list[_Chunk]] = []
+        for ddp in model_chunks:
+            buf = ddp.buffer
+            decay = buf.segments(lambda p: p.dim() > 1)
+
+            def counts(p, ddp=ddp) -> bool:
+                # Each distinct gradient element counted once in the global norm: TP-replicated tensors on TP
+                # rank 0 only, the last stage's copy of tied embeddings not at all, DP replicas on DP rank 0.
+                if getattr(p, "shared_embedding", False) and not ddp.module.pre_process:
+                    return False
+                replicated = getattr(p, "tp_dim", None) is None
+                return not (replicated and tp_rank != 0)
+
+            norm = buf.segments(counts)
+            if not self.distributed and dp_rank != 0:
+                norm = []
+            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm) for lo, hi in buf.owned_ranges(self.distributed)])
+
+    # ------------------------------------------------------------------------------------ gradients
+    def grad_norm(self) -> float:
+        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (inf/nan when non-finite)."""
+        total = torch.zeros((), dtype=torch.float64, device=self._device())
+        for chunk_list in self.chunks:
+            for c in chunk_list:
+                for s, e in c.norm:
+                    g = c.grad[s:e].float()
+                    total += torch.dot(g, g).double()
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+
+    def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
+        """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, False
+        if max_norm > 0:
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                for chunk_list in self.chunks:
+                    for c in chunk_list:
+                        c.grad.mul_(coeff)
+        return norm, True
+
+    # --------------------------------------------------------------------------------------- update
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        lr = self.lr if lr is None else lr
+        self.step_count += 1
+        b1, b2 = self.betas
+        bc1 = 1 - b1 ** self.step_count
+        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+        for chunk_list in self.chunks:
+            for c in chunk_list:
+                g = c.grad if c.grad.dtype == torch.float32 else c.grad.float()
+                if self.weight_decay:
+                    for s, e in c.decay:
+                        c.param[s:e].mul_(1 - lr * self.weight_decay)
+                c.exp_avg.lerp_(g, 1 - b1)
+                c.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (c.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.eps)
+                c.param.addcdiv_(c.exp_avg, denom, value=-lr / bc1)
+        if self.distributed:
+            self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        group = ps.get_data_parallel_group()
+        for ddp in self.model_chunks:
+            works = []
+            for bucket in ddp.buffer.buckets:
+                local = bucket.shard(bucket.param_data).clone()
+                works.append(device_mod.all_gather_into_tensor(bucket.param_data, local, group=group,
+                                                               async_op=True))
+            for w in works:
+                w.wait()
+
+    def _device(self) -> torch.device:
+        return self.model_chunks[0].buffer.param_data.device
+
+    # ----------------------------------------------------------------------------------- state I/O
+    def _full_state(self, which: str) -> list[torch.Tensor]:
+        """Per model chunk, the flat state over the whole buffer (gathered over DP when sharded)."""
+        out = []
+        for ddp, chunk_list in zip(self.model_chunks, self.chunks):
+            full = torch.zeros_like(ddp.buffer.param_data)
+            for c in chunk_list:
+                full[c.lo:c.hi] = getattr(c, which)
+            if self.distributed:
+                gathered = torch.zeros_like(full)
+                group = ps.get_data_parallel_group()
+                for bucket in ddp.buffer.buckets:
+                    device_mod.all_gather_into_tensor(gathered[bucket.start:bucket.end],
+                                                      bucket.shard(full[bucket.start:bucket.end]).clone(),
+                                                      group=group)
+                full = gathered
+            out.append(full)
+        return out
+
+    def state_dict(self, param_names: list[dict[int, str]]) -> dict:
+        """Adam state per parameter name (layout-free within this TP/PP rank; collective over DP)."""
+        exp_avg, exp_avg_sq = self._full_state("exp_avg"), self._full_state("exp_avg_sq")
+        state = {}
+        for ddp, names, ea, eas in zip(self.model_chunks, param_names, exp_avg, exp_avg_sq):
+            for p in ddp.buffer.params:
+                s, e = ddp.buffer.offsets[id(p)]
+                state[names[id(p)]] = {"exp_avg": ea[s:e].view_as(p).clone(),
+                                       "exp_avg_sq": eas[s:e].view_as(p).clone()}
+        return {"step": self.step_count, "param_state": state,
+                "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}}
+
+    def load_state_dict(self, state: dict, param_names: list[dict[int, str]]) -> None:
+        self.step_count = state["step"]
+        for ddp, names, chunk_list in zip(self.model_chunks, param_names, self.chunks):
+            full_ea = torch.zeros_like(ddp.buffer.param_data)
+            full_eas = torch.zeros_like(ddp.buffer.param_data)
+            for p in ddp.buffer.params:
+                name = names[id(p)]
+                if name not in state["param_state"]:
+                    raise KeyError(f"optimizer state for parameter {name!r} is missing from the checkpoint")
+                s, e = ddp.buffer.offsets[id(p)]
+                full_ea[s:e] = state["param_state"][name]["exp_avg"].reshape(-1)
+                full_eas[s:e] = state["param_state"][name]["exp_avg_sq"].reshape(-1)
+            for c in chunk_list:
+                c.exp_avg.copy_(full_ea[c.lo:c.hi])
+                c.exp_avg_sq.copy_(full_eas[c.lo:c.hi])

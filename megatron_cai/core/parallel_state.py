@@ -1,0 +1,259 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+Ranks are laid out as in Megatron: TP ranks are adjacent, then DP, then PP::
+
+    global_rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+
+Each DP group is further split into an intra-node group (DP peers on the same node) and an inter-node
+group (DP peers with the same position inside their node), for hierarchical gradient reduction.
+With a world size of one nothing is created and every getter answers for a single process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class ParallelLayoutError(ValueError):
+    """An impossible parallel layout; the message says which sizes and why."""
+
+
+@dataclass
+class _State:
+    world_size: int = 1
+    rank: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    vpp_rank: int | None = None
+    ranks_per_node: int = 1
+    groups: dict = field(default_factory=dict)
+    ranks: dict = field(default_factory=dict)
+
+
+_STATE: _State | None = None
+
+
+def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = None,
+                 num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                 global_batch_size: int | None = None, micro_batch_size: int | None = None,
+                 vpp_layers: int | None = None) -> int:
+    """Validate a TP x PP x DP layout; return DP. Raises one ParallelLayoutError listing every problem."""
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
+    elif world_size % (tp * pp) != 0:
+        problems.append(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+                        f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = max(world_size // max(tp * pp, 1), 1)
+    if num_layers is not None and num_layers % pp != 0:
+        problems.append(f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size {pp}")
+    if vpp_layers is not None and num_layers is not None and pp > 0 and num_layers % pp == 0:
+        per_stage = num_layers // pp
+        if per_stage % vpp_layers != 0:
+            problems.append(f"layers per pipeline stage ({per_stage}) are not divisible by "
+                            f"num-layers-per-virtual-pipeline-stage {vpp_layers}")
+    if num_attention_heads is not None and num_attention_heads % tp != 0:
+        problems.append(f"num-attention-heads {num_attention_heads} is not divisible by "
+                        f"tensor-model-parallel-size {tp}")
+    if num_query_groups is not None and num_query_groups % tp != 0 and tp % num_query_groups != 0:
+        problems.append(f"num-query-groups {num_query_groups} and tensor-model-parallel-size {tp}: one must "
+                        "divide the other (KV heads are split, or replicated, across TP ranks)")
+    if global_batch_size is not None and micro_batch_size is not None:
+        if global_batch_size % (micro_batch_size * dp) != 0:
+            problems.append(f"global-batch-size {global_batch_size} is not divisible by micro-batch-size "
+                            f"{micro_batch_size} x data-parallel size {dp} = {micro_batch_size * dp}")
+    if problems:
+        raise ParallelLayoutError(
+            f"impossible parallel layout for world size {world_size} (TP={tp}, PP={pp}, DP={dp}): "
+            + "; ".join(problems))
+    return dp
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              ranks_per_node: int | None = None) -> None:
+    """Create all process groups. Every rank must call this with the same arguments."""
+    global _STATE
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    dp = check_layout(world, tp, pp)
+    state = _State(world_size=world, rank=rank, tp=tp, pp=pp, dp=dp,
+                   vpp=virtual_pipeline_model_parallel_size,
+                   vpp_rank=0 if virtual_pipeline_model_parallel_size else None)
+    rpn = ranks_per_node or world
+    if rpn % tp != 0 or ((tp * dp) % rpn != 0 and rpn % (tp * dp) != 0):
+        # A node must hold whole TP groups and a whole number of DP peers (or whole DP groups).
+        if ranks_per_node is not None and world > 1:
+            raise ParallelLayoutError(
+                f"ranks per node {rpn} must be a multiple of tensor-model-parallel-size {tp} and divide, or be "
+                f"a multiple of, TP x DP = {tp * dp}, so that each node holds whole TP groups")
+        rpn = world
+    state.ranks_per_node = rpn
+
+    def grank(t, d, p):
+        return t + tp * (d + dp * p)
+
+    layouts = {
+        "tp": [[grank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[grank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[grank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        "mp": [[grank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
+        "embd": [sorted({grank(t, d, 0), grank(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
+    }
+    dp_per_node = max(min(rpn // tp, dp), 1)
+    intra, inter = [], []
+    for group in layouts["dp"]:
+        for n in range(dp // dp_per_node):
+            intra.append(group[n * dp_per_node:(n + 1) * dp_per_node])
+        for i in range(dp_per_node):
+            inter.append(group[i::dp_per_node])
+    layouts["dp_intra"] = intra
+    layouts["dp_inter"] = inter
+
+    for name, groups in layouts.items():
+        for ranks in groups:
+            pg = dist.new_group(ranks) if world > 1 else None
+            if rank in ranks:
+                state.groups[name] = pg
+                state.ranks[name] = ranks
+    _STATE = state
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    global _STATE
+    _STATE = None
+
+
+def _s() -> _State:
+    if _STATE is None:
+        raise RuntimeError("parallel_state is not initialized: call initialize_model_parallel() first")
+    return _STATE
+
+
+def _group(name: str):
+    return _s().groups.get(name)
+
+
+def _ranks(name: str) -> list[int]:
+    return _s().ranks.get(name, [0])
+
+
+# Groups (None means "a single process": collectives on it are skipped by callers).
+def get_tensor_model_parallel_group():
+    return _group("tp")
+
+
+def get_pipeline_model_parallel_group():
+    return _group("pp")
+
+
+def get_data_parallel_group():
+    return _group("dp")
+
+
+def get_model_parallel_group():
+    return _group("mp")
+
+
+def get_embedding_group():
+    return _group("embd")
+
+
+def get_data_parallel_intra_node_group():
+    return _group("dp_intra")
+
+
+def get_data_parallel_inter_node_group():
+    return _group("dp_inter")
+
+
+# Sizes and ranks.
+def get_tensor_model_parallel_world_size() -> int:
+    return _s().tp if _STATE else 1
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _s().pp if _STATE else 1
+
+
+def get_data_parallel_world_size() -> int:
+    return _s().dp if _STATE else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _ranks("tp").index(_s().rank) if _STATE else 0
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _ranks("pp").index(_s().rank) if _STATE else 0
+
+
+def get_data_parallel_rank() -> int:
+    return _ranks("dp").index(_s().rank) if _STATE else 0
+
+
+def get_data_parallel_intra_node_world_size() -> int:
+    return len(_ranks("dp_intra")) if _STATE else 1
+
+
+def get_data_parallel_inter_node_world_size() -> int:
+    return len(_ranks("dp_inter")) if _STATE else 1
+
+
+def get_data_parallel_global_ranks() -> list[int]:
+    return list(_ranks("dp"))
+
+
+def get_embedding_global_ranks() -> list[int]:
+    return list(_ranks("embd"))
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _ranks("pp")
+    return ranks[(ranks.index(_s().rank) + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _ranks("pp")
+    return ranks[(ranks.index(_s().rank) - 1) % len(ranks)]
+
+
+# Virtual pipeline (interleaved 1F1B).
+def get_virtual_pipeline_model_parallel_world_size() -> int | None:
+    return _s().vpp if _STATE else None
+
+
+def get_virtual_pipeline_model_parallel_rank() -> int | None:
+    return _s().vpp_rank if _STATE else None
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: int | None) -> None:
+    _s().vpp_rank = rank
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    if not ignore_virtual and _STATE and _s().vpp and _s().vpp_rank not in (None, 0):
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    if not ignore_virtual and _STATE and _s().vpp and _s().vpp_rank not in (None, _s().vpp - 1):
+        return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_world_size() -> int:
+    return _s().world_size if _STATE else 1
+
+
+def get_rank() -> int:
+    return _s().rank if _STATE else 0

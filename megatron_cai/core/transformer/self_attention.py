@@ -1,0 +1,134 @@
+"""Multi-head self-attention with GQA/MQA, RoPE and tensor parallelism (heads split over TP ranks).
+
+The core attention goes through ``core.transformer.attention.attend`` (visibility intervals, Z-Reg);
+plain causal attention without Z-Reg takes torch's scaled_dot_product_attention fast path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import parallel_state as ps
+from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
+from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.utils import divide
+from .rope import apply_rotary
+
+
+class KVCache:
+    """Keys/values of already processed tokens for incremental decoding, one entry per layer.
+
+    ``visibility_start``/``visibility_limit`` hold the key-side intervals of the cached tokens (query
+    i sees cached key j iff start[j] <= i < limit[j]); plain causal decoding uses limit = a large value.
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.visibility_start: torch.Tensor | None = None
+        self.visibility_limit: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.visibility_start is None else self.visibility_start.shape[1]
+
+    def append_visibility(self, start: torch.Tensor, limit: torch.Tensor) -> None:
+        if self.visibility_start is None:
+            self.visibility_start, self.visibility_limit = start, limit
+        else:
+            self.visibility_start = torch.cat([self.visibility_start, start], dim=1)
+            self.visibility_limit = torch.cat([self.visibility_limit, limit], dim=1)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer in self.layers:
+            pk, pv = self.layers[layer]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+        self.layers[layer] = (k, v)
+        return k, v
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod) -> None:
+        super().__init__()
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.config = config
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        self.num_heads = divide(config.num_attention_heads, tp, "num-attention-heads")
+        groups = config.num_query_groups
+        self.kv_replicated = groups % tp != 0
+        self.num_groups = groups if self.kv_replicated else groups // tp
+        if self.kv_replicated:
+            # Fewer KV heads than TP ranks: each rank keeps all KV heads and uses the one its heads share.
+            ranks_per_group = tp // groups
+            self.kv_group_index = ps.get_tensor_model_parallel_rank() // ranks_per_group
+        sp = config.sequence_parallel
+        q_size, kv_size = config.num_attention_heads * self.head_dim, groups * self.head_dim
+        self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.add_bias_linear,
+                                             init_method=init_method, sequence_parallel=sp)
+        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.add_bias_linear,
+                                              init_method=init_method, sections=[kv_size, kv_size],
+                                              sequence_parallel=sp, replicated=self.kv_replicated)
+        self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
+                                             init_method=output_init_method, sequence_parallel=sp)
+        self.last_lse_stats: tuple[float, float] | None = None
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        q = self.linear_q(x)
+        kv = self.linear_kv(x)
+        b, s = q.shape[0], q.shape[1]
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k, v = kv.chunk(2, dim=-1)
+        k = k.reshape(b, s, self.num_groups, self.head_dim)
+        v = v.reshape(b, s, self.num_groups, self.head_dim)
+        if self.kv_replicated:
+            k = k[:, :, self.kv_group_index:self.kv_group_index + 1]
+            v = v[:, :, self.kv_group_index:self.kv_group_index + 1]
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
+        out = self._core_attention(q, k, v, visibility, position_ids)
+        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return self.linear_proj(out)
+
+    def _core_attention(self, q, k, v, visibility, position_ids) -> torch.Tensor:
+        cfg = self.config
+        dropout = cfg.attention_dropout if self.training else 0.0
+        with get_rng_tracker().fork():
+            if visibility is None and not cfg.attention_zreg_coeff and cfg.window_size is None:
+                # Plain causal attention (or decoding one step past a causal prefix).
+                causal = q.shape[2] == k.shape[2]
+                mask = None
+                if not causal:
+                    offset = k.shape[2] - q.shape[2]
+                    mask = (torch.arange(k.shape[2], device=q.device)[None, :]
+                            <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=causal,
+                                                      enable_gqa=q.shape[1] != k.shape[1])
+            return self._interval_attention(q, k, v, visibility, position_ids, dropout)
+
+    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> torch.Tensor:
+        from .attention import attend  # the visibility-interval backends
+
+        cfg = self.config
+        if visibility is None:
+            t = k.shape[2]
+            idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
+            visibility = (idx, torch.full_like(idx, t))
+        start, limit = visibility
+        if dropout:
+            raise NotImplementedError("attention dropout with visibility masks / Z-Reg: use --attention-dropout 0")
+        zreg = cfg.attention_zreg_coeff * getattr(self, "zreg_scale", 1.0)
+        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
+                          position_ids=position_ids, backend=cfg.attention_backend, return_lse=True)
+        with torch.no_grad():
+            finite = lse[torch.isfinite(lse)]
+            if finite.numel():
+                self.last_lse_stats = (finite.mean().item(), finite.max().item())
+        return out

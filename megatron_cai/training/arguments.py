@@ -1,0 +1,227 @@
+"""Command-line flags, named as in Megatron-LM wherever Megatron has the concept."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+from ..core.parallel_state import ParallelLayoutError, check_layout
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="KV heads with --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
+    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (same as --activation swiglu)")
+    g.add_argument("--activation", choices=["relu2", "swiglu", "gelu"], default="relu2",
+                   help="MLP activation; relu2 (squared ReLU) is the default")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--attention-backend", default=None,
+                   help="core attention backend: eager | cpu | flex | triton (default: best for the device)")
+    g.add_argument("--attention-zreg-coeff", type=float, default=0.0,
+                   help="Attention Z-Reg: inject the gradient of w * mean(lse^2) (no loss term)")
+    g.add_argument("--output-zreg-coeff", type=float, default=0.0,
+                   help="z-loss on the output logits, injected as a gradient in the cross entropy")
+    g.add_argument("--window-size", type=int, default=None, help="sliding attention window (in positions)")
+    g.add_argument("--recompute-granularity", choices=["full"], default=None,
+                   help="recompute each transformer layer in backward to save activation memory")
+
+
+def _parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: max(40M, 1M x DP) with --overlap-grad-reduce)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl on CUDA, gloo on CPU")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
+                        "set it to simulate nodes on one machine")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    s = p.add_argument_group("squinch gradient compression")
+    s.add_argument("--squinch", action="store_true", help="6-bit Squinch compression of DP gradients")
+    s.add_argument("--squinch-error-feedback", dest="squinch_error_feedback", action="store_true", default=True)
+    s.add_argument("--no-squinch-error-feedback", dest="squinch_error_feedback", action="store_false")
+    s.add_argument("--squinch-stochastic-rounding", action="store_true")
+    s.add_argument("--squinch-hierarchical", action="store_true",
+                   help="uncompressed reduce-scatter inside a node, Squinch across nodes")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast; fp32 master weights and grads")
+    g.add_argument("--seed", type=int, default=1234)
+    q = p.add_argument_group("quantization-aware training")
+    q.add_argument("--qat", choices=["none", "int8", "fp8"], default="none")
+    q.add_argument("--qat-clamp", choices=["absmax", "static", "rms", "weight-rms"], default="rms")
+    q.add_argument("--qat-clamp-alpha", type=float, default=None)
+    q.add_argument("--qat-static-clamp", type=float, default=None, help="c for --qat-clamp static")
+    q.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default="hybrid")
+    q.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    d = p.add_argument_group("distillation")
+    d.add_argument("--distill-samples", default=None, help="teacher-sample sidecar (tools/dump_teacher_samples.py)")
+    d.add_argument("--distill-teacher-load", default=None, help="online distillation from this checkpoint")
+    d.add_argument("--distill-alpha", type=float, default=0.5)
+    d.add_argument("--distill-temperature", type=float, default=1.0)
+    d.add_argument("--distill-estimator", choices=["priority", "self-normalized", "topk", "full"],
+                   default="priority")
+    d.add_argument("--distill-k", type=int, default=32, help="samples per position for online distillation")
+
+
+def _data(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a prefix, several prefixes, or weight-prefix pairs (W1 P1 W2 P2 ...)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer / mock data")
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed documents cannot attend to each other (visibility intervals)")
+
+
+def _checkpoint(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+
+
+def _logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--no-exit-signal-handler", dest="exit_signal_handler", action="store_false", default=True,
+                   help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="megatron-cai GPT pretraining",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging):
+        add(p)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    validate_args(args, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    return args
+
+
+class ArgumentError(ValueError):
+    """A flag value that cannot work; the message names the flag."""
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Fill derived values and reject impossible combinations with one clear message."""
+    if args.swiglu:
+        args.activation = "swiglu"
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    args.world_size = world_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    dp_guess = max(world_size // max(tp * pp, 1), 1)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp_guess
+    try:
+        args.data_parallel_size = check_layout(
+            world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+    except ParallelLayoutError as e:
+        raise ArgumentError(str(e)) from None
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        if pp < 2:
+            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+        if vpp > 1:
+            args.virtual_pipeline_model_parallel_size = vpp
+            if args.num_microbatches % pp != 0:
+                raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
+                                    f"({args.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
+        raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("set exactly one of --train-iters and --train-samples")
+    if args.train_iters is None:
+        args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.squinch_hierarchical and not args.squinch:
+        raise ArgumentError("--squinch-hierarchical needs --squinch")
+    if args.data_path is None and not args.mock_data:
+        raise ArgumentError("set --data-path (preprocessed prefixes) or --mock-data")
+    if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
+        raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.qat_clamp == "static" and args.qat != "none" and args.qat_static_clamp is None:
+        raise ArgumentError("--qat-clamp static needs --qat-static-clamp C")
+    if args.distill_samples and args.distill_teacher_load:
+        raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
+    return args
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad the embedding rows to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)

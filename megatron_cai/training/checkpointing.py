@@ -1,0 +1,229 @@
+"""Checkpoints in Megatron's layout, written atomically, resumed bit-exactly.
+
+::
+
+    <save>/latest_checkpointed_iteration.txt       written last (atomic replace)
+    <save>/iter_0000010/metadata.json              layout, model config, args
+    <save>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
+    <save>/iter_0000010/mp_rank_TT[_PPP]/reducer_dp_DDD.pt   per-DP-rank reducer state (Squinch residuals)
+
+A checkpoint is written into ``iter_XXXXXXX.tmp`` and renamed when every rank has finished, so a process
+killed during a save leaves the previous checkpoint current. Each ``model_optim_rng.pt`` (written by DP
+rank 0 of its TP/PP rank) holds the model chunks (parameter names use global layer numbers), the Adam
+state per parameter (gathered over DP when the optimizer is sharded), the LR scheduler, the RNG states
+of every DP rank, the iteration and consumed samples, and each parameter's TP layout so that
+``tools/convert_checkpoint.py`` can reshard it. ``tokenizer/`` holds a copy of the tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core import device as device_mod
+from ..core import parallel_state as ps
+from ..core.models.gpt.config import GPTConfig
+from ..core.tensor_parallel.random import get_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used with this run; the message says why and what to do."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def read_tracker(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _atomic_torch_save(obj: Any, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def param_names(model_chunks) -> list[dict[int, str]]:
+    """Per chunk, parameter id -> name in the (unwrapped) model's state dict."""
+    return [{id(p): n for n, p in getattr(m, "module", m).named_parameters()} for m in model_chunks]
+
+
+def tp_layout(model_chunks) -> dict[str, dict]:
+    out = {}
+    for m in model_chunks:
+        for n, p in getattr(m, "module", m).named_parameters():
+            out[n] = {"tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
+                      "full_shape": list(getattr(p, "full_shape", p.shape))}
+    return out
+
+
+def _gather_over_dp(obj: Any) -> list[Any]:
+    if ps.get_data_parallel_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * ps.get_data_parallel_world_size()
+    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
+    return out
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
+                    args_dict: dict, state: dict, reducer_states: list[dict] | None = None,
+                    save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+    """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if ps.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank()
+    rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
+    names = param_names(model_chunks)
+    optim_state = optimizer.state_dict(names) if save_optim else None  # collective over DP
+    rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
+    all_rng = _gather_over_dp(rng)
+    if dp_rank == 0:
+        os.makedirs(rdir, exist_ok=True)
+        payload = {
+            "checkpoint_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "model": {f"model{i}": getattr(m, "module", m).state_dict() for i, m in enumerate(model_chunks)},
+            "optimizer": optim_state,
+            "opt_param_scheduler": scheduler.state_dict(),
+            "rng_state": all_rng,
+            "tp_layout": tp_layout(model_chunks),
+            "model_config": config.to_dict(),
+            **state,
+        }
+        _atomic_torch_save(payload, os.path.join(rdir, "model_optim_rng.pt"))
+    if reducer_states and any(reducer_states):
+        os.makedirs(rdir, exist_ok=True)
+        _atomic_torch_save(reducer_states, os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt"))
+    if ps.get_rank() == 0:
+        meta = {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
+                "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+                "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+                "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+                "data_parallel_size": ps.get_data_parallel_world_size(),
+                "model_config": config.to_dict(), "args": args_dict}
+        with open(os.path.join(tmp, "metadata.json"), "w") as f:
+            json.dump(meta, f, indent=1, default=str)
+        if tokenizer_files:
+            tok_dir = os.path.join(tmp, "tokenizer")
+            os.makedirs(tok_dir, exist_ok=True)
+            for src in tokenizer_files:
+                if src and os.path.isfile(src):
+                    shutil.copy2(src, tok_dir)
+    _barrier()
+    if ps.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    _barrier()
+    return final
+
+
+def read_metadata(root: str, iteration: int) -> dict:
+    path = os.path.join(iteration_dir(root, iteration), "metadata.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: not a megatron-cai checkpoint (or an interrupted save)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
+    """Same TP/PP/VPP layout and the same architecture, or a clear error saying what differs."""
+    here = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size())
+    there = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+             meta.get("virtual_pipeline_model_parallel_size"))
+    if here != there:
+        raise CheckpointError(
+            f"checkpoint {root} was saved with (TP, PP, VPP) = {there} but this run uses {here}; convert it "
+            f"first: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
+            f"--target-tensor-parallel-size {here[0]} --target-pipeline-model-parallel-size {here[1]}")
+    diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
+    if diff:
+        raise CheckpointError(f"checkpoint {root} has a different model configuration: " + "; ".join(diff))
+
+
+def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTConfig, *, load_optim: bool = True,
+                    load_rng: bool = True, finetune: bool = False, step: int | None = None,
+                    exit_on_missing: bool = False, reducers=None) -> dict:
+    """Restore what `save_checkpoint` wrote; returns the saved counters (empty dict if nothing loaded)."""
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        if exit_on_missing:
+            raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
+        return {}
+    meta = read_metadata(root, iteration)
+    check_compatible(meta, config, root)
+    rdir = os.path.join(iteration_dir(root, iteration),
+                        rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                                      ps.get_pipeline_model_parallel_world_size()))
+    path = os.path.join(rdir, "model_optim_rng.pt")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} is missing: incomplete checkpoint")
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    merged = {}
+    for sd in payload["model"].values():
+        merged.update(sd)
+    for m in model_chunks:
+        module = getattr(m, "module", m)
+        own = module.state_dict()
+        missing = [k for k in own if k not in merged]
+        if missing:
+            raise CheckpointError(f"{path} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        module.load_state_dict({k: merged[k] for k in own})
+    if finetune:
+        return {}
+    if load_optim and payload.get("optimizer") is not None:
+        optimizer.load_state_dict(payload["optimizer"], param_names(model_chunks))
+        scheduler.load_state_dict(payload["opt_param_scheduler"])
+    if load_rng:
+        rngs = payload["rng_state"]
+        dp_rank = ps.get_data_parallel_rank()
+        rng = rngs[dp_rank] if dp_rank < len(rngs) else rngs[0]
+        device_mod.set_rng_state(rng)
+        get_rng_tracker().set_states(rng["tracker"])
+    if reducers:
+        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank():03d}.pt")
+        same_dp = meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
+        if os.path.exists(rpath) and same_dp:
+            states = torch.load(rpath, map_location="cpu", weights_only=False)
+            for r, s in zip(reducers, states):
+                r.load_state_dict(s)
+    counters = {k: v for k, v in payload.items()
+                if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state", "tp_layout", "model_config")}
+    return counters

@@ -1,0 +1,115 @@
+"""Process start-up: rank discovery (torchrun or Slurm), device, process groups and seeds."""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core import device as device_mod
+from ..core import parallel_state as ps
+from ..core.tensor_parallel.random import model_parallel_manual_seed
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as ``gpu[03-05,07],cpu1``."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 check=True, timeout=30).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def _tasks_on_this_node(tasks_per_node: str, node_id: int) -> int:
+    """Parse SLURM_TASKS_PER_NODE (e.g. ``4(x2),3``) for the given node index."""
+    counts = []
+    for part in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"cannot parse SLURM_TASKS_PER_NODE {tasks_per_node!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def discover_env(environ: dict | None = None) -> DistEnv:
+    """Rank and world size from torchrun (RANK/WORLD_SIZE) or Slurm (SLURM_PROCID/SLURM_NTASKS).
+
+    Under ``srun python pretrain_gpt.py`` with several tasks, the Slurm variables are used and
+    MASTER_ADDR/MASTER_PORT are derived from the job, so N tasks never silently run N copies of a
+    world of one. Inconsistent settings are an error.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
+                       "torchrun" if world > 1 else "single")
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    if ntasks > 1:
+        if "SLURM_PROCID" not in env:
+            raise RuntimeError("SLURM_NTASKS > 1 but SLURM_PROCID is not set: launch with srun")
+        rank = int(env["SLURM_PROCID"])
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        node_id = int(env.get("SLURM_NODEID", 0))
+        local_world = (_tasks_on_this_node(env["SLURM_TASKS_PER_NODE"], node_id)
+                       if "SLURM_TASKS_PER_NODE" in env else ntasks)
+        if isinstance(env, os._Environ) or environ is None:
+            os.environ.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        return DistEnv(rank, ntasks, local_rank, local_world, "slurm")
+    return DistEnv(0, 1, 0, 1, "single")
+
+
+def initialize_distributed(args) -> tuple[DistEnv, torch.device]:
+    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/PP/DP groups, seed RNGs."""
+    env = discover_env()
+    if env.world_size != args.world_size:
+        args.world_size = env.world_size
+        from .arguments import validate_args
+
+        validate_args(args, env.world_size)
+    device = device_mod.resolve_device(args.device, env.local_rank)
+    if env.world_size > 1 and not dist.is_initialized():
+        backend = args.distributed_backend or device_mod.backend_for(device)
+        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    rpn = args.ranks_per_node
+    if rpn is None and env.local_world_size < env.world_size:
+        rpn = env.local_world_size
+    try:
+        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.virtual_pipeline_model_parallel_size, ranks_per_node=rpn)
+    except ps.ParallelLayoutError:
+        if args.ranks_per_node is not None:
+            raise
+        # The launcher's node size does not fit the layout: treat the job as one node.
+        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                     args.virtual_pipeline_model_parallel_size)
+    model_parallel_manual_seed(args.seed, ps.get_tensor_model_parallel_rank(),
+                               ps.get_pipeline_model_parallel_rank(), device)
+    return env, device

@@ -1,0 +1,338 @@
+"""The training loop: set up model, optimizer and data, then iterate, log, evaluate and checkpoint.
+
+``pretrain(args, datasets_provider, forward_step_func)`` is what ``pretrain_gpt.py`` calls. One code
+path serves a single CPU process and TP x PP x DP runs on GPU clusters.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..core import device as device_mod
+from ..core import parallel_state as ps
+from ..core.distributed.ddp import DistributedDataParallel
+from ..core.distributed.reducers import build_reducer
+from ..core.models.gpt.config import GPTConfig
+from ..core.models.gpt.model import build_model_chunks
+from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
+from ..core.optimizer.optimizer import DistributedAdamW
+from ..core.pipeline_parallel.schedules import get_forward_backward_func
+from ..core.transformer.self_attention import SelfAttention
+from . import checkpointing
+from .arguments import padded_vocab_size
+from .initialize import initialize_distributed
+from .logging import TensorBoard, print_rank_0, print_rank_last, training_log_line, validation_log_lines
+
+
+def config_from_args(args, vocab_size: int) -> GPTConfig:
+    return GPTConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size),
+        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, activation=args.activation,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        attention_backend=args.attention_backend, attention_zreg_coeff=args.attention_zreg_coeff,
+        output_zreg_coeff=args.output_zreg_coeff, window_size=args.window_size,
+        qat=qat_settings(args))
+
+
+def qat_settings(args) -> dict:
+    if getattr(args, "qat", "none") == "none":
+        return {}
+    return {"fmt": args.qat, "clamp": args.qat_clamp, "alpha": args.qat_clamp_alpha,
+            "static_value": args.qat_static_clamp, "fp8_format": args.fp8_format}
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"iteration": self.iteration, "consumed_train_samples": self.consumed_train_samples,
+                "consumed_valid_samples": self.consumed_valid_samples,
+                "skipped_iterations": self.skipped_iterations}
+
+
+class _ExitSignal:
+    """SIGTERM / SIGUSR1 (Slurm preemption) request a checkpoint and a clean exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                try:
+                    signal.signal(sig, self._handler)
+                except (ValueError, OSError):  # not the main thread
+                    pass
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def any_rank(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if ps.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class Trainer:
+    """Holds everything one run needs; ``train()`` runs the loop."""
+
+    def __init__(self, args, datasets_provider, forward_step_func, tokenizer=None) -> None:
+        self.args = args
+        self.env, self.device = initialize_distributed(args)
+        self.tokenizer = tokenizer
+        vocab = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
+        self.config = config_from_args(args, vocab)
+        self.forward_step_func = forward_step_func
+        vpp = args.virtual_pipeline_model_parallel_size
+        chunks = build_model_chunks(self.config, args.seed, vpp)
+        self._apply_model_options(chunks)
+        kind = "squinch" if args.squinch else ("reducescatter" if args.use_distributed_optimizer else "allreduce")
+        grad_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
+        dp = ps.get_data_parallel_world_size()
+        bucket_size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+        self.model = []
+        for m in chunks:
+            m.to(self.device)
+            reducer = build_reducer(kind, ps.get_data_parallel_group(), dp, **self._reducer_kwargs())
+            self.model.append(DistributedDataParallel(m, reducer, device=self.device, grad_dtype=grad_dtype,
+                                                      bucket_size=bucket_size,
+                                                      overlap_grad_reduce=args.overlap_grad_reduce))
+        self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
+                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                          distributed=args.use_distributed_optimizer)
+        self.scheduler = OptimizerParamScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                                                 args.lr_decay_style)
+        self.state = TrainState()
+        if args.load:
+            counters = checkpointing.load_checkpoint(
+                args.load, self.model, self.optimizer, self.scheduler, self.config,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
+                step=args.ckpt_step, exit_on_missing=args.exit_on_missing_checkpoint,
+                reducers=[m.reducer for m in self.model])
+            if counters:
+                self.state.iteration = counters["iteration"]
+                self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
+                self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
+                self.state.skipped_iterations = counters.get("skipped_iterations", 0)
+                print_rank_0(f" loaded checkpoint from {args.load} at iteration {self.state.iteration}")
+            elif not args.finetune:
+                print_rank_0(f" no checkpoint found in {args.load}: starting from scratch")
+        train_ds, valid_ds, test_ds = datasets_provider(args, self.tokenizer, self._num_samples())
+        self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
+        self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
+        self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
+        self.tb = TensorBoard(args.tensorboard_dir)
+        self.exit_signal = _ExitSignal(args.exit_signal_handler)
+        self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size, vpp)
+        seq = args.seq_length // args.tensor_model_parallel_size if self.config.sequence_parallel else args.seq_length
+        self.tensor_shape = (args.micro_batch_size, seq, args.hidden_size)
+
+    # --------------------------------------------------------------------------------------- setup
+    def _apply_model_options(self, chunks) -> None:
+        for m in chunks:
+            m.decoder.recompute = self.args.recompute_granularity == "full"
+            for mod in m.modules():
+                if isinstance(mod, SelfAttention):
+                    mod.zreg_scale = 1.0 / self.args.num_microbatches
+        if self.config.qat:
+            from ..core.quantization.qat_linear import apply_qat
+
+            for m in chunks:
+                apply_qat(m, self.config.qat)
+
+    def _reducer_kwargs(self) -> dict:
+        a = self.args
+        if not a.squinch:
+            return {}
+        return {"error_feedback": a.squinch_error_feedback, "stochastic": a.squinch_stochastic_rounding,
+                "hierarchical": a.squinch_hierarchical, "shard_only": a.use_distributed_optimizer,
+                "seed": a.seed + ps.get_rank()}
+
+    def _num_samples(self) -> tuple[int, int, int]:
+        a = self.args
+        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_iters > 0 else 0
+        return (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
+
+    def _loader(self, dataset, consumed: int):
+        from ..core.datasets.data_samplers import build_pretraining_data_loader
+
+        if dataset is None:
+            return None
+        loader = build_pretraining_data_loader(dataset, consumed, self.args.micro_batch_size,
+                                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                               num_workers=self.args.num_workers)
+        return iter(loader)
+
+    def _next_microbatches(self, iterator) -> list[dict]:
+        batches = []
+        for _ in range(self.args.num_microbatches):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise RuntimeError("the dataset ran out of samples; it was built for fewer iterations than "
+                                   "requested (rebuild the index cache or lower --train-iters)") from None
+            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+        return batches
+
+    def _forward_context(self):
+        return device_mod.autocast(self.device, self.args.bf16)
+
+    def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
+        iters = [iter(batches) for _ in self.model]
+        return self.forward_backward(self.forward_step_func, iters, self.model, self.args.num_microbatches,
+                                     tensor_shape=self.tensor_shape, dtype=torch.float32,
+                                     forward_only=forward_only, forward_context=self._forward_context)
+
+    # ---------------------------------------------------------------------------------------- step
+    def train_step(self) -> tuple[dict[str, float], float, bool]:
+        """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        batches = self._next_microbatches(self.train_iter)
+        stats = self._run_schedule(batches, forward_only=False)
+        for m in self.model:
+            m.finish_grad_sync()
+        grad_norm, finite = self.optimizer.clip_and_check(self.args.clip_grad)
+        if finite:
+            self.optimizer.step(self.scheduler.get_lr())
+            self.scheduler.step()
+        return self._average_stats(stats), grad_norm, finite
+
+    def _average_stats(self, stats: list[dict]) -> dict[str, float]:
+        if not ps.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        keys = stats[0].keys() if stats else []
+        vec = torch.stack([torch.stack([s[k].float() for s in stats]).mean() for k in keys]) if keys else None
+        if vec is None:
+            return {}
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(vec, group=ps.get_data_parallel_group())
+            vec /= ps.get_data_parallel_world_size()
+        return {k: v.item() for k, v in zip(keys, vec)}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.valid_iter is None:
+            return {}
+        for m in self.model:
+            m.eval()
+        totals: dict[str, float] = {}
+        for _ in range(self.args.eval_iters):
+            stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v / self.args.eval_iters
+            self.state.consumed_valid_samples += self.args.global_batch_size
+        for m in self.model:
+            m.train()
+        return totals
+
+    # ---------------------------------------------------------------------------------------- loop
+    def save(self) -> None:
+        a = self.args
+        if not a.save:
+            return
+        tok_files = [a.tokenizer_model] if a.tokenizer_model else []
+        checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
+                                      self.config, {k: v for k, v in vars(a).items()}, self.state.to_dict(),
+                                      reducer_states=[m.reducer.state_dict() for m in self.model],
+                                      save_optim=not a.no_save_optim, tokenizer_files=tok_files)
+        print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {a.save}")
+
+    def train(self) -> TrainState:
+        a, st = self.args, self.state
+        start_time = time.time()
+        window_time, window_iters = time.time(), 0
+        window_losses: dict[str, float] = {}
+        history = []
+        while st.iteration < a.train_iters:
+            bytes_before = sum(m.grad_comm_bytes for m in self.model)
+            lr = self.scheduler.get_lr()
+            losses, grad_norm, finite = self.train_step()
+            st.iteration += 1
+            st.consumed_train_samples += a.global_batch_size
+            if not finite:
+                st.skipped_iterations += 1
+                print_rank_last(f" iteration {st.iteration}: non-finite gradient (grad norm {grad_norm}) on some "
+                                f"rank; skipped the optimizer step on every rank")
+            comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
+            for k, v in losses.items():
+                window_losses[k] = window_losses.get(k, 0.0) + v
+            window_iters += 1
+            history.append(losses)
+            if st.iteration % a.log_interval == 0:
+                device_mod.synchronize(self.device)
+                elapsed = (time.time() - window_time) / window_iters
+                avg = {k: v / window_iters for k, v in window_losses.items()}
+                tps = a.global_batch_size * a.seq_length / max(elapsed, 1e-9)
+                extra = self._lse_stats()
+                print_rank_last(training_log_line(
+                    st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
+                    a.global_batch_size, avg, grad_norm, st.skipped_iterations, tps,
+                    grad_comm_bytes=comm_bytes, extra=None))
+                self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
+                                 "grad-norm": grad_norm, "tokens-per-second": tps,
+                                 "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
+                window_time, window_iters, window_losses = time.time(), 0, {}
+            if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
+                val = self.evaluate()
+                if val:
+                    print_rank_last(validation_log_lines(st.iteration, val))
+                    self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, st.iteration)
+            if a.save_interval and st.iteration % a.save_interval == 0:
+                self.save()
+            if self.exit_signal.any_rank(self.device):
+                print_rank_0(f" exit signal received at iteration {st.iteration}: saving and exiting")
+                self.save()
+                break
+            if a.exit_interval and st.iteration % a.exit_interval == 0:
+                self.save()
+                print_rank_0(f" exiting at iteration {st.iteration} (--exit-interval)")
+                break
+            if a.exit_duration_in_mins and (time.time() - start_time) / 60 > a.exit_duration_in_mins:
+                self.save()
+                print_rank_0(f" exiting after {a.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                break
+        else:
+            if a.save and not (a.save_interval and st.iteration % a.save_interval == 0):
+                self.save()
+        st.extra["history"] = history
+        self.tb.close()
+        return st
+
+    def _lse_stats(self) -> dict[str, float]:
+        out = {}
+        for m in self.model:
+            for mod in m.module.modules():
+                if isinstance(mod, SelfAttention) and mod.last_lse_stats is not None:
+                    mean, mx = (float(x) for x in mod.last_lse_stats)
+                    out[f"attention-lse/layer{mod.layer_number}-mean"] = mean
+                    out[f"attention-lse/layer{mod.layer_number}-max"] = mx
+        return out
+
+
+def pretrain(args, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
+    """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
+    trainer = Trainer(args, datasets_provider, forward_step_func, tokenizer)
+    print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
+                 f"on rank 0; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
+                 f"DP={args.data_parallel_size}; {args.num_microbatches} micro-batches per iteration; "
+                 f"device {trainer.device.type}")
+    return trainer.train()
