@@ -97,8 +97,9 @@ def _backend(group) -> str:
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Sum-reduce `input` (world * len(output) elements) and keep this rank's chunk in `output`."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
-        return dist.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
+        return fn(output, input, group=group, async_op=async_op)
     except (RuntimeError, NotImplementedError):
         # Fallback for backends without reduce_scatter: all-reduce a copy, keep our slice.
         buf = input.clone()
@@ -110,8 +111,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Gather every rank's `input` into consecutive chunks of `output`."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     try:
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return fn(output, input, group=group, async_op=async_op)
     except (RuntimeError, NotImplementedError):
         chunks = list(output.view(-1, input.numel()).unbind(0))
         dist.all_gather(chunks, input.reshape(-1), group=group)

@@ -276,7 +276,8 @@ class Trainer:
             for k, v in losses.items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
             window_iters += 1
-            history.append(losses)
+            history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
+                            "grad comm bytes": comm_bytes})
             if st.iteration % a.log_interval == 0:
                 device_mod.synchronize(self.device)
                 elapsed = (time.time() - window_time) / window_iters
