@@ -18,6 +18,7 @@ from torch import nn
 from megatron_cai.core.quantization import (
     GemmInputQuantizer,
     QATConfig,
+    apply_qat,
     attach_gemm_quantizers,
     quantize_output_grad,
 )
@@ -46,9 +47,12 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs: dict, match: str) -> 
 
 
 def test_config_from_args_and_derived_settings() -> None:
-    args = argparse.Namespace(qat="fp8", qat_clamp="weight-rms", qat_clamp_alpha=20.0, fp8_format="hybrid")
+    args = argparse.Namespace(qat="fp8", qat_clamp="weight-rms", qat_clamp_alpha=20.0, fp8_format="hybrid",
+                              qat_static_clamp=None)
     cfg = QATConfig.from_args(args)
     assert (cfg.fmt, cfg.clamp, cfg.alpha, cfg.fp8_format) == ("fp8", "weight-rms", 20.0, "hybrid")
+    args = argparse.Namespace(qat="int8", qat_clamp="static", qat_static_clamp=2.5, fp8_format="hybrid")
+    assert QATConfig.from_args(args).static_value == 2.5
     assert QATConfig.from_args(argparse.Namespace()).enabled is False
     cases = {  # (fmt, fp8_format, quantize_output_grad) -> (output grad quantized, grad format)
         ("fp8", "hybrid", None): (True, "fp8_e5m2"),
@@ -213,6 +217,10 @@ def test_attach_reads_the_tp_split_and_honours_exclude() -> None:
     assert (model.fc1.gemm_quantizer.weight_shard_dim, model.fc1.gemm_quantizer.input_sharded) == (0, False)
     assert (model.fc2.gemm_quantizer.weight_shard_dim, model.fc2.gemm_quantizer.input_sharded) == (1, True)
     assert attach_gemm_quantizers(_MLP(), QATConfig()) == 0
+    other = _MLP()  # apply_qat: the training loop's entry, settings as GPTConfig.qat holds them
+    settings = {"fmt": "int8", "clamp": "weight-rms", "alpha": None, "static_value": None, "fp8_format": "hybrid"}
+    assert apply_qat(other, settings) == 2 and other.output_layer.gemm_quantizer is None
+    assert other.fc2.gemm_quantizer.config.clamp == "weight-rms"
     y = model(torch.randn(4, 32))
     assert torch.isfinite(y).all()
 

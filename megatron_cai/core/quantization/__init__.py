@@ -32,11 +32,11 @@ from .fake_quant import (
     quantization_error_stats,
     quantize_codes,
 )
-from .qat_linear import GemmInputQuantizer, QATConfig, attach_gemm_quantizers, quantize_output_grad
+from .qat_linear import GemmInputQuantizer, QATConfig, apply_qat, attach_gemm_quantizers, quantize_output_grad
 
 __all__ = [
     "BLOCK_SIZE", "CLAMP_RULES", "DEFAULT_ALPHA", "DEFAULT_EPS", "FORMATS", "GRANULARITIES",
-    "GemmInputQuantizer", "QATConfig", "attach_gemm_quantizers", "compute_clamp", "default_alpha",
+    "GemmInputQuantizer", "QATConfig", "apply_qat", "attach_gemm_quantizers", "compute_clamp", "default_alpha",
     "expand_clamp", "fake_quant", "fake_quant_with_clamp", "fmt_max", "group_absmax", "group_rms",
     "linear_output_rms", "post_norm_rms", "predict_relu2_ffn_rms", "quantization_error_stats",
     "quantize_codes", "quantize_output_grad", "relu2_rms", "relu_rms", "weight_rms",

@@ -113,12 +113,11 @@ class QATConfig:
 
     @classmethod
     def from_args(cls, args) -> QATConfig:
-        """From parsed Megatron-style flags (qat, qat_clamp, qat_clamp_alpha, fp8_format; optional
-        qat_static_value, qat_granularity, qat_weight_granularity, qat_quantize_output_grad,
-        qat_gemm_backend)."""
+        """From parsed Megatron-style flags (qat, qat_clamp, qat_clamp_alpha, qat_static_clamp, fp8_format;
+        optional qat_granularity, qat_weight_granularity, qat_quantize_output_grad, qat_gemm_backend)."""
         kw = {"fmt": getattr(args, "qat", None) or "none"}
         for field_name, arg in (("clamp", "qat_clamp"), ("alpha", "qat_clamp_alpha"),
-                                ("fp8_format", "fp8_format"), ("static_value", "qat_static_value"),
+                                ("fp8_format", "fp8_format"), ("static_value", "qat_static_clamp"),
                                 ("granularity", "qat_granularity"),
                                 ("weight_granularity", "qat_weight_granularity"),
                                 ("quantize_output_grad", "qat_quantize_output_grad"),
@@ -332,3 +331,13 @@ def attach_gemm_quantizers(model: nn.Module, config: QATConfig, *, tp_group=None
                                                    input_sharded=tp_dim in (1, -1))
         n += 1
     return n
+
+
+def apply_qat(model: nn.Module, settings: dict | QATConfig, *, tp_group=None,
+              exclude: tuple[str, ...] = ("output_layer",)) -> int:
+    """Attach quantizers from a settings dict (QATConfig field names, e.g. GPTConfig.qat) or a QATConfig.
+
+    The LM head (``output_layer``) stays in high precision by default. Returns the number of layers.
+    """
+    config = settings if isinstance(settings, QATConfig) else QATConfig(**settings)
+    return attach_gemm_quantizers(model, config, tp_group=tp_group, exclude=exclude)
