@@ -104,3 +104,9 @@ def test_triton_stochastic_unbiased_and_reproducible():
     assert torch.equal(p1, p2)
 
 
+
+
+def test_triton_empty():
+    p, nf = squinch.encode_with_feedback(torch.zeros(0), torch.zeros(0), backend="triton")
+    assert p.numel() == 0 and not bool(nf)
+    assert squinch.decode(p, 0, backend="triton").numel() == 0

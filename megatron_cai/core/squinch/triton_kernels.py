@@ -86,8 +86,9 @@ def _decode_kernel(p_ptr, out_ptr, S_ptr, L_ptr, n, nb, W, stride_w, ACC: tl.con
     bmask = blk < nb
     # s starts at -0.0, the exact additive identity: s = ((d_0 + d_1) + ...) + d_{W-1}
     s = tl.full([BLOCKS, 8], -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    stride64 = stride_w.to(tl.int64)
     for w in range(W):
-        base = p_ptr + w * stride_w + blk * 6
+        base = p_ptr + w * stride64 + blk * 6
         qm = tl.load(base, mask=bmask, other=0).to(tl.int32)
         sb = tl.load(base + 1, mask=bmask, other=0).to(tl.int32)
         nib = tl.load(base[:, None] + 2 + j[None, :] // 2, mask=bmask[:, None], other=0).to(tl.int32)
@@ -130,8 +131,10 @@ def encode_into(
     """
     n = x.numel()
     nb = fmt.n_blocks(n)
-    S, B, L, qt, sbits = _tables(x.device)
     flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if n == 0:
+        return flag.bool().reshape(())
+    S, B, L, qt, sbits = _tables(x.device)
     if seed is None:
         seed = torch.zeros(1, dtype=torch.int64, device=x.device)
     res_bf16 = residual is not None and residual.dtype == torch.bfloat16
@@ -148,7 +151,7 @@ def decode_into(payloads: torch.Tensor, n: int, out: torch.Tensor, accumulate: b
     """out = (out +) ((d_0 + d_1) + ... + d_{W-1}) for [W, nbytes] (or [nbytes]) uint8 payloads."""
     p2 = payloads if payloads.dim() > 1 else payloads.view(1, -1)
     W = p2.shape[0]
-    if W == 0:
+    if W == 0 or n == 0:
         return
     nb = fmt.n_blocks(n)
     S, _, L, _, _ = _tables(out.device)
