@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 from ..core.parallel_state import ParallelLayoutError, check_layout
 
@@ -159,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    validate_args(args, world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size is None:
+        from .initialize import discover_env
+
+        world_size = discover_env().world_size
+    validate_args(args, world_size)
     return args
 
 

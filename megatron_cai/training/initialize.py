@@ -64,12 +64,15 @@ def discover_env(environ: dict | None = None) -> DistEnv:
     world of one. Inconsistent settings are an error.
     """
     env = os.environ if environ is None else environ
+    ntasks = int(env.get("SLURM_NTASKS", "1"))
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
+        if world == 1 and ntasks > 1 and int(env.get("SLURM_STEP_NUM_TASKS", ntasks)) > 1:
+            raise RuntimeError(f"Slurm started {ntasks} tasks but WORLD_SIZE=1: each task would train alone. "
+                               "Unset RANK/WORLD_SIZE to take ranks from Slurm, or launch one torchrun per node")
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
         return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
                        "torchrun" if world > 1 else "single")
-    ntasks = int(env.get("SLURM_NTASKS", "1"))
     if ntasks > 1:
         if "SLURM_PROCID" not in env:
             raise RuntimeError("SLURM_NTASKS > 1 but SLURM_PROCID is not set: launch with srun")
@@ -78,9 +81,10 @@ def discover_env(environ: dict | None = None) -> DistEnv:
         node_id = int(env.get("SLURM_NODEID", 0))
         local_world = (_tasks_on_this_node(env["SLURM_TASKS_PER_NODE"], node_id)
                        if "SLURM_TASKS_PER_NODE" in env else ntasks)
-        if isinstance(env, os._Environ) or environ is None:
-            os.environ.setdefault("MASTER_ADDR", first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")))
-            os.environ.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        if "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
         return DistEnv(rank, ntasks, local_rank, local_world, "slurm")
     return DistEnv(0, 1, 0, 1, "single")
 

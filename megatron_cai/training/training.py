@@ -167,7 +167,7 @@ class Trainer:
 
     def _num_samples(self) -> tuple[int, int, int]:
         a = self.args
-        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_iters > 0 else 0
+        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_iters and a.eval_interval else 0
         return (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
 
     def _loader(self, dataset, consumed: int):

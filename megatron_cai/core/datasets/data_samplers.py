@@ -76,4 +76,7 @@ def build_pretraining_data_loader(dataset: torch.utils.data.Dataset | None, cons
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        # A private generator: creating the iterator must not draw from the global RNG, whose state is
+        # part of the checkpoint (bit-exact resume).
+        generator=torch.Generator(),
     )
