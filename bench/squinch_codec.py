@@ -174,13 +174,14 @@ def _ops(n: int, backend: str, device: str, W: int) -> tuple[dict, dict]:
     P = torch.stack([squinch.encode(x * (w + 1), backend=backend) for w in range(W)])
     out = torch.zeros(n, device=device)
     pb = payload.numel()
+    send = torch.empty_like(payload)  # a preallocated send buffer, as the gradient reducer uses
     fns = {
-        "encode fp32": (lambda: squinch.encode(x, backend=backend), 4 * n),
-        "encode bf16": (lambda: squinch.encode(xbf, backend=backend), 2 * n),
+        "encode fp32": (lambda: squinch.encode(x, backend=backend, out=send), 4 * n),
+        "encode bf16": (lambda: squinch.encode(xbf, backend=backend, out=send), 2 * n),
         "fused encode + feedback (fp32 grad, fp32 residual)": (
-            lambda: squinch.encode_with_feedback(x, r32, backend=backend), 8 * n),
+            lambda: squinch.encode_with_feedback(x, r32, backend=backend, out=send), 8 * n),
         "fused encode + feedback (fp32 grad, bf16 residual)": (
-            lambda: squinch.encode_with_feedback(x, rbf, backend=backend), 6 * n),
+            lambda: squinch.encode_with_feedback(x, rbf, backend=backend, out=send), 6 * n),
         "decode": (lambda: squinch.decode(payload, n, out=out, backend=backend), pb),
         f"decode_accumulate W={W}": (lambda: squinch.decode_accumulate(P, out, backend=backend), W * pb + 4 * n),
     }
