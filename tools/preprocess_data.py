@@ -21,6 +21,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +39,7 @@ from megatron_cai.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # 
 
 MAX_BAD_LINES_SHOWN = 5
 CHUNK_LINES = 256
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18
 
 
 class BadLine(ValueError):
@@ -265,25 +267,26 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
             for chunk in iter_chunks(input_path):
                 handle(encoder.encode_chunk(chunk))
         else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, init_args)
+            # A process pool that reports dead workers (BrokenProcessPool) instead of hanging.
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                       initializer=_init_worker, initargs=init_args)
             pending: deque = deque()
-            for chunk in iter_chunks(input_path):  # bounded window keeps memory flat, order preserved
-                pending.append(pool.apply_async(_encode_chunk_in_worker, (chunk,)))
-                if len(pending) >= 4 * workers:
-                    handle(pending.popleft().get())
-            while pending:
-                handle(pending.popleft().get())
+            try:
+                for chunk in iter_chunks(input_path):  # bounded window: flat memory, order preserved
+                    pending.append(pool.submit(_encode_chunk_in_worker, chunk))
+                    if len(pending) >= 4 * workers:
+                        handle(pending.popleft().result())
+                while pending:
+                    handle(pending.popleft().result())
+            except BrokenProcessPool as e:
+                raise PreprocessError(f"a tokenizer worker process died ({e}); try --workers 1") from None
         for key, builder in builders.items():
             builder.finalize(get_idx_path(stats.outputs[key]))
         finalized = True
     finally:
         bar.close()
         if pool is not None:
-            if finalized:
-                pool.close()
-            else:
-                pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
         if not finalized:
             for builder in builders.values():
                 builder.abort()
