@@ -11,9 +11,12 @@ Usage in a test::
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,9 +67,19 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict |
         p.start()
     results: dict[int, Any] = {}
     errors = []
+    deadline = time.time() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"rank(s) {dead} died with exit code(s) {[procs[r].exitcode for r in dead]}")
+                elif time.time() > deadline:
+                    errors.append(f"timed out after {timeout} s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - set(results))}")
+                continue
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

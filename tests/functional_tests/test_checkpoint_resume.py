@@ -61,7 +61,7 @@ def _crash(save_dir):
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
-    with pytest.raises(Exception):
+    with pytest.raises(AssertionError, match="died with exit code"):
         _crash(save)
     assert checkpointing.read_tracker(save) == 2
     assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))
