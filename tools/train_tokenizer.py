@@ -84,11 +84,17 @@ def train_tokenizer(inputs: Sequence[str], model_prefix: str, vocab_size: int = 
     stats: dict = {}
     counted = {"docs": 0, "bytes": 0}
 
+    input_error: list[TrainTokenizerError] = []
+
     def training_docs() -> Iterator[str]:
-        for doc in sample_documents(iter_documents(inputs, json_keys, skip_bad_lines, stats), keep, seed):
-            counted["docs"] += 1
-            counted["bytes"] += len(doc.encode("utf-8"))
-            yield doc
+        try:
+            for doc in sample_documents(iter_documents(inputs, json_keys, skip_bad_lines, stats), keep, seed):
+                counted["docs"] += 1
+                counted["bytes"] += len(doc.encode("utf-8"))
+                yield doc
+        except TrainTokenizerError as e:  # re-raised below, not as a sentencepiece failure
+            input_error.append(e)
+            raise
 
     model = io.BytesIO()
     log(f"training a {model_type} sentencepiece model (vocab {vocab_size}) on {total_bytes / 1e6:.2f} MB "
@@ -102,10 +108,12 @@ def train_tokenizer(inputs: Sequence[str], model_prefix: str, vocab_size: int = 
             max_sentence_length=max_sentence_length, input_sentence_size=0,
             num_threads=num_threads or min(os.cpu_count() or 1, 16), minloglevel=2, **SPECIAL_IDS,
         )
-    except RuntimeError as e:
+    except (RuntimeError, TrainTokenizerError) as e:
+        if input_error:
+            raise input_error[0] from None
+        if counted["docs"] == 0:
+            raise TrainTokenizerError(f"no documents with keys {list(json_keys)} in {list(inputs)}") from None
         raise TrainTokenizerError(f"sentencepiece training failed: {e}") from None
-    if counted["docs"] == 0:
-        raise TrainTokenizerError(f"no documents with keys {list(json_keys)} in {list(inputs)}")
     out_dir = os.path.dirname(os.path.abspath(model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{model_prefix}.model.tmp-{os.getpid()}"

@@ -112,3 +112,21 @@ def test_huggingface_tokenizer_json_and_directory(tmp_path):
     tok2 = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "dir"))
     assert tok2.tokenize("hello world") == [3, 4]
     assert tok2.eod == 1 and tok2.pad == 2 and tok2.vocab_size == 6
+
+
+def test_train_tokenizer_input_errors(tmp_path):
+    from train_tokenizer import TrainTokenizerError, train_tokenizer
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "a b"}) + "\n" + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(TrainTokenizerError, match=r"bad.jsonl:2: missing key 'text'"):
+        train_tokenizer([str(bad)], str(tmp_path / "t"), vocab_size=300, log=lambda m: None)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(TrainTokenizerError, match="no documents"):
+        train_tokenizer([str(empty)], str(tmp_path / "t"), vocab_size=300, log=lambda m: None)
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": "tiny corpus"}) + "\n")
+    with pytest.raises(TrainTokenizerError, match="Vocabulary size too high"):
+        train_tokenizer([str(small)], str(tmp_path / "t"), vocab_size=5000, log=lambda m: None)
+    assert not (tmp_path / "t.model").exists()
