@@ -1,6 +1,8 @@
 """Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton)."""
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -10,6 +12,17 @@ from . import format as fmt
 from . import reference as ref
 
 BACKENDS = ("torch", "cpu", "triton")
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        log.warning("squinch: triton is not installed; CUDA tensors use the (slower) torch reference codec")
+        return False
+    return True
 
 
 def _triton():
@@ -24,7 +37,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     """The backend that will run: None -> "triton" on CUDA, "cpu" (C kernel) or "torch" on CPU."""
     if backend is None:
         if device.type == "cuda":
-            return "triton"
+            return "triton" if _triton_available() else "torch"
         if device.type == "cpu" and cpu_kernels.available():
             return "cpu"
         return "torch"
