@@ -99,15 +99,15 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.gemm_quantizer: nn.Module | None = None  # set by quantization-aware training
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, predicted_input_rms: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x)
-        w = self.weight
-        if self.gemm_quantizer is not None:
-            x, w = self.gemm_quantizer(x, w)
-        y = F.linear(x, w, self.bias)
+        if self.gemm_quantizer is None:
+            y = F.linear(x, self.weight, self.bias)
+        else:  # quantization-aware training: quantize both GEMM inputs (see core.quantization)
+            y = self.gemm_quantizer.linear(x, self.weight, self.bias, predicted_input_rms=predicted_input_rms)
         if self.gather_output:
             y = mappings.gather_from_tensor_model_parallel_region(y)
         return y
@@ -132,11 +132,11 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.gemm_quantizer: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if self.gemm_quantizer is not None:
-            x, w = self.gemm_quantizer(x, w)
-        y = F.linear(x, w)
+    def forward(self, x: torch.Tensor, predicted_input_rms: torch.Tensor | None = None) -> torch.Tensor:
+        if self.gemm_quantizer is None:
+            y = F.linear(x, self.weight)
+        else:
+            y = self.gemm_quantizer.linear(x, self.weight, None, predicted_input_rms=predicted_input_rms)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y)
         else:
