@@ -1,0 +1,1 @@
+"""Text generation from trained checkpoints (KV-cache sampling)."""

@@ -1,0 +1,73 @@
+"""Sample text from a checkpoint (any TP/PP layout; runs in one process with a KV cache).
+
+    python tools/generate.py --load checkpoints/demo --prompt "def main(" --max-new-tokens 64
+    python tools/generate.py --load checkpoints/demo --prompt "import" --temperature 0.8 --top-p 0.9 --seed 1
+
+``--temperature 0`` is greedy decoding. The tokenizer is the copy saved with the checkpoint
+(``iter_*/tokenizer/``) unless ``--tokenizer-model`` is given. Prints the prompt and its continuation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
+from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (written by pretrain_gpt.py --save)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the latest)")
+    p.add_argument("--prompt", default=None, help="prompt text (default: read from stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--num-samples", type=int, default=1, help="independent continuations of the prompt")
+    p.add_argument("--ignore-eod", action="store_true", help="keep generating after the end-of-document token")
+    p.add_argument("--tokenizer-model", default=None, help="override the checkpoint's tokenizer file")
+    p.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        model, ck = load_model(args.load, args.ckpt_step, device)
+        tokenizer = checkpoint_tokenizer(ck, args.tokenizer_model, args.tokenizer_type)
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        ids = tokenizer.tokenize(prompt)
+        if not ids:
+            bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+            ids = [bos]  # an empty prompt starts from BOS (or EOD: the start of a new document)
+        eos = None
+        if not args.ignore_eod:
+            try:
+                eos = tokenizer.eod
+            except ValueError:
+                eos = None
+        for i in range(args.num_samples):
+            out = generate(model, ids, args.max_new_tokens, tokenizer=tokenizer, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p,
+                           seed=None if args.seed is None else args.seed + i, eos_id=eos)
+            if args.num_samples > 1:
+                print(f"----- sample {i + 1} -----")
+            print(out.text[0], flush=True)
+    except (ConversionError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
