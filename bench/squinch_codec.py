@@ -197,7 +197,7 @@ def cpu_throughput(n: int, rounds: int, W: int = 4) -> dict:
     for backend in backends:
         fns, nbytes = _ops(n, backend, "cpu", W)
         fns["copy"] = lambda: dst.copy_(src)
-        times = _best_times(fns, rounds if backend == "cpu" else max(2, rounds // 5))
+        times = _best_times(fns, rounds if backend == "cpu" else max(2, rounds // 10))
         ct = times.pop("copy")
         copy_gbps = 4 * n / ct / 1e9
         for op, t in times.items():
@@ -297,15 +297,20 @@ def plot(res: dict, path: str) -> bool:
     except ImportError:
         return False
     datasets = list(res["errors"])
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.6), sharey=True)
+    rows = -(-len(datasets) // 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3.6 * rows), sharey=True, squeeze=False)
+    axes = axes.reshape(-1)
+    for ax in axes[len(datasets):]:
+        ax.axis("off")
     for ax, data in zip(axes, datasets):
         for name, st in res["errors"][data].items():
             ax.semilogy(range(1, 11), st["rel_l2_by_decile"], marker="o", ms=3, label=name)
         ax.set_title(data, fontsize=9)
         ax.set_xlabel("|x| decile (1 = smallest)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("relative L2 error in decile")
-    axes[-1].legend(fontsize=7)
+    for r in range(rows):
+        axes[3 * r].set_ylabel("relative L2 error in decile")
+    axes[len(datasets) - 1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -316,7 +321,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=800_000, help="elements per synthetic error dataset")
     ap.add_argument("--grad-steps", type=int, default=10, help="training steps before the last capture")
     ap.add_argument("--throughput-numel", type=int, default=1 << 24)
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--gpu-numel", type=int, default=1 << 27)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     args = ap.parse_args()

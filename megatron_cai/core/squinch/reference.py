@@ -43,10 +43,8 @@ def to_blocks(x: torch.Tensor) -> torch.Tensor:
     return flat.view(-1, BLOCK)
 
 
-def _encode_blocks(
-    y: torch.Tensor, stochastic: bool, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode [nb, 8] fp32 blocks -> (payload [nb, 6] uint8, M [nb], q [nb, 8]), following the spec steps."""
+def _encode_blocks(y: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """Encode [nb, 8] fp32 blocks into a [nb, 6] uint8 payload, following the spec's steps."""
     S, B, L = tables(y.device)
     a = y.abs()
     finite = torch.isfinite(y).all(dim=1)
@@ -73,8 +71,7 @@ def _encode_blocks(
     q = torch.where(nan, torch.zeros_like(q), q)  # NaN elements: q = 0
     signs = ((y < 0).to(torch.int64) << torch.arange(BLOCK, device=y.device)).sum(dim=1)
     nibbles = q[:, 0::2] | (q[:, 1::2] << 4)
-    payload = torch.cat([q_max[:, None], signs[:, None], nibbles], dim=1).to(torch.uint8)
-    return payload, M, q
+    return torch.cat([q_max[:, None], signs[:, None], nibbles], dim=1).to(torch.uint8)
 
 
 def _decode_blocks(payload: torch.Tensor) -> torch.Tensor:
@@ -94,8 +91,7 @@ def encode(
 ) -> torch.Tensor:
     """Reference encode: uint8 payload of 6 * ceil(numel / 8) bytes."""
     check_float_input(x)
-    payload, _, _ = _encode_blocks(to_blocks(x), stochastic, generator)
-    return payload.reshape(-1)
+    return _encode_blocks(to_blocks(x), stochastic, generator).reshape(-1)
 
 
 def decode(
@@ -133,7 +129,7 @@ def encode_with_feedback(
     n = grad.numel()
     if residual is not None:
         y = y + to_blocks(residual)
-    payload, _, _ = _encode_blocks(y, stochastic, generator)
+    payload = _encode_blocks(y, stochastic, generator)
     nonfinite = ~torch.isfinite(y).all()
     if residual is not None:
         err = (y - _decode_blocks(payload)).reshape(-1)[:n]
