@@ -254,8 +254,42 @@ def test_tree_fuzz_attention_blocked_vs_reference():
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ALL_CPU_BACKENDS)
+def test_queries_past_a_cache_equal_the_full_rows(backend):
+    """q holding only the last seq_q positions (decoding with a KV cache) == those rows of the full call."""
+    rng = random.Random(17)
+    torch.manual_seed(9)
+    seq = 130
+    _, (s, lim, pos) = _forest_batch(rng, 2, 3, seq, max_nodes=7, max_len=6, p_bidir=0.3)
+    lim = lim.long()
+    lim = torch.where(lim == lim.amax(), torch.full_like(lim, torch.iinfo(torch.int64).max), lim)
+    q = torch.randn(2, 4, seq, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, seq, 16, dtype=torch.float64) for _ in range(2))
+    for window in (None, 6):
+        full, full_lse = _run(backend, q, k, v, s, lim, window=window, position_ids=pos, return_lse=True)
+        for seq_q in (1, 37, seq):
+            part, lse = _run(backend, q[:, :, -seq_q:], k, v, s, lim, window=window, position_ids=pos,
+                             return_lse=True)
+            torch.testing.assert_close(part, full[:, :, -seq_q:], atol=_tol(backend), rtol=0)
+            torch.testing.assert_close(lse, full_lse[:, :, -seq_q:], atol=1e-6, rtol=0)
+    if backend == "flex":
+        return
+    qp = q[:, :, -37:].clone().requires_grad_()
+    kk, vv = k.clone().requires_grad_(), v.clone().requires_grad_()
+    dout = torch.randn(2, 4, 37, 16, dtype=torch.float64)
+    got = torch.autograd.grad((attend(qp, kk, vv, s, lim, backend=backend, zreg_coeff=0.1) * dout).sum(),
+                              [qp, kk, vv])
+    exp = torch.autograd.grad((attend(qp, kk, vv, s, lim, backend="eager", zreg_coeff=0.1) * dout).sum(),
+                              [qp, kk, vv])
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 def test_dispatch_and_shape_errors():
     assert default_backend(torch.device("cpu")) == "blocked"
+    with pytest.raises(ValueError, match="last seq_q"):
+        attend(torch.randn(1, 2, 9, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16),
+               *V.batch([V.from_document_lengths([8])]))
     s, lim = V.batch([V.from_document_lengths([8])])
     q = torch.randn(1, 4, 8, 16)
     k = torch.randn(1, 3, 8, 16)

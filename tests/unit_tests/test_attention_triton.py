@@ -15,7 +15,7 @@ import traceback
 import pytest
 
 CHECKS = ["tree_branches", "packed_docs", "gqa_mqa", "window", "zreg", "zero_coeff", "masked_rows",
-          "odd_head_dim"]
+          "odd_head_dim", "decode"]
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +180,28 @@ def _worker() -> dict[str, str]:
         for a, b in zip(torch.autograd.grad(out.sum(), [q, k, v]), torch.autograd.grad(ref.sum(), [q, k, v])):
             close(a, b, 1e-4)
 
+    def decode():
+        """q = the last seq_q positions (KV cache), limits past the end: the full call's last rows."""
+        torch.manual_seed(6)
+        info, (s, lim, pos) = forest_rows(7, 1, 50, max_nodes=5, max_len=5, p_bidir=0.3)
+        lim = lim.long()
+        lim = torch.where(lim == lim.amax(), torch.full_like(lim, torch.iinfo(torch.int64).max), lim)
+        q = torch.randn(1, 2, 50, 16)
+        k, v = torch.randn(1, 1, 50, 16, requires_grad=True), torch.randn(1, 1, 50, 16, requires_grad=True)
+        for window in (None, 5):
+            for seq_q in (1, 19):
+                qp = q[:, :, -seq_q:].clone().requires_grad_()
+                out = attend(qp, k, v, s, lim, window=window, position_ids=pos, backend="triton")
+                ref = attend(qp, k, v, s, lim, window=window, position_ids=pos, backend="eager")
+                close(out, ref)
+                got = torch.autograd.grad(out.sum(), [qp, k, v])
+                exp = torch.autograd.grad(ref.sum(), [qp, k, v])
+                for a, b in zip(got, exp):
+                    close(a, b, 1e-4)
+
     fns = dict(tree_branches=tree_branches, packed_docs=packed_docs, gqa_mqa=gqa_mqa, window=window,
-               zreg=zreg, zero_coeff=zero_coeff, masked_rows=masked_rows, odd_head_dim=odd_head_dim)
+               zreg=zreg, zero_coeff=zero_coeff, masked_rows=masked_rows, odd_head_dim=odd_head_dim,
+               decode=decode)
     out = {}
     for name in CHECKS:
         try:

@@ -23,9 +23,10 @@ from megatron_cai.core.transformer import visibility
 from megatron_cai.core.transformer.blocked_attention import blocked_attention
 from megatron_cai.core.transformer.zreg import inject_zreg
 
-__all__ = ["BACKENDS", "attend", "default_backend", "eager_attention", "flex_attention_intervals"]
+__all__ = ["ALIASES", "BACKENDS", "attend", "default_backend", "eager_attention", "flex_attention_intervals"]
 
 BACKENDS = ("eager", "blocked", "flex", "triton")
+ALIASES = {"cpu": "blocked"}
 FLEX_BLOCK = 128
 
 
@@ -56,9 +57,12 @@ def attend(
     """Softmax attention where query i sees key j iff ``start[b, j] <= i < limit[b, j]``.
 
     Args:
-        q: ``[batch, heads, seq, head_dim]``; k, v: ``[batch, kv_heads, seq, head_dim]`` with
+        q: ``[batch, heads, seq_q, head_dim]``; k, v: ``[batch, kv_heads, seq, head_dim]`` with
             ``heads % kv_heads == 0`` (GQA; ``kv_heads == 1`` is MQA). Softmax scale 1/sqrt(head_dim).
-        start, limit: int ``[batch, seq]`` key-side visibility intervals (see :mod:`visibility`).
+            Usually ``seq_q == seq``; with a KV cache q may hold only the last ``seq_q < seq``
+            positions: query row r is position ``seq - seq_q + r``.
+        start, limit: int ``[batch, seq]`` key-side visibility intervals (see :mod:`visibility`);
+            a limit past ``seq`` (e.g. "visible to all future tokens") acts as ``seq``.
         zreg_coeff: Attention Z-Reg weight w. The virtual term is
             ``Omega = w * mean over (batch, heads, query rows that see at least one key) of lse_i^2``
             with ``lse_i = log sum_{j visible} exp(q_i . k_j / sqrt(head_dim))``. Its gradient
@@ -66,9 +70,11 @@ def attend(
             unchanged and Omega is never part of any returned value. ``w = 0`` is exactly no Z-Reg.
             The mean is per call; scale w like the main loss under gradient accumulation.
         window: optional sliding window W on ``position_ids``: additionally ``|pos_i - pos_j| < W``.
-        position_ids: ``[batch, seq]`` (or ``[seq]``) logical positions for the window; default 0..T-1.
-        backend: one of :data:`BACKENDS`, or None for :func:`default_backend`.
-        return_lse: also return lse ``[batch, heads, seq]`` fp32 (differentiable; for logging).
+        position_ids: ``[batch, seq]`` (or ``[seq]``) logical positions of the keys (the queries
+            take the last ``seq_q``) for the window; default 0..seq-1.
+        backend: one of :data:`BACKENDS` (``"cpu"`` is an alias of ``"blocked"``), or None for
+            :func:`default_backend`.
+        return_lse: also return lse ``[batch, heads, seq_q]`` fp32 (differentiable; for logging).
 
     Fully masked query rows (possible only with intervals that fail :func:`visibility.validate`)
     give output 0 and lse ``-inf``, are excluded from N and produce no NaN in forward or backward.
@@ -76,7 +82,7 @@ def attend(
     _check_shapes(q, k, v, start, limit, position_ids)
     if position_ids is not None and position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0).expand(q.shape[0], -1)
-    backend = default_backend(q.device) if backend is None else backend
+    backend = default_backend(q.device) if backend is None else ALIASES.get(backend, backend)
     if backend == "eager":
         out, lse = eager_attention(q, k, v, start, limit, window=window, position_ids=position_ids)
         out, lse = inject_zreg(out, lse, zreg_coeff)
@@ -103,9 +109,12 @@ def _check_shapes(q, k, v, start, limit, position_ids) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
-    bsz, heads, seq, dim = q.shape
-    if k.shape != v.shape or k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [{bsz}, kv_heads, {seq}, {dim}]")
+    bsz, heads, seq_q, dim = q.shape
+    seq = k.shape[2]
+    if k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [{bsz}, kv_heads, seq, {dim}]")
+    if seq_q > seq:
+        raise ValueError(f"q has {seq_q} positions but k/v only {seq}: q must be the last seq_q <= seq")
     if heads % k.shape[1] != 0:
         raise ValueError(f"kv_heads ({k.shape[1]}) must divide heads ({heads})")
     for name, t in (("visibility_start", start), ("visibility_limit", limit)):
@@ -138,7 +147,9 @@ def eager_attention(
     kf = k.to(cd).repeat_interleave(group, dim=1)
     vf = v.to(cd).repeat_interleave(group, dim=1)
     s = torch.matmul(qf, kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    mask = visibility.dense_mask(start, limit, window, position_ids).unsqueeze(1)
+    seq = k.shape[2]
+    queries = torch.arange(seq - q.shape[2], seq, device=q.device)
+    mask = visibility.dense_mask(start, limit, window, position_ids, queries=queries).unsqueeze(1)
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -158,6 +169,7 @@ def flex_block_mask(
     window: int | None = None,
     position_ids: torch.Tensor | None = None,
     block_size: int = FLEX_BLOCK,
+    num_queries: int | None = None,
 ):
     """A FlexAttention ``BlockMask`` from per-block min/max of the intervals (O(T / block) per tile row).
 
@@ -166,16 +178,19 @@ def flex_block_mask(
     from torch.nn.attention.flex_attention import BlockMask
 
     seq = start.shape[-1]
-    any_, full = visibility.block_map(start, limit, block_size, block_size, window, position_ids)
+    n_q = seq if num_queries is None else num_queries
+    offset = seq - n_q
+    any_, full = visibility.block_map(start, limit, block_size, block_size, window, position_ids, n_q)
     kv_num, kv_idx = visibility.block_indices(any_ & ~full)
     full_num, full_idx = visibility.block_indices(full)
     start_l, limit_l = start.long(), limit.long()
     pos = visibility._positions(start, position_ids).long() if window is not None else None
 
     def mask_mod(b, h, q_idx, kv_idx):
-        vis = (start_l[b, kv_idx] <= q_idx) & (q_idx < limit_l[b, kv_idx])
+        qa = q_idx + offset
+        vis = (start_l[b, kv_idx] <= qa) & (qa < limit_l[b, kv_idx])
         if pos is not None:
-            vis = vis & ((pos[b, q_idx] - pos[b, kv_idx]).abs() < window)
+            vis = vis & ((pos[b, qa] - pos[b, kv_idx]).abs() < window)
         return vis
 
     return BlockMask.from_kv_blocks(
@@ -185,7 +200,7 @@ def flex_block_mask(
         full_idx.unsqueeze(1),
         BLOCK_SIZE=block_size,
         mask_mod=mask_mod,
-        seq_lengths=(seq, seq),
+        seq_lengths=(n_q, seq),
     )
 
 
@@ -212,7 +227,8 @@ def flex_attention_intervals(
     """
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    block_mask = flex_block_mask(start, limit, window=window, position_ids=position_ids)
+    block_mask = flex_block_mask(start, limit, window=window, position_ids=position_ids,
+                                 num_queries=q.shape[2])
     fn = _compiled_flex() if q.is_cuda else flex_attention
     out, aux = fn(
         q,

@@ -20,17 +20,21 @@ __all__ = ["blocked_attention"]
 
 
 class _Plan:
-    """Per (batch row, query block): the key token positions to gather and whether masking is needed."""
+    """Per (batch row, query block): the key token positions to gather and whether masking is needed.
 
-    def __init__(self, start, limit, window, position_ids, block_q: int, block_k: int):
+    Query rows are local (0..seq_q-1); they sit at absolute positions ``offset + row``.
+    """
+
+    def __init__(self, start, limit, window, position_ids, block_q: int, block_k: int, seq_q: int):
         seq = start.shape[-1]
-        any_, full = visibility.block_map(start, limit, block_q, block_k, window, position_ids)
+        self.offset = seq - seq_q
+        any_, full = visibility.block_map(start, limit, block_q, block_k, window, position_ids, seq_q)
         any_l, full_l = any_.cpu().tolist(), full.cpu().tolist()
         self.steps: list[list[tuple]] = []
         for b in range(start.shape[0]):
             row = []
             for qb, flags in enumerate(any_l[b]):
-                qs, qe = qb * block_q, min(seq, (qb + 1) * block_q)
+                qs, qe = qb * block_q, min(seq_q, (qb + 1) * block_q)
                 kbs = [kb for kb, f in enumerate(flags) if f]
                 if not kbs:
                     row.append((qs, qe, None, False))
@@ -47,7 +51,7 @@ class _Plan:
 
 
 def _tile_mask(start_b, limit_b, pos_b, window, qs: int, qe: int, keys) -> torch.Tensor:
-    """Bool [qe - qs, n_keys] visibility of the gathered keys from queries qs..qe-1."""
+    """Bool [qe - qs, n_keys] visibility of the gathered keys from absolute query positions qs..qe-1."""
     qi = torch.arange(qs, qe, device=start_b.device).view(-1, 1)
     s, lim = start_b[keys].view(1, -1), limit_b[keys].view(1, -1)
     mask = (s <= qi) & (qi < lim)
@@ -74,14 +78,15 @@ class _BlockedAttention(torch.autograd.Function):
         in_dtype = q.dtype
         cd = torch.float64 if in_dtype == torch.float64 else torch.float32
         qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
-        bsz, heads, seq, dim = q.shape
+        bsz, heads, seq_q, dim = q.shape
         kv_heads = k.shape[1]
         group = heads // kv_heads
         scale = 1.0 / math.sqrt(dim)
         pos = visibility._positions(start, position_ids) if window is not None else None
-        plan = _Plan(start, limit, window, pos, block_q, block_k)
-        out = torch.zeros(bsz, heads, seq, dim, dtype=cd, device=q.device)
-        lse = torch.full((bsz, heads, seq), float("-inf"), dtype=cd, device=q.device)
+        plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
+        off = plan.offset
+        out = torch.zeros(bsz, heads, seq_q, dim, dtype=cd, device=q.device)
+        lse = torch.full((bsz, heads, seq_q), float("-inf"), dtype=cd, device=q.device)
         for b in range(bsz):
             for qs, qe, keys, needs_mask in plan.steps[b]:
                 if keys is None:
@@ -91,7 +96,7 @@ class _BlockedAttention(torch.autograd.Function):
                 s = torch.matmul(_q_block(qf[b], qs, qe, kv_heads), kb.transpose(1, 2)).mul_(scale)
                 if needs_mask:
                     pos_b = pos[b] if pos is not None else None
-                    mask = _tile_mask(start[b], limit[b], pos_b, window, qs, qe, keys)
+                    mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
                     s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
                 m = s.amax(-1, keepdim=True)
                 m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -108,8 +113,9 @@ class _BlockedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         qf, kf, vf, out, lse, start, limit, pos = ctx.saved_tensors
-        bsz, heads, seq, dim = qf.shape
+        bsz, heads, seq_q, dim = qf.shape
         kv_heads = ctx.kv_heads
+        off = ctx.plan.offset
         group = heads // kv_heads
         scale = 1.0 / math.sqrt(dim)
         cd = qf.dtype
@@ -133,7 +139,7 @@ class _BlockedAttention(torch.autograd.Function):
                 s = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)
                 if needs_mask:
                     pos_b = pos[b] if pos is not None else None
-                    mask = _tile_mask(start[b], limit[b], pos_b, ctx.window, qs, qe, keys)
+                    mask = _tile_mask(start[b], limit[b], pos_b, ctx.window, qs + off, qe + off, keys)
                     s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
                 p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
                 dvb = torch.matmul(p.transpose(1, 2), dob)

@@ -28,15 +28,17 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, offs_m, offs_n, pos_m, seq, qk_scale,
+def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale,
                  kmask_d, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores (log2 units) of one [BLOCK_M, BLOCK_N] tile with masked pairs at -inf, plus the K tile."""
-    n_ok = offs_n < seq
+    """Scores (log2 units) of one [BLOCK_M, BLOCK_N] tile with masked pairs at -inf, plus the K tile.
+
+    ``abs_m``: absolute query positions of the tile rows (local row + offset past a KV cache)."""
+    n_ok = offs_n < seq_k
     k = tl.load(k_ptrs, mask=n_ok[:, None] & kmask_d[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    ks = tl.load(start_ptr + offs_n, mask=n_ok, other=seq + 1)
+    ks = tl.load(start_ptr + offs_n, mask=n_ok, other=seq_k + 1)
     kl = tl.load(limit_ptr + offs_n, mask=n_ok, other=0)
-    vis = (ks[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kl[None, :])
+    vis = (ks[None, :] <= abs_m[:, None]) & (abs_m[:, None] < kl[None, :])
     if WINDOW > 0:
         pos_n = tl.load(pos_ptr + offs_n, mask=n_ok, other=0)
         diff = pos_m[:, None] - pos_n[None, :]
@@ -46,7 +48,7 @@ def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, offs_m, offs_n, pos_m
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
-                seq, heads, group, n_kb, qk_scale,
+                seq_q, seq_k, heads, group, n_kb, qk_scale,
                 sqb, sqh, sqt, skb, skh, skt, sib,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
@@ -55,10 +57,11 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     b = bh // heads
     h = bh % heads
     hk = h // group
-    n_qb = tl.cdiv(seq, BLOCK_M)
+    n_qb = tl.cdiv(seq_q, BLOCK_M)
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    abs_m = offs_m + (seq_k - seq_q)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq
+    m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
     q_base = Q + b * sqb + h * sqh
     q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :],
@@ -66,9 +69,9 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     start_ptr = START + b * sib
     limit_ptr = LIMIT + b * sib
     pos_ptr = POS + b * sib
-    pos_m = offs_m
+    pos_m = abs_m
     if WINDOW > 0:
-        pos_m = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+        pos_m = tl.load(pos_ptr + abs_m, mask=m_ok, other=0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * skb + hk * skh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -80,14 +83,14 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, _k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
-                             pos_ptr, offs_m, offs_n, pos_m, seq, qk_scale, d_ok, WINDOW, PRECISION)
+                             pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, WINDOW, PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * skt + offs_d[None, :],
-                    mask=(offs_n < seq)[:, None] & d_ok[None, :], other=0.0)
+                    mask=(offs_n < seq_k)[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     seen = l_i > 0
@@ -96,12 +99,12 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     o_base = O + b * sqb + h * sqh
     tl.store(o_base + offs_m[:, None] * sqt + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + (b * heads + h) * seq + offs_m, lse, mask=m_ok)
+    tl.store(LSE + (b * heads + h) * seq_q + offs_m, lse, mask=m_ok)
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_IDX,
-                   seq, heads, group, n_kb, qk_scale, sm_scale,
+                   seq_q, seq_k, heads, group, n_kb, qk_scale, sm_scale,
                    sqb, sqh, sqt, skb, skh, skt, sib,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
@@ -110,25 +113,26 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
     b = bh // heads
     h = bh % heads
     hk = h // group
-    n_qb = tl.cdiv(seq, BLOCK_M)
+    n_qb = tl.cdiv(seq_q, BLOCK_M)
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    abs_m = offs_m + (seq_k - seq_q)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq
+    m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
     qd_mask = m_ok[:, None] & d_ok[None, :]
     q_off = b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :]
     q = tl.load(Q + q_off, mask=qd_mask, other=0.0)
     do = tl.load(DO + q_off, mask=qd_mask, other=0.0)
-    row = (b * heads + h) * seq + offs_m
+    row = (b * heads + h) * seq_q + offs_m
     lse = tl.load(LSE + row, mask=m_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
     delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
     start_ptr = START + b * sib
     limit_ptr = LIMIT + b * sib
     pos_ptr = POS + b * sib
-    pos_m = offs_m
+    pos_m = abs_m
     if WINDOW > 0:
-        pos_m = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+        pos_m = tl.load(pos_ptr + abs_m, mask=m_ok, other=0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * skb + hk * skh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -138,10 +142,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
-                            pos_ptr, offs_m, offs_n, pos_m, seq, qk_scale, d_ok, WINDOW, PRECISION)
+                            pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, WINDOW, PRECISION)
         p = tl.exp2(s - lse2[:, None])
         v = tl.load(v_base + offs_n[:, None] * skt + offs_d[None, :],
-                    mask=(offs_n < seq)[:, None] & d_ok[None, :], other=0.0)
+                    mask=(offs_n < seq_k)[:, None] & d_ok[None, :], other=0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -150,7 +154,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, Q_IDX,
-                     seq, heads, kv_heads, group, n_qb, qk_scale, sm_scale,
+                     seq_q, seq_k, heads, kv_heads, group, n_qb, qk_scale, sm_scale,
                      sqb, sqh, sqt, skb, skh, skt, sib,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
@@ -158,16 +162,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
     bh = tl.program_id(1)
     b = bh // kv_heads
     hk = bh % kv_heads
-    n_kb = tl.cdiv(seq, BLOCK_N)
+    n_kb = tl.cdiv(seq_k, BLOCK_N)
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < seq
+    n_ok = offs_n < seq_k
     d_ok = offs_d < HEAD_DIM
     kd_mask = n_ok[:, None] & d_ok[None, :]
     k_off = b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :]
     k = tl.load(K + k_off, mask=kd_mask, other=0.0)
     v = tl.load(V + k_off, mask=kd_mask, other=0.0)
-    ks = tl.load(START + b * sib + offs_n, mask=n_ok, other=seq + 1)
+    ks = tl.load(START + b * sib + offs_n, mask=n_ok, other=seq_k + 1)
     kl = tl.load(LIMIT + b * sib + offs_n, mask=n_ok, other=0)
     pos_n = offs_n
     if WINDOW > 0:
@@ -181,19 +185,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
         for t in range(0, num):
             qb = tl.load(Q_IDX + tile_row * n_qb + t)
             offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < seq
+            abs_m = offs_m + (seq_k - seq_q)
+            m_ok = offs_m < seq_q
             qd_mask = m_ok[:, None] & d_ok[None, :]
             q_off = b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :]
             q = tl.load(Q + q_off, mask=qd_mask, other=0.0)
             do = tl.load(DO + q_off, mask=qd_mask, other=0.0)
-            row = (b * heads + h) * seq + offs_m
+            row = (b * heads + h) * seq_q + offs_m
             lse = tl.load(LSE + row, mask=m_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
             delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            vis = (ks[None, :] <= offs_m[:, None]) & (offs_m[:, None] < kl[None, :])
+            vis = (ks[None, :] <= abs_m[:, None]) & (abs_m[:, None] < kl[None, :])
             if WINDOW > 0:
-                pos_m = tl.load(POS + b * sib + offs_m, mask=m_ok, other=0)
+                pos_m = tl.load(POS + b * sib + abs_m, mask=m_ok, other=0)
                 diff = pos_m[:, None] - pos_n[None, :]
                 vis = vis & (diff < WINDOW) & (diff > -WINDOW)
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
@@ -224,24 +229,25 @@ class _TritonAttention(torch.autograd.Function):
         in_dtype = q.dtype
         cd = torch.float32 if in_dtype == torch.float64 else in_dtype
         q, k, v = (x.to(cd).contiguous() for x in (q, k, v))
-        bsz, heads, seq, dim = q.shape
-        kv_heads = k.shape[1]
-        start32 = start.to(torch.int32).contiguous()
-        limit32 = limit.to(torch.int32).contiguous()
+        bsz, heads, seq_q, dim = q.shape
+        kv_heads, seq_k = k.shape[1], k.shape[2]
+        # Same semantics, int32-safe: positions are in [0, seq_k).
+        start32 = start.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
+        limit32 = limit.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
         pos = visibility._positions(start, position_ids) if window is not None else start
         pos32 = pos.to(torch.int32).contiguous()
-        tiles, _ = visibility.block_map(start, limit, block, block, window, position_ids)
+        tiles, _ = visibility.block_map(start, limit, block, block, window, position_ids, seq_q)
         kv_num, kv_idx = visibility.block_indices(tiles)
         q_num, q_idx = visibility.block_indices(tiles.transpose(-1, -2).contiguous())
         n_qb, n_kb = tiles.shape[-2], tiles.shape[-1]
         out = torch.empty_like(q)
-        lse = torch.empty(bsz, heads, seq, dtype=torch.float32, device=q.device)
+        lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
         scale = 1.0 / math.sqrt(dim)
         meta = _launch_args(q, k, start, window, block)
         strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
         _fwd_kernel[(n_qb, bsz * heads)](
             q, k, v, out, lse, start32, limit32, pos32, kv_num.contiguous(), kv_idx.contiguous(),
-            seq, heads, heads // kv_heads, n_kb, scale * LOG2E, *strides, **meta,
+            seq_q, seq_k, heads, heads // kv_heads, n_kb, scale * LOG2E, *strides, **meta,
         )
         ctx.save_for_backward(q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx)
         ctx.meta, ctx.strides, ctx.coeff, ctx.in_dtype = meta, strides, coeff, in_dtype
@@ -250,8 +256,8 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx = ctx.saved_tensors
-        bsz, heads, seq, dim = q.shape
-        kv_heads = k.shape[1]
+        bsz, heads, seq_q, dim = q.shape
+        kv_heads, seq_k = k.shape[1], k.shape[2]
         n_qb, n_kb = kv_idx.shape[-2], kv_idx.shape[-1]
         do = torch.zeros_like(out) if grad_out is None else grad_out.to(q.dtype).contiguous()
         delta = (do.float() * out.float()).sum(-1)
@@ -264,11 +270,11 @@ class _TritonAttention(torch.autograd.Function):
         group = heads // kv_heads
         _bwd_dq_kernel[(n_qb, bsz * heads)](
             q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
-            seq, heads, group, n_kb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
+            seq_q, seq_k, heads, group, n_kb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
         )
         _bwd_dkdv_kernel[(n_kb, bsz * kv_heads)](
             q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
-            seq, heads, kv_heads, group, n_qb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
+            seq_q, seq_k, heads, kv_heads, group, n_qb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
         )
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None

@@ -369,11 +369,14 @@ def block_map(
     block_k: int,
     window: int | None = None,
     position_ids: torch.Tensor | None = None,
+    num_queries: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which (query block, key block) tiles may hold a visible pair, and which are fully visible.
 
-    ``start``/``limit`` are ``[batch, seq]``. Returns bool ``(any, full)`` of shape
-    ``[batch, ceil(T / block_q), ceil(T / block_k)]`` computed from per-key-block min/max of
+    ``start``/``limit`` are ``[batch, seq]``. The queries are the last ``num_queries`` positions
+    (default all ``seq``; fewer when decoding past a cache), tiled from the first of them.
+    Returns bool ``(any, full)`` of shape
+    ``[batch, ceil(num_queries / block_q), ceil(T / block_k)]`` computed from per-key-block min/max of
     start/limit (and per-block min/max of positions with a window): O(T / block) work per tile row,
     never a T x T evaluation. ``any`` is conservative (it may flag a tile without visible pairs),
     ``full`` is exact-safe (every pair of a full tile is visible; the tiles at the ragged end count
@@ -385,9 +388,13 @@ def block_map(
     max_s = _block_reduce(start, block_k, "max", -big)
     min_l = _block_reduce(limit, block_k, "min", big)
     max_l = _block_reduce(limit, block_k, "max", -big)
-    nq = -(-seq // block_q)
-    qs = torch.arange(nq, device=start.device, dtype=torch.int64) * block_q
-    qe = torch.clamp(qs + block_q, max=seq)  # exclusive
+    n_queries = seq if num_queries is None else num_queries
+    offset = seq - n_queries
+    if not 0 <= offset <= seq:
+        raise ValueError(f"num_queries ({num_queries}) must be in [0, seq_len={seq}]")
+    nq = -(-n_queries // block_q)
+    qs = torch.arange(nq, device=start.device, dtype=torch.int64) * block_q + offset
+    qe = torch.clamp(qs + block_q, max=seq)  # exclusive, absolute positions
     qs_, qe_ = qs.view(-1, 1), qe.view(-1, 1)
     ms, xs = min_s.unsqueeze(-2), max_s.unsqueeze(-2)
     ml, xl = min_l.unsqueeze(-2), max_l.unsqueeze(-2)
@@ -399,8 +406,8 @@ def block_map(
         pos = _positions(start, position_ids)
         kmin = _block_reduce(pos, block_k, "min", big).unsqueeze(-2)
         kmax = _block_reduce(pos, block_k, "max", -big).unsqueeze(-2)
-        qmin = _block_reduce(pos, block_q, "min", big).unsqueeze(-1)
-        qmax = _block_reduce(pos, block_q, "max", -big).unsqueeze(-1)
+        qmin = _block_reduce(pos[..., offset:], block_q, "min", big).unsqueeze(-1)
+        qmax = _block_reduce(pos[..., offset:], block_q, "max", -big).unsqueeze(-1)
         # diff = pos_q - pos_k ranges over [qmin - kmax, qmax - kmin]; visible needs |diff| < window.
         any_ &= (qmin - kmax < window) & (qmax - kmin > -window)
         full &= (qmax - kmin < window) & (kmax - qmin < window)
