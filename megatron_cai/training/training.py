@@ -5,6 +5,7 @@ path serves a single CPU process and TP x PP x DP runs on GPU clusters.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.self_attention import SelfAttention
 from . import checkpointing
-from .arguments import padded_vocab_size
+from .arguments import ArgumentError, padded_vocab_size
+from .distill import setup_distillation
 from .initialize import initialize_distributed
 from .logging import TensorBoard, print_rank_0, print_rank_last, training_log_line, validation_log_lines
 
@@ -50,8 +52,12 @@ def config_from_args(args, vocab_size: int) -> GPTConfig:
 def qat_settings(args) -> dict:
     if getattr(args, "qat", "none") == "none":
         return {}
-    return {"fmt": args.qat, "clamp": args.qat_clamp, "alpha": args.qat_clamp_alpha,
-            "static_value": args.qat_static_clamp, "fp8_format": args.fp8_format}
+    settings = {"fmt": args.qat, "clamp": args.qat_clamp, "alpha": args.qat_clamp_alpha,
+                "static_value": args.qat_static_clamp, "fp8_format": args.fp8_format,
+                "granularity": getattr(args, "qat_granularity", "tensor")}
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        settings["gemm_backend"] = "transformer_engine"
+    return settings
 
 
 @dataclass
@@ -96,6 +102,9 @@ class Trainer:
     def __init__(self, args, datasets_provider, forward_step_func, tokenizer=None) -> None:
         self.args = args
         self.env, self.device = initialize_distributed(args)
+        if getattr(args, "transformer_impl", "local") == "transformer_engine" and self.device.type != "cuda":
+            raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
+                                f"{self.device.type}")
         self.tokenizer = tokenizer
         vocab = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
         self.config = config_from_args(args, vocab)
@@ -135,6 +144,7 @@ class Trainer:
             elif not args.finetune:
                 print_rank_0(f" no checkpoint found in {args.load}: starting from scratch")
         train_ds, valid_ds, test_ds = datasets_provider(args, self.tokenizer, self._num_samples())
+        train_ds = setup_distillation(args, self.config, self.device, train_ds)  # teacher samples / teacher
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
         self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
@@ -192,7 +202,17 @@ class Trainer:
         return batches
 
     def _forward_context(self):
-        return device_mod.autocast(self.device, self.args.bf16)
+        autocast = device_mod.autocast(self.device, self.args.bf16)
+        if self.config.qat.get("gemm_backend") != "transformer_engine":
+            return autocast
+        from ..core.quantization.gemm_backends import te_fp8_autocast, te_fp8_recipe
+
+        if not hasattr(self, "_te_recipe"):  # each rank scales by its own amax: no amax collective
+            self._te_recipe = te_fp8_recipe(self.args.fp8_format, reduce_amax=False)
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast)
+        stack.enter_context(te_fp8_autocast(True, recipe=self._te_recipe))
+        return stack
 
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
@@ -214,6 +234,9 @@ class Trainer:
         if finite:
             self.optimizer.step(self.scheduler.get_lr())
             self.scheduler.step()
+        else:
+            for m in self.model:
+                m.reducer.step_skipped()
         return self._average_stats(stats), grad_norm, finite
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:

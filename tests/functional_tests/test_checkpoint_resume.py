@@ -26,7 +26,9 @@ def _losses(results):
     (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
          "--ddp-bucket-size", "2000"], 8),
     (2, ["--pipeline-model-parallel-size", "2"], 8),
-], ids=["single", "tp2dp2_distopt", "pp2"])
+    (2, ["--squinch"], 8),
+    (2, ["--squinch", "--squinch-stochastic-rounding", "--use-distributed-optimizer"], 8),
+], ids=["single", "tp2dp2_distopt", "pp2", "squinch_ef", "squinch_stochastic_distopt"])
 def test_resume_is_bit_exact(tmp_path, world, extra, iters):
     """N iterations straight == N/2, save, exit, resume, N/2 (fp32 CPU, dropout on)."""
     half = iters // 2
@@ -111,7 +113,9 @@ def _nan_worker(rank, world_size, argv, bad_iteration):
     return out
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]], ids=["allreduce", "distopt"])
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"], ["--squinch"],
+                                   ["--squinch", "--use-distributed-optimizer"]],
+                         ids=["allreduce", "distopt", "squinch", "squinch_distopt"])
 def test_nan_on_one_rank_skips_step_everywhere(extra):
     argv = BASE + extra + ["--train-iters", "6"]
     results = run_distributed(_nan_worker, 2, (argv, 3))

@@ -44,6 +44,10 @@ class GradReducer:
     def reduce(self, bucket: Bucket):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def step_skipped(self) -> None:
+        """Called when the optimizer step was skipped (non-finite gradients somewhere)."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 
