@@ -295,8 +295,12 @@ def triton_attention(
     """Fused Triton attention; returns ``(out [B, H, T, D] in q.dtype, lse [B, H, T] fp32)``.
 
     Semantics as :func:`megatron_cai.core.transformer.attention.attend`. ``block`` is the square tile
-    size (default 64 on CUDA, 16 under the interpreter).
+    size (default on CUDA: 64 for 16-bit inputs with head_dim <= 128, else 32; 16 under the
+    interpreter).
     """
     if block is None:
-        block = 64 if q.is_cuda else 16
+        # 64 x 64 tiles fit every recent GPU's shared memory for 16-bit inputs and head_dim <= 128;
+        # fp32 (or wider heads) take 32 x 32 (fp32, head_dim 128 at 64 x 64 needs ~210 KB in dK/dV).
+        small = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128
+        block = (64 if small else 32) if q.is_cuda else 16
     return _TritonAttention.apply(q, k, v, start, limit, position_ids, window, float(zreg_coeff), int(block))
