@@ -211,7 +211,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
     if load_optim and payload.get("optimizer") is not None:
         optimizer.load_state_dict(payload["optimizer"], param_names(model_chunks))
         scheduler.load_state_dict(payload["opt_param_scheduler"])
-    if load_rng:
+    if load_rng and payload.get("rng_state"):  # none in checkpoints imported from Hugging Face
         rngs = payload["rng_state"]
         dp_rank = ps.get_data_parallel_rank()
         rng = rngs[dp_rank] if dp_rank < len(rngs) else rngs[0]

@@ -1,8 +1,11 @@
 """Resume after a layout change: save at (TP, PP, DP) = (2, 2, 1), convert, resume; the losses continue
 exactly like an uninterrupted run (parallel runs are numerically equivalent in fp32 without dropout)."""
+import contextlib
+import io
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -10,6 +13,8 @@ from dist_utils import run_distributed
 from train_utils import TINY_MODEL, last_stage_history, train
 
 from megatron_cai.training.checkpoint_conversion import ConversionError, reshard_checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 
 # MQA (1 KV head): the KV projection is replicated under TP = 2 and split (trivially) under TP = 1.
 BASE = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
@@ -96,8 +101,13 @@ def test_convert_to_dp2_and_back(reference, tmp_path):
 
 def test_convert_to_interleaved_pipeline(reference, tmp_path):
     ckpt, ref = reference
+    import convert_checkpoint  # the CLI
+
     out = str(tmp_path / "pp2_vpp")
-    reshard_checkpoint(ckpt, out, 1, 2, 1, step=3, log=_quiet)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_checkpoint.main(["--load", ckpt, "--save", out, "--ckpt-step", "3",
+                                        "--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size",
+                                        "2", "--target-num-layers-per-virtual-pipeline-stage", "1"]) == 0
     meta = json.load(open(os.path.join(out, "iter_0000003", "metadata.json")))
     assert meta["virtual_pipeline_model_parallel_size"] == 2
     stage0 = torch.load(os.path.join(out, "iter_0000003", "mp_rank_00_000", "model_optim_rng.pt"), weights_only=False)

@@ -1,0 +1,97 @@
+"""Convert checkpoints: reshard TP/PP(/VPP), export to Hugging Face, import from Hugging Face.
+
+Reshard (model, Adam state, scheduler, counters; see docs/conversion.md)::
+
+    python tools/convert_checkpoint.py --load ckpt --save ckpt_tp1 \\
+        --target-tensor-parallel-size 1 --target-pipeline-model-parallel-size 1
+
+Export a checkpoint of any layout to a ``transformers`` model directory::
+
+    python tools/convert_checkpoint.py --to hf --load ckpt --save hf_model [--hf-architecture auto]
+
+Initialise a training checkpoint from a local Hugging Face Llama / GPT-2 / Nemotron directory::
+
+    python tools/convert_checkpoint.py --from hf --load hf_model --save ckpt_init \\
+        --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_cai.training.checkpoint_conversion import (  # noqa: E402
+    ConversionError,
+    read_metadata,
+    read_tracker,
+    reshard_checkpoint,
+)
+from megatron_cai.training.checkpointing import CheckpointError  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--load", required=True, help="source checkpoint directory (or Hugging Face directory)")
+    p.add_argument("--save", required=True, help="output directory")
+    direction = p.add_mutually_exclusive_group()
+    direction.add_argument("--to", choices=["hf"], default=None, help="export to a Hugging Face model directory")
+    direction.add_argument("--from", dest="from_", choices=["hf"], default=None,
+                           help="import a Hugging Face model directory")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                   help="default: the source's (1 for --from hf)")
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
+                   help="default: the source's (1 for --from hf)")
+    p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline chunks of this many layers (as --num-layers-per-virtual-pipeline-stage)")
+    p.add_argument("--target-data-parallel-size", type=int, default=None,
+                   help="recorded in metadata.json only (DP follows the world size at run time)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="source iteration (default: the latest)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="vocabulary padding of the target (default: the source run's, else 128)")
+    p.add_argument("--no-optimizer", action="store_true", help="reshard the model only (drop the Adam state)")
+    p.add_argument("--hf-architecture", default="auto", choices=["auto", "llama", "gpt2", "nemotron", "megatron_cai"],
+                   help="--to hf: the transformers architecture (auto: the first that represents the model exactly)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="--to hf: dtype of the exported weights")
+    p.add_argument("--tokenizer-model", default=None, help="--to hf: override the checkpoint's tokenizer file")
+    p.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.to == "hf":
+            from megatron_cai.interop.hf import export_to_hf
+
+            export_to_hf(a.load, a.save, step=a.ckpt_step, architecture=a.hf_architecture, dtype=a.dtype,
+                         tokenizer_model=a.tokenizer_model, tokenizer_type=a.tokenizer_type)
+        elif a.from_ == "hf":
+            from megatron_cai.interop.hf import import_from_hf
+
+            import_from_hf(a.load, a.save, tp=a.target_tensor_parallel_size or 1,
+                           pp=a.target_pipeline_model_parallel_size or 1,
+                           vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
+                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by or 128)
+        else:
+            tp, pp = a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size
+            if tp is None or pp is None:
+                step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
+                meta = read_metadata(a.load, step) if step is not None else {}
+                tp = tp or meta.get("tensor_model_parallel_size", 1)
+                pp = pp or meta.get("pipeline_model_parallel_size", 1)
+            reshard_checkpoint(a.load, a.save, tp, pp, a.target_num_layers_per_virtual_pipeline_stage,
+                               dp=a.target_data_parallel_size, step=a.ckpt_step, with_optimizer=not a.no_optimizer,
+                               make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    except (ConversionError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
