@@ -96,7 +96,13 @@ def _backend(group) -> str:
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Sum-reduce `input` (world * len(output) elements) and keep this rank's chunk in `output`."""
+    """Sum-reduce `input` (world * len(output) elements) and keep this rank's chunk in `output`.
+
+    On gloo, whose reduce-scatter runs a full all-reduce (twice the bytes), this is an all-to-all
+    followed by a local sum in fp32 in rank order: (n-1)/n of the buffer on the wire, as on NCCL.
+    """
+    if _backend(group) == "gloo":
+        return _a2a_reduce_scatter(output, input, group, async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
         return fn(output, input, group=group, async_op=async_op)
@@ -123,6 +129,35 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Equal-split all-to-all: chunk i of `input` goes to rank i; chunk i of `output` comes from rank i."""
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+class _SumOnWait:
+    def __init__(self, work, recv: torch.Tensor, output: torch.Tensor) -> None:
+        self.work, self.recv, self.output = work, recv, output
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            acc = self.recv[0].float()
+            for chunk in self.recv[1:]:
+                acc = acc + chunk.float()
+            self.output.copy_(acc.view_as(self.output))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None
+
+
+def _a2a_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    world = dist.get_world_size(group)
+    send = input.reshape(world, output.numel()).contiguous()
+    recv = torch.empty_like(send)
+    handle = _SumOnWait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv, output)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 class _DoneWork:
