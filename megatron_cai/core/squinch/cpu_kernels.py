@@ -68,6 +68,8 @@ def _compile(src: str, so_path: str, defines: list[str]) -> str | None:
             cmd = [cc, *base, *arch, *defines, c_path, "-o", tmp_so]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode == 0:
+                if err:
+                    log.warning("squinch: C kernel built without -march=native (slower): %s", err)
                 os.replace(tmp_so, so_path)
                 return None
             err = proc.stderr.strip()[-2000:]

@@ -3,10 +3,13 @@
 Two code paths with the same bytes: a portable one (GCC vector extensions, one 8-element block per
 8-lane vector) and, where the compiler targets AVX-512 (F/BW/VL), an intrinsics path that handles
 two blocks per 16-lane register, finds q by a 4-step binary search with lane permutes of the
-threshold table, and packs nibbles with vpmov*. ``-DSQUINCH_GENERIC`` forces the portable path.
-Tables come from format.py as exact hex float literals.
+threshold table, and packs nibbles with vpmov*; with AVX-512 VBMI it takes 16 blocks per step, finds
+their q_max with vector arithmetic and writes the 96 payload bytes with two byte permutes.
+``-DSQUINCH_GENERIC`` forces the portable path. Tables come from format.py as exact hex float literals.
 """
 from __future__ import annotations
+
+import math
 
 from . import format as fmt
 
@@ -208,47 +211,130 @@ ALWAYS_INLINE uint32_t qmax_of(uint32_t mb) {
     return q > 255 ? 255 : q;
 }
 
+/* max of the |y| bit patterns within each 8-lane half, broadcast to that half */
+ALWAYS_INLINE __m512i halfmax(__m512i bits) {
+    __m512i t = _mm512_max_epu32(bits, _mm512_shuffle_epi32(bits, _MM_PERM_BADC));
+    t = _mm512_max_epu32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+    return _mm512_max_epu32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+/* q for 16 values u (two blocks starting at element e0) */
+ALWAYS_INLINE __m512i quantize16(__m512 u, const int stoch, uint64_t seed, int64_t e0) {
+    const __m512 BT = _mm512_loadu_ps(B_F), LT = _mm512_loadu_ps(L_F);
+    if (!stoch) return search16(u, BT);
+    const __m512i fifteen = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    __m512i a = search16(u, LT);
+    __m512i a1 = _mm512_min_epi32(_mm512_add_epi32(a, one), fifteen);
+    __m512 lo = _mm512_permutexvar_ps(a, LT), hi = _mm512_permutexvar_ps(a1, LT);
+    __m512 p = _mm512_div_ps(_mm512_sub_ps(u, lo), _mm512_sub_ps(hi, lo));
+    __mmask16 up = _mm512_cmp_ps_mask(uniform16(seed, e0), p, _CMP_LT_OQ) & _mm512_cmplt_epi32_mask(a, fifteen);
+    return _mm512_mask_add_epi32(a, up, a, one);
+}
+
+/* the 8 nibble bytes of two blocks (low 64 bits): byte k = q_2k | q_2k+1 << 4 */
+ALWAYS_INLINE __m128i nibbles16(__m512i q) {
+    __m128i qb = _mm512_cvtepi32_epi8(q);  /* byte l = q_l; as 16-bit lanes: q_2k | q_2k+1 << 8 */
+    __m128i nib = _mm_or_si128(_mm_and_si128(qb, _mm_set1_epi16(0x000f)),
+                               _mm_and_si128(_mm_srli_epi16(qb, 4), _mm_set1_epi16(0x00f0)));
+    return _mm_cvtepi16_epi8(nib);
+}
+
+ALWAYS_INLINE __m512 dequant16(__m512 Mv, __m512i q, __mmask16 neg) {
+    __m512i mag = _mm512_castps_si512(_mm512_mul_ps(Mv, _mm512_permutexvar_ps(q, _mm512_loadu_ps(L_F))));
+    return _mm512_castsi512_ps(_mm512_mask_or_epi32(mag, neg, mag, _mm512_set1_epi32((int)0x80000000u)));
+}
+
 /* Encode blocks b and b+1 (16 values of y) into out[0..11]; same bytes as two enc_block calls. */
 ALWAYS_INLINE uint32_t enc_pair(__m512 y, uint8_t *out, const int stoch, uint64_t seed, int64_t e0,
                                 const int want_dec, __m512 *dec) {
-    const __m512 BT = _mm512_loadu_ps(B_F), LT = _mm512_loadu_ps(L_F);
     __m512i bits = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7fffffff));
-    __m512i t = _mm512_max_epu32(bits, _mm512_shuffle_epi32(bits, _MM_PERM_BADC));
-    t = _mm512_max_epu32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
-    t = _mm512_max_epu32(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m512i t = halfmax(bits);
     uint32_t mb0 = (uint32_t)_mm512_cvtsi512_si32(t);
     uint32_t mb1 = (uint32_t)_mm_cvtsi128_si32(_mm512_extracti32x4_epi32(t, 2));
     uint32_t q0 = qmax_of(mb0), q1 = qmax_of(mb1);
     __m512 Mv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(S_F[q0]), _mm512_set1_ps(S_F[q1]));
-    __m512 u = _mm512_div_ps(_mm512_castsi512_ps(bits), Mv);
-    __m512i q;
-    if (!stoch) {
-        q = search16(u, BT);
-    } else {
-        const __m512i fifteen = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
-        __m512i a = search16(u, LT);
-        __m512i a1 = _mm512_min_epi32(_mm512_add_epi32(a, one), fifteen);
-        __m512 lo = _mm512_permutexvar_ps(a, LT), hi = _mm512_permutexvar_ps(a1, LT);
-        __m512 p = _mm512_div_ps(_mm512_sub_ps(u, lo), _mm512_sub_ps(hi, lo));
-        __mmask16 up = _mm512_cmp_ps_mask(uniform16(seed, e0), p, _CMP_LT_OQ) & _mm512_cmplt_epi32_mask(a, fifteen);
-        q = _mm512_mask_add_epi32(a, up, a, one);
-    }
+    __m512i q = quantize16(_mm512_div_ps(_mm512_castsi512_ps(bits), Mv), stoch, seed, e0);
     __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m128i qb = _mm512_cvtepi32_epi8(q);  /* byte l = q_l; as 16-bit lanes: q_2k | q_2k+1 << 8 */
-    __m128i nib = _mm_or_si128(_mm_and_si128(qb, _mm_set1_epi16(0x000f)),
-                               _mm_and_si128(_mm_srli_epi16(qb, 4), _mm_set1_epi16(0x00f0)));
-    uint64_t nb8 = (uint64_t)_mm_cvtsi128_si64(_mm_cvtepi16_epi8(nib));
+    uint64_t nb8 = (uint64_t)_mm_cvtsi128_si64(nibbles16(q));
     uint64_t w0 = (uint64_t)q0 | ((uint64_t)(neg & 0xffu) << 8) | ((nb8 & 0xffffffffu) << 16) |
                   ((uint64_t)q1 << 48) | ((uint64_t)(neg >> 8) << 56);
     uint32_t w1 = (uint32_t)(nb8 >> 32);
     memcpy(out, &w0, 8);
     memcpy(out + 8, &w1, 4);
-    if (want_dec) {
-        __m512i mag = _mm512_castps_si512(_mm512_mul_ps(Mv, _mm512_permutexvar_ps(q, LT)));
-        *dec = _mm512_castsi512_ps(_mm512_mask_or_epi32(mag, neg, mag, _mm512_set1_epi32((int)0x80000000u)));
-    }
+    if (want_dec) *dec = dequant16(Mv, q, neg);
     return mb0 > mb1 ? mb0 : mb1;
 }
+
+#ifdef __AVX512VBMI__
+#define SQ_ENC16 1
+static const uint8_t OUT_IDX[128] = {@OUTIDX@};
+
+ALWAYS_INLINE __m512 lookup256(__m512i idx) {  /* S_F[idx] for idx in 0..255: 8 two-table permutes + blends */
+    __m512 r[8];
+    for (int j = 0; j < 8; j++)
+        r[j] = _mm512_permutex2var_ps(_mm512_loadu_ps(S_F + 32 * j), idx, _mm512_loadu_ps(S_F + 32 * j + 16));
+    __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    for (int j = 0; j < 4; j++) r[j] = _mm512_mask_blend_ps(b5, r[2 * j], r[2 * j + 1]);
+    for (int j = 0; j < 2; j++) r[j] = _mm512_mask_blend_ps(b6, r[2 * j], r[2 * j + 1]);
+    return _mm512_mask_blend_ps(b7, r[0], r[1]);
+}
+
+/* Encode 16 blocks (y[0..7], two blocks each) into out[0..95]: q_max of all 16 blocks at once, the 96
+   payload bytes assembled with two byte permutes. Returns the per-block max |y| bits. */
+ALWAYS_INLINE __m512i enc16(const __m512 *y, uint8_t *out, const int stoch, uint64_t seed, int64_t e0,
+                            const int want_dec, __m512 *dec) {
+    __m512i bits[8], t[8];
+    for (int i = 0; i < 8; i++) {
+        bits[i] = _mm512_and_si512(_mm512_castps_si512(y[i]), _mm512_set1_epi32(0x7fffffff));
+        t[i] = halfmax(bits[i]);
+    }
+    /* lane k of mb = max |y| bits of block k (lane 0 / 8 of t[k / 2]) */
+    const __m512i I1 = _mm512_setr_epi32(0, 8, 16, 24, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i I2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i I3 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    __m512i a0 = _mm512_permutex2var_epi32(t[0], I1, t[1]), a1 = _mm512_permutex2var_epi32(t[2], I1, t[3]);
+    __m512i a2 = _mm512_permutex2var_epi32(t[4], I1, t[5]), a3 = _mm512_permutex2var_epi32(t[6], I1, t[7]);
+    __m512i mb = _mm512_permutex2var_epi32(_mm512_permutex2var_epi32(a0, I2, a1), I3,
+                                           _mm512_permutex2var_epi32(a2, I2, a3));
+    /* q_max = (k - 1) + (S[k - 1] <= m), k = round(6 ln m + 129) estimated from the bits of m read as a
+       linear log2 (error < 0.36 < 0.5, so only the boundary between k - 1 and k is in doubt; NaN/Inf bits
+       lie above every S and give 255); S lookups by lane permutes, not gathers (slow on some CPUs) */
+    __m512 est = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepu32_ps(mb), _mm512_set1_ps(@LOGC1@)),
+                               _mm512_set1_ps(@LOGC0@));
+    __m512i k = _mm512_cvt_roundps_epi32(est, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    k = _mm512_min_epi32(_mm512_max_epi32(k, _mm512_set1_epi32(1)), _mm512_set1_epi32(255));
+    __m512i km1 = _mm512_sub_epi32(k, _mm512_set1_epi32(1));
+    __m512 s_lo = lookup256(km1), s_hi = lookup256(k);
+    __mmask16 up = _mm512_cmple_epu32_mask(_mm512_castps_si512(s_lo), mb);
+    __m512i qm = _mm512_mask_add_epi32(km1, up, km1, _mm512_set1_epi32(1));
+    __m512 M = _mm512_mask_blend_ps(up, s_lo, s_hi);
+    const __m512i EXP = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m128i nib[8];
+    uint64_t sg[2] = {0, 0};
+    for (int i = 0; i < 8; i++) {
+        __m512 Mv = _mm512_permutexvar_ps(_mm512_add_epi32(EXP, _mm512_set1_epi32(2 * i)), M);
+        __m512i q = quantize16(_mm512_div_ps(_mm512_castsi512_ps(bits[i]), Mv), stoch, seed, e0 + 16 * i);
+        __mmask16 neg = _mm512_cmp_ps_mask(y[i], _mm512_setzero_ps(), _CMP_LT_OQ);
+        sg[i >> 2] |= (uint64_t)neg << (16 * (i & 3));
+        nib[i] = nibbles16(q);
+        if (want_dec) dec[i] = dequant16(Mv, q, neg);
+    }
+    __m512i NIB = _mm512_castsi128_si512(_mm_unpacklo_epi64(nib[0], nib[1]));
+    NIB = _mm512_inserti32x4(NIB, _mm_unpacklo_epi64(nib[2], nib[3]), 1);
+    NIB = _mm512_inserti32x4(NIB, _mm_unpacklo_epi64(nib[4], nib[5]), 2);
+    NIB = _mm512_inserti32x4(NIB, _mm_unpacklo_epi64(nib[6], nib[7]), 3);
+    /* bytes 0..15: q_max of blocks 0..15, bytes 16..31: their sign bytes */
+    __m512i QS = _mm512_inserti32x4(_mm512_castsi128_si512(_mm512_cvtepi32_epi8(qm)),
+                                    _mm_set_epi64x((long long)sg[1], (long long)sg[0]), 1);
+    __m512i o0 = _mm512_permutex2var_epi8(NIB, _mm512_loadu_si512((const void *)OUT_IDX), QS);
+    __m512i o1 = _mm512_permutex2var_epi8(NIB, _mm512_loadu_si512((const void *)(OUT_IDX + 64)), QS);
+    _mm512_storeu_si512((void *)out, o0);
+    _mm256_storeu_si256((__m256i *)(out + 64), _mm512_castsi512_si256(o1));
+    return mb;
+}
+#endif
 
 ALWAYS_INLINE __m512 dec_pair(const uint8_t *p) {  /* blocks at p[0..5] and p[6..11] */
     const __m512 LT = _mm512_loadu_ps(L_F);
@@ -270,6 +356,21 @@ ALWAYS_INLINE uint32_t encode_impl(const void *g, const int gdt, void *res, cons
     uint32_t mbmax = 0;
     int64_t full = n / 8 < b1 ? n / 8 : b1;  /* blocks [b0, full) hold 8 elements */
     int64_t b = b0;
+#ifdef SQ_ENC16
+    __m512i vmax = _mm512_setzero_si512();
+    for (; b + 15 < full; b += 16) {
+        int64_t e0 = b * 8;
+        __m512 y[8], dec[8];
+        for (int i = 0; i < 8; i++) {
+            y[i] = ld16(g, gdt, e0 + 16 * i);
+            if (rdt >= 0) y[i] = _mm512_add_ps(y[i], ld16(res, rdt, e0 + 16 * i));
+        }
+        vmax = _mm512_max_epu32(vmax, enc16(y, out + 6 * b, stoch, seed, e0, rdt >= 0, dec));
+        if (rdt >= 0)
+            for (int i = 0; i < 8; i++) st16(res, rdt, e0 + 16 * i, _mm512_sub_ps(y[i], dec[i]));
+    }
+    mbmax = _mm512_reduce_max_epu32(vmax);
+#endif
 #ifdef SQ_AVX512
     for (; b + 1 < full; b += 2) {
         int64_t e0 = b * 8;
@@ -308,8 +409,10 @@ ALWAYS_INLINE uint32_t encode_impl(const void *g, const int gdt, void *res, cons
 #define ENC_CASES_R(G, R) ENC_CASE(G, R, 0) ENC_CASE(G, R, 1)
 #define ENC_CASES_G(G) ENC_CASES_R(G, -1) ENC_CASES_R(G, 0) ENC_CASES_R(G, 1)
 
-int sq_variant(void) {
-#ifdef SQ_AVX512
+int sq_variant(void) {  /* 0 portable, 1 AVX-512 pairs, 2 AVX-512 pairs + 16-block VBMI path */
+#if defined(SQ_ENC16)
+    return 2;
+#elif defined(SQ_AVX512)
     return 1;
 #else
     return 0;
@@ -372,6 +475,16 @@ void sq_decode(const uint8_t *p, int64_t W, int64_t stride, int64_t n, int64_t b
 """
 
 
+def _out_index() -> list[int]:
+    """vpermt2b indices assembling 16 blocks' 96 payload bytes from NIB (64 nibble bytes, block k at
+    4k..4k+3) and QS (q_max of block k at byte k, its sign byte at 16 + k; second source, +64)."""
+    idx = []
+    for o in range(128):
+        k, pos = divmod(min(o, 95), 6)
+        idx.append(64 + k if pos == 0 else 80 + k if pos == 1 else 4 * k + pos - 2)
+    return idx
+
+
 def c_source() -> str:
     """The C source with the format tables filled in (hex float literals, exact)."""
 
@@ -380,6 +493,9 @@ def c_source() -> str:
 
     return (
         _C_TEMPLATE.replace("@QTAB@", ", ".join(str(v) for v in fmt.QMAX_BUCKET))
+        .replace("@OUTIDX@", ", ".join(str(v) for v in _out_index()))
+        .replace("@LOGC1@", (6 * math.log(2) / 2**23).hex() + "f")  # 6 ln(m) ~ 6 ln2 (bits(m) / 2^23 - 127)
+        .replace("@LOGC0@", (129 - 127 * 6 * math.log(2)).hex() + "f")
         .replace("@SBITS@", ", ".join(f"0x{v:08x}u" for v in fmt.S_BITS_EXT))
         .replace("@S@", floats(fmt.S))
         .replace("@B@", floats(fmt.B))
