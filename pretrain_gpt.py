@@ -13,6 +13,7 @@ import torch
 
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import ArgumentError, parse_args
+from megatron_cai.training.distill import get_distiller
 from megatron_cai.training.training import pretrain
 
 
@@ -30,6 +31,9 @@ def forward_step(data_iterator, model):
     visibility = None
     if "visibility_start" in batch:
         visibility = (batch["visibility_start"], batch["visibility_limit"])
+    distiller = get_distiller()
+    if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage
+        return distiller.forward(model, batch, visibility)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility)
     return output, functools.partial(loss_func, batch["loss_mask"])
 

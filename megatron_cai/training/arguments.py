@@ -221,6 +221,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--qat-clamp static needs --qat-static-clamp C")
     if args.distill_samples and args.distill_teacher_load:
         raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
+    if args.distill_samples or args.distill_teacher_load:
+        from .distill import validate_distill_args
+
+        try:
+            validate_distill_args(args)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
     return args
 
 

@@ -1,0 +1,272 @@
+"""Knowledge distillation in the training loop: offline (stored teacher samples) and online (a live teacher).
+
+Loss per micro-batch, with masked token means as for the plain LM loss::
+
+    loss = (1 - alpha) * CE + alpha * KD
+
+``CE`` is the usual vocab-parallel cross entropy (logged as ``lm loss``, so curves stay comparable with
+plain runs), ``KD`` the distillation loss (logged as ``distill loss``; its cross-entropy form, i.e. the KL
+plus the teacher entropy) and ``distill kl`` the matching estimate of KL(teacher || student). The student
+always normalises over its full real vocabulary (padded rows are excluded, as in the CE). No ``tau**2``
+factor is applied; scale ``alpha`` yourself when distilling at ``tau != 1``.
+
+* **offline** (``--distill-samples PATH``): the train dataset is wrapped in a
+  :class:`~megatron_cai.core.distillation.dataset.TeacherSamplesDataset`, so each batch carries the stored
+  ids/logits/kappa/lse of its samples; KD is the sparse loss with ``--distill-estimator`` weights.
+* **online** (``--distill-teacher-load DIR``): a teacher checkpoint (any TP/PP layout) is loaded on every
+  rank of the last pipeline stage, sharded over the student's tensor-parallel group exactly like the
+  student's own layers (so its logits are vocab-parallel and line up with the student's shards), and run
+  under ``no_grad`` on each micro-batch. ``--distill-estimator full`` uses its whole distribution; the
+  other estimators draw ``--distill-k`` ids per position with Gumbel-top-k (``topk``: the k largest) from
+  the same counter-based noise as ``tools/dump_teacher_samples.py`` (seed ``--seed``, row key
+  ``sample_index * seq_length + position``), so an online run sees the samples an offline dump would
+  store, on any TP/PP/DP layout. The teacher must fit the student's TP size (heads divisible by TP).
+
+Validation batches carry no teacher samples: evaluation reports the plain ``lm loss``. Distillation applies
+to the train split only, which is what the store is keyed by (its global sample index).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..core import parallel_state as ps
+from ..core.distillation import (
+    counter_gumbel,
+    full_kd_loss,
+    gumbel_topk,
+    sparse_kd_loss,
+    topk_select,
+    vocab_parallel_full_kd_loss,
+    vocab_parallel_gumbel_topk,
+    vocab_parallel_sparse_kd_loss,
+)
+from ..core.distillation.dataset import DISTILL_KEYS, TeacherSamplesDataset, open_teacher_samples
+from ..core.models.gpt.config import GPTConfig
+from ..core.models.gpt.model import GPTModel
+from ..core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..core.tensor_parallel.utils import shard_tensor
+
+__all__ = ["Distiller", "build_teacher", "get_distiller", "set_distiller", "setup_distillation",
+           "validate_distill_args"]
+
+_PADDING_LOGIT = -1e9  # student logits of padded vocab rows: exp() underflows to 0, and 0 * it stays finite
+_ACTIVE: Distiller | None = None
+
+
+def set_distiller(distiller: Distiller | None) -> None:
+    """Make ``distiller`` the one ``pretrain_gpt.forward_step`` uses (None: plain LM training)."""
+    global _ACTIVE
+    _ACTIVE = distiller
+
+
+def get_distiller() -> Distiller | None:
+    return _ACTIVE
+
+
+def validate_distill_args(args) -> None:
+    """Reject distillation flags that cannot work (raises ValueError naming the flag)."""
+    if not (args.distill_samples or args.distill_teacher_load):
+        return
+    if not 0.0 <= args.distill_alpha <= 1.0:
+        raise ValueError(f"--distill-alpha must be in [0, 1], got {args.distill_alpha}")
+    if not args.distill_temperature > 0:
+        raise ValueError(f"--distill-temperature must be > 0, got {args.distill_temperature}")
+    if args.distill_k < 1:
+        raise ValueError(f"--distill-k must be >= 1, got {args.distill_k}")
+    if args.distill_estimator == "full" and not args.distill_teacher_load:
+        raise ValueError("--distill-estimator full needs the whole teacher distribution: use it with "
+                         "--distill-teacher-load (online); stored samples support priority|self-normalized|topk")
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+# ------------------------------------------------------------------------------------------- teacher
+def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "cpu",
+                  attention_backend: str | None = None) -> GPTModel:
+    """A whole (all layers) GPTModel from a canonical checkpoint, sharded over this process's TP group.
+
+    ``ck`` is a :class:`~megatron_cai.training.checkpoint_conversion.CanonicalCheckpoint` (any saved
+    layout). Vocabulary rows are re-padded to ``padded_vocab_size``; dropout and training-only terms are
+    off; the model is in eval mode with ``requires_grad=False``. The global RNG state is left untouched.
+    """
+    from ..core.models.gpt.model import WORD_EMBEDDINGS
+    from .checkpoint_conversion import OUTPUT_WEIGHT, fit_vocab_rows
+
+    cfg = GPTConfig.from_dict(ck.config.to_dict())
+    cfg.padded_vocab_size = padded_vocab_size
+    cfg.sequence_parallel = False
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    cfg.attention_zreg_coeff = cfg.output_zreg_coeff = 0.0
+    cfg.attention_backend = attention_backend
+    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.random.fork_rng(devices=[]):  # nn.Embedding etc. draw from the global RNG when built
+        model = GPTModel(cfg, pre_process=True, post_process=True)
+    if cfg.qat:
+        from ..core.quantization.qat_linear import apply_qat
+
+        apply_qat(model, cfg.qat)
+    params = dict(model.named_parameters())
+    state = {}
+    for name, own in model.state_dict().items():
+        if name not in ck.model:
+            raise ValueError(f"teacher checkpoint lacks {name!r} (it has {len(ck.model)} tensors)")
+        full = ck.model[name]
+        if name in (WORD_EMBEDDINGS, OUTPUT_WEIGHT):
+            full = fit_vocab_rows(full, padded_vocab_size)
+        p = params.get(name)
+        if p is not None and getattr(p, "tp_dim", None) is not None and tp > 1:
+            full = shard_tensor(full, p.tp_dim, tp_rank, tp, getattr(p, "tp_sections", None))
+        if tuple(full.shape) != tuple(own.shape):
+            raise ValueError(f"teacher tensor {name!r} has shape {tuple(full.shape)}, the model expects "
+                             f"{tuple(own.shape)}")
+        state[name] = full
+    model.load_state_dict(state)
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int | None = None) -> GPTModel:
+    """Load the checkpoint at ``path`` (any TP/PP layout) as an online teacher for ``student``."""
+    from .checkpoint_conversion import load_canonical
+
+    ck = load_canonical(path, step, load_optimizer=False)
+    if ck.config.vocab_size != student.vocab_size:
+        raise ValueError(f"--distill-teacher-load {path}: the teacher's vocabulary has {ck.config.vocab_size} "
+                         f"tokens, the student's {student.vocab_size}: they must share the tokenizer")
+    return build_teacher(ck, padded_vocab_size=student.padded_vocab_size, device=device,
+                         attention_backend=student.attention_backend)
+
+
+# -------------------------------------------------------------------------------------------- losses
+def _vocab_range(logits: torch.Tensor) -> tuple[int, int]:
+    n_local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * n_local
+    return start, start + n_local
+
+
+def _mask_padding(logits: torch.Tensor, vocab_size: int, value: float) -> torch.Tensor:
+    """Vocab-parallel logits with the columns of padded rows (ids >= vocab_size) set to ``value``."""
+    start, end = _vocab_range(logits)
+    if end <= vocab_size:
+        return logits
+    pad = torch.arange(start, end, device=logits.device) >= vocab_size
+    return logits.float().masked_fill(pad, value)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def distill_loss_func(loss_mask: torch.Tensor, kd: torch.Tensor, kl: torch.Tensor, alpha: float,
+                      ce: torch.Tensor):
+    """``(1 - alpha) * CE + alpha * KD`` (masked token means) and the logged stats."""
+    mask = loss_mask.float()
+    lm = (ce.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    kd_mean = _masked_mean(kd, mask)
+    loss = (1.0 - alpha) * lm + alpha * kd_mean
+    return loss, {"lm loss": lm.detach(), "distill loss": kd_mean.detach(),
+                  "distill kl": _masked_mean(kl.detach(), mask)}
+
+
+class Distiller:
+    """Computes CE + KD for the last pipeline stage (see the module docstring)."""
+
+    def __init__(self, *, alpha: float, tau: float, estimator: str, k: int, seed: int,
+                 teacher: GPTModel | None = None) -> None:
+        self.alpha, self.tau, self.estimator, self.k, self.seed = alpha, tau, estimator, k, seed
+        self.teacher = teacher
+
+    def applies(self, model, batch: dict) -> bool:
+        """True on the last stage for batches of the train split (they carry ``distill_index``)."""
+        return _unwrap(model).post_process and "distill_index" in batch
+
+    def forward(self, model, batch: dict, visibility=None):
+        """Student forward + CE + KD; returns ``(per-token CE, loss_func)`` for the schedule."""
+        cfg = _unwrap(model).config
+        logits = model(batch["tokens"], batch["position_ids"], visibility=visibility)  # [b, s, V/TP]
+        ce = vocab_parallel_cross_entropy(logits, batch["labels"], cfg.vocab_size, cfg.output_zreg_coeff)
+        if self.teacher is None:
+            sample = tuple(batch[k] for k in DISTILL_KEYS)
+            kd, kl = self._sparse(logits, sample, cfg.vocab_size, self.estimator)
+        else:
+            kd, kl = self._online(logits, batch, visibility, cfg.vocab_size)
+        return ce, functools.partial(distill_loss_func, batch["loss_mask"], kd, kl, self.alpha)
+
+    def _sparse(self, logits, sample, vocab_size: int, estimator: str):
+        ids, tl, kappa, lse = sample
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return sparse_kd_loss(logits[..., :vocab_size], ids, tl, kappa, lse, estimator=estimator, tau=self.tau)
+        student = _mask_padding(logits, vocab_size, _PADDING_LOGIT)
+        return vocab_parallel_sparse_kd_loss(student, ids, tl, kappa, lse, group=ps.get_tensor_model_parallel_group(),
+                                             estimator=estimator, tau=self.tau)
+
+    @torch.no_grad()
+    def _teacher_sample(self, t_logits, rows, vocab_size: int):
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp == 1:
+            t = t_logits[..., :vocab_size]
+            if self.estimator == "topk":
+                return topk_select(t, self.k, tau=self.tau)
+            return gumbel_topk(t, self.k, tau=self.tau, gumbel=counter_gumbel(self.seed, rows, vocab_size))
+        start, end = _vocab_range(t_logits)
+        noise = (torch.zeros(t_logits.shape, device=t_logits.device) if self.estimator == "topk"
+                 else counter_gumbel(self.seed, rows, end, vocab_start=start))  # zero noise: plain top-k
+        return vocab_parallel_gumbel_topk(t_logits, self.k, group=ps.get_tensor_model_parallel_group(),
+                                          tau=self.tau, vocab_size=vocab_size, gumbel=noise)
+
+    def _online(self, logits, batch, visibility, vocab_size: int):
+        with torch.no_grad():
+            t_logits = self.teacher(batch["tokens"], batch["position_ids"], visibility=visibility)
+        tp = ps.get_tensor_model_parallel_world_size()
+        if self.estimator == "full":
+            if tp == 1:
+                return full_kd_loss(logits[..., :vocab_size], t_logits[..., :vocab_size], self.tau)
+            return vocab_parallel_full_kd_loss(_mask_padding(logits, vocab_size, _PADDING_LOGIT),
+                                               _mask_padding(t_logits, vocab_size, float("-inf")), self.tau,
+                                               group=ps.get_tensor_model_parallel_group())
+        seq = batch["tokens"].shape[1]
+        rows = batch["distill_index"].long().unsqueeze(1) * seq + torch.arange(seq, device=t_logits.device)
+        sample = self._teacher_sample(t_logits, rows, vocab_size)
+        return self._sparse(logits, sample, vocab_size, self.estimator)
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def setup_distillation(args, config: GPTConfig, device: torch.device, train_ds, tokenizer=None):
+    """Register the run's :class:`Distiller` (or None) and return the train dataset to use.
+
+    Offline: opens and checks ``--distill-samples`` against the train split and wraps it. Online: loads
+    the teacher on the last pipeline stage and wraps the train split to carry sample indices.
+    """
+    set_distiller(None)
+    if not (args.distill_samples or args.distill_teacher_load) or train_ds is None:
+        return train_ds
+    validate_distill_args(args)
+    teacher = None
+    if args.distill_samples:
+        from ..core.datasets.indexed_dataset import get_idx_path
+
+        prefix = getattr(train_ds, "dataset_path", None)
+        if prefix is None:
+            raise ValueError("--distill-samples needs a single preprocessed --data-path prefix (not mock or "
+                             "blended data)")
+        store = open_teacher_samples(
+            args.distill_samples, train_ds, idx_path=get_idx_path(prefix), seq_length=args.seq_length,
+            vocab_size=config.vocab_size, tau=args.distill_temperature, estimator=args.distill_estimator,
+            num_samples=args.train_iters * args.global_batch_size)
+        wrapped = TeacherSamplesDataset(train_ds, store)
+    else:
+        if not os.path.isdir(args.distill_teacher_load):
+            raise FileNotFoundError(f"--distill-teacher-load {args.distill_teacher_load}: no such directory")
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            teacher = load_teacher(args.distill_teacher_load, config, device)
+        wrapped = TeacherSamplesDataset(train_ds)
+    set_distiller(Distiller(alpha=args.distill_alpha, tau=args.distill_temperature,
+                            estimator=args.distill_estimator, k=args.distill_k, seed=args.seed, teacher=teacher))
+    return wrapped
