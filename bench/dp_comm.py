@@ -1,0 +1,129 @@
+"""Bytes each rank sends for gradient reduction per iteration, measured, against the formulas.
+
+For DP = 2, 4, 8 (gloo on this CPU) and each reducer (all-reduce / reduce-scatter in fp32 and bf16,
+Squinch all-reduce / reduce-scatter) this trains a small GPT for two iterations and records, around
+the gradient reduction of each iteration (``finish_grad_sync``, overlap off):
+
+- measured: the bytes this process wrote to its sockets (``wchar`` of /proc/self/io, all threads),
+- accounted: what the reducer reports (the ``grad comm bytes`` of the log line),
+- formula: 2(n-1)/n * S for all-reduce and (n-1)/n * S for reduce-scatter, S the bucket bytes on the
+  wire (elements x 4 for fp32, x 2 for bf16, x 6/8 for Squinch plus one flag byte per row).
+
+    python bench/dp_comm.py            # writes bench/results/dp_comm.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_cai.testing.distributed import run_distributed  # noqa: E402
+
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+         "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
+         "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+
+REDUCERS = {
+    "all-reduce fp32": [],
+    "all-reduce bf16": ["--grad-reduce-in-bf16"],
+    "reduce-scatter fp32": ["--use-distributed-optimizer"],
+    "reduce-scatter bf16": ["--use-distributed-optimizer", "--grad-reduce-in-bf16"],
+    "squinch all-reduce": ["--squinch"],
+    "squinch reduce-scatter": ["--squinch", "--use-distributed-optimizer"],
+}
+
+
+def _wchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar"):
+                return int(line.split()[1])
+    raise RuntimeError("no wchar in /proc/self/io")
+
+
+def _worker(rank, world, argv):
+    import pretrain_gpt
+    from megatron_cai.training.arguments import parse_args
+    from megatron_cai.training.training import Trainer
+
+    args = parse_args(argv, world_size=world)
+    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
+                      pretrain_gpt.build_tokenizer_from_args(args))
+    ddp = trainer.model[0]
+    measured, accounted = [], []
+    original = ddp.finish_grad_sync
+
+    def finish():
+        before_io, before_acc = _wchar(), ddp.grad_comm_bytes
+        original()
+        measured.append(_wchar() - before_io)
+        accounted.append(ddp.grad_comm_bytes - before_acc)
+
+    ddp.finish_grad_sync = finish
+    trainer.train()
+    buckets = [(b.numel, ddp.buffer.grad_data.element_size()) for b in ddp.buffer.buckets]
+    return {"measured": measured, "accounted": accounted, "buckets": buckets}
+
+
+def formula(name: str, n: int, buckets: list[tuple[int, int]]) -> float:
+    rs = "reduce-scatter" in name
+    total = 0.0
+    for numel, elem in buckets:
+        if name.startswith("squinch"):
+            rows = (n - 1) * (1 if rs else 2)  # rows sent (each with one flag byte)
+            total += (1 if rs else 2) * (n - 1) / n * numel * 6 / 8 + rows
+        else:
+            total += (1 if rs else 2) * (n - 1) / n * numel * elem
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, nargs="*", default=[2, 4, 8])
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "dp_comm"))
+    opts = p.parse_args()
+    rows = []
+    for n in opts.dp:
+        for name, flags in REDUCERS.items():
+            res = run_distributed(_worker, n, (MODEL + ["--global-batch-size", str(2 * n)] + flags,),
+                                  env={"OMP_NUM_THREADS": "1"})[0]
+            f = formula(name, n, res["buckets"])
+            row = {"dp": n, "reducer": name, "elements": sum(b[0] for b in res["buckets"]),
+                   "formula_bytes": f, "accounted_bytes": res["accounted"][-1],
+                   "measured_bytes": res["measured"][-1], "measured_over_formula": res["measured"][-1] / f}
+            rows.append(row)
+            print(f"DP={n} {name:24s} formula {f:12.0f}  accounted {row['accounted_bytes']:10d}  "
+                  f"measured {row['measured_bytes']:10d}  ratio {row['measured_over_formula']:.4f}", flush=True)
+    by = {(r["dp"], r["reducer"]): r for r in rows}
+    for r in rows:
+        if r["reducer"].startswith("squinch"):
+            kind = "reduce-scatter" if "scatter" in r["reducer"] else "all-reduce"
+            r["vs_bf16_measured"] = r["measured_bytes"] / by[r["dp"], f"{kind} bf16"]["measured_bytes"]
+            r["vs_fp32_measured"] = r["measured_bytes"] / by[r["dp"], f"{kind} fp32"]["measured_bytes"]
+            r["vs_bf16_accounted"] = r["accounted_bytes"] / by[r["dp"], f"{kind} bf16"]["accounted_bytes"]
+    lines = ["# Gradient bytes per rank per iteration (gloo, CPU)", "",
+             f"Model: {rows[0]['elements']:,} gradient elements (padded buckets). Measured = bytes written to "
+             "sockets by the rank during gradient reduction (/proc/self/io wchar). Formula: 2(n-1)/n S "
+             "(all-reduce), (n-1)/n S (reduce-scatter); Squinch S = 6/8 byte per element + 1 flag byte per row.",
+             "", "| DP | reducer | formula bytes | accounted (log line) | measured | measured / formula | "
+             "Squinch / bf16 (measured) | Squinch / fp32 (measured) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sq = (f"{r['vs_bf16_measured']:.4f} (6/16 = 0.3750) | {r['vs_fp32_measured']:.4f} (6/32 = 0.1875)"
+              if "vs_bf16_measured" in r else " | ")
+        lines.append(f"| {r['dp']} | {r['reducer']} | {r['formula_bytes']:.0f} | {r['accounted_bytes']} | "
+                     f"{r['measured_bytes']} | {r['measured_over_formula']:.4f} | {sq} |")
+    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
+    with open(opts.out + ".json", "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(opts.out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

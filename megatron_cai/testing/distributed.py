@@ -1,0 +1,94 @@
+"""Run a function in N CPU processes joined by a gloo process group (tests and benchmarks).
+
+Usage in a test::
+
+    def _worker(rank, world_size, tmp):       # module-level so it pickles
+        ...                                    # torch.distributed is initialised here
+        return some_picklable_result
+
+    results = run_distributed(_worker, world_size=4, args=(tmp,))   # list indexed by rank
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, env: dict) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from megatron_cai.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:  # noqa: BLE001
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict | None = None,
+                    timeout: float = 600.0) -> list[Any]:
+    """Spawn `world_size` gloo ranks running `fn(rank, world_size, *args)`; return their results by rank.
+
+    Any exception in a rank fails the test with that rank's traceback; a hang fails after `timeout` s.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, env or {}))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    deadline = time.time() + timeout
+    try:
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    errors.append(f"rank(s) {dead} died with exit code(s) {[procs[r].exitcode for r in dead]}")
+                elif time.time() > deadline:
+                    errors.append(f"timed out after {timeout} s waiting for ranks "
+                                  f"{sorted(set(range(world_size)) - set(results))}")
+                continue
+            if status == "error":
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
