@@ -181,6 +181,13 @@ def edge_cases(seed: int = 0) -> dict[str, torch.Tensor]:
     c["subnormals"] = torch.cat([sub, tiny, sub[:8] + 1e-38])
     c["s_grid"] = as_tensor(_grid_hits(g))
     c["b_thresholds"] = as_tensor(_threshold_hits(g))
+    # a dense sweep of u = |x| / M over [0, 0.9): 7 values per block, block max 0.9 * M (M = 1 and M = S[200])
+    sweep = torch.cat([torch.linspace(0.0, 0.9, 8001)[:-1], torch.logspace(-9, -0.05, 2500)])
+    sweep = sweep[torch.randperm(sweep.numel(), generator=g)][: 7 * (sweep.numel() // 7)].view(-1, 7)
+    for name, M in (("dense_u_sweep", 1.0), ("dense_u_sweep_S200", S[200])):
+        head = torch.full((sweep.shape[0], 1), f32(0.9 * M))
+        c[name] = torch.cat([head, sweep * M * torch.where(torch.rand(sweep.shape, generator=g) < 0.5, -1.0, 1.0)],
+                            dim=1).reshape(-1)
     big = [FLT_MAX, -FLT_MAX, from_bits32(0x7F7FFFFE), 1.0, -2.0, 0.0, 1e-3, 1e38]
     above = [1.6e9, -1.6e9, 1e10, 1e20, -1e30, 1.0, 1e9, 0.5, 1.5579968e9, 1.558e9, 1.0, 2.0, 3.0, 4.0, 5.0,
              6.0]
