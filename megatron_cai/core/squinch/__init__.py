@@ -9,9 +9,17 @@ API::
 
 Backends: "torch" (vectorized reference, any device), "cpu" (C kernel built with the system compiler
 on first use; falls back to "torch" with one warning), "triton" (CUDA, or CPU under
-TRITON_INTERPRET=1). None picks triton on CUDA tensors and cpu on CPU tensors. Deterministic
-payloads and all decoded values are bit-identical across backends; stochastic payloads are
-reproducible for a given generator per backend, not across backends.
+TRITON_INTERPRET=1). None picks triton on CUDA tensors and cpu on CPU tensors
+(MEGATRON_CAI_SQUINCH_CPU=0 disables the C kernel). Deterministic payloads, residuals and all decoded
+values are bit-identical across backends; stochastic payloads are reproducible for a given generator
+per backend, not across backends.
+
+Non-finite input: `nonfinite` is a 0-dim bool tensor (no host sync on CUDA). The payload stays defined
+(blocks holding NaN/Inf get q_max = 255, NaN -> q 0, Inf -> q 15) but meaningless; the residual keeps
+NaN/Inf where y had them. The caller skips the step on every rank and zeroes the residual.
+
+Summation order of decode_accumulate: s = ((d_0 + d_1) + d_2) + ... + d_{W-1} in fp32, then
+out = out + s; the torch reference reproduces it bit for bit.
 """
 from .codec import BACKENDS, decode, decode_accumulate, encode, encode_with_feedback, resolve_backend
 from .format import BLOCK, BLOCK_BYTES, VERSION, n_blocks, payload_nbytes
