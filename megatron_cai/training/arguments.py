@@ -91,10 +91,16 @@ def _training(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("quantization-aware training")
     q.add_argument("--qat", choices=["none", "int8", "fp8"], default="none")
     q.add_argument("--qat-clamp", choices=["absmax", "static", "rms", "weight-rms"], default="rms")
-    q.add_argument("--qat-clamp-alpha", type=float, default=None)
-    q.add_argument("--qat-static-clamp", type=float, default=None, help="c for --qat-clamp static")
+    q.add_argument("--qat-clamp-alpha", type=float, default=None,
+                   help="c = alpha x RMS for rms / weight-rms (default: 12 for int8, 32 for fp8)")
+    q.add_argument("--qat-granularity", choices=["tensor", "row", "block"], default="tensor",
+                   help="one activation clamp per tensor, per token (row) or per 128 elements (block)")
+    q.add_argument("--qat-static-clamp", type=float, default=None,
+                   help="c for --qat-clamp static (default: calibrated once, the absmax of the first batch)")
     q.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default="hybrid")
-    q.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    q.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="transformer_engine: with --qat fp8 on CUDA, the linears' GEMMs run in Transformer "
+                        "Engine under its FP8 autocast (TE's scaling, not the clamp rules)")
     d = p.add_argument_group("distillation")
     d.add_argument("--distill-samples", default=None, help="teacher-sample sidecar (tools/dump_teacher_samples.py)")
     d.add_argument("--distill-teacher-load", default=None, help="online distillation from this checkpoint")
@@ -217,8 +223,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
-    if args.qat_clamp == "static" and args.qat != "none" and args.qat_static_clamp is None:
-        raise ArgumentError("--qat-clamp static needs --qat-static-clamp C")
+    if args.transformer_impl == "transformer_engine":
+        from ..core.quantization.gemm_backends import transformer_engine_available
+
+        if args.qat != "fp8":
+            raise ArgumentError(f"--transformer-impl transformer_engine runs the linears in FP8 through "
+                                f"Transformer Engine: use it with --qat fp8 (got --qat {args.qat})")
+        if not transformer_engine_available():
+            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
+                                "(pip install transformer_engine[pytorch]), which is not installed; use "
+                                "--transformer-impl local for fake-quantized FP8 QAT")
+        if args.device == "cpu":
+            raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")
     if args.distill_samples and args.distill_teacher_load:
         raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
     if args.distill_samples or args.distill_teacher_load:

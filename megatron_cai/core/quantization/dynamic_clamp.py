@@ -29,9 +29,11 @@ all-reduced, so every rank gets the clamp of the unsplit tensor. Which groups ne
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -265,3 +267,97 @@ def predict_relu2_ffn_rms(fc1_weight: torch.Tensor, input_rms: float | torch.Ten
     r_w = weight_rms(fc1_weight, group=group)
     r_b = 0.0 if fc1_bias is None else weight_rms(fc1_bias, group=group)
     return relu2_rms(linear_output_rms(r_w, fc1_weight.shape[-1], input_rms, r_b))
+
+
+# Gauss-Hermite (probabilists') nodes and weights: E[f(z)] for z ~ N(0, 1) = sum_i w_i f(z_i) / sqrt(2 pi),
+# exact for polynomials of degree < 2n and accurate to ~1e-6 for smooth activations (silu, gelu).
+_GH_POINTS = 64
+
+
+@functools.cache
+def _gauss_hermite(n: int = _GH_POINTS) -> tuple[torch.Tensor, torch.Tensor]:
+    z, w = np.polynomial.hermite_e.hermegauss(n)
+    return (torch.tensor(z, dtype=torch.float64),
+            torch.tensor(w / math.sqrt(2.0 * math.pi), dtype=torch.float64))
+
+
+def gaussian_activation_rms(fn: Callable[[torch.Tensor], torch.Tensor],
+                            pre_rms: float | torch.Tensor) -> torch.Tensor:
+    """RMS of ``fn(h)`` for h ~ N(0, pre_rms^2), by Gauss-Hermite quadrature (fp32 scalar)."""
+    s = torch.as_tensor(pre_rms).detach().double()
+    z, w = (t.to(s.device) for t in _gauss_hermite())
+    return (fn(z * s).square() @ w).sqrt().float()
+
+
+FFN_ACTIVATIONS = ("relu2", "swiglu", "gelu")
+
+
+@torch.no_grad()
+def predict_ffn_rms(fc1_weight: torch.Tensor, input_rms: float | torch.Tensor, fc1_bias: torch.Tensor | None = None,
+                    *, activation: str = "relu2", group=None) -> torch.Tensor:
+    """Predicted RMS of the fc2 input act(fc1(x)), from fc1's weight (out, d), its bias and RMS(x).
+
+    - relu2: ``relu2_rms`` of the fc1 output prediction (closed form);
+    - gelu (tanh approximation): E[gelu(h)^2] for h ~ N(0, s^2) by quadrature;
+    - swiglu: fc1 holds [gate; up] (each rank: its shard of each); with independent Gaussian gate and up
+      pre-activations, RMS(silu(g) * u) = RMS(silu(g)) * RMS(u), each from its own section's weights.
+
+    ``group``: the TP group over which fc1's rows are split (the full weight's RMS on every rank).
+    """
+    if activation not in FFN_ACTIVATIONS:
+        raise ValueError(f"unknown FFN activation {activation!r}; expected one of {', '.join(FFN_ACTIVATIONS)}")
+    d = fc1_weight.shape[-1]
+
+    def pre(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        r_b = 0.0 if b is None else weight_rms(b, group=group)
+        return linear_output_rms(weight_rms(w, group=group), d, input_rms, r_b)
+
+    if activation == "relu2":
+        return relu2_rms(pre(fc1_weight, fc1_bias))
+    if activation == "gelu":
+        return gaussian_activation_rms(lambda h: torch.nn.functional.gelu(h, approximate="tanh"),
+                                       pre(fc1_weight, fc1_bias))
+    w_gate, w_up = fc1_weight.chunk(2, dim=0)
+    b_gate, b_up = fc1_bias.chunk(2, dim=0) if fc1_bias is not None else (None, None)
+    return gaussian_activation_rms(torch.nn.functional.silu, pre(w_gate, b_gate)) * pre(w_up, b_up)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lazy predictions for the model. A transformer layer hands these to its linears as
+# ``predicted_input_rms``; a quantizer with the "weight-rms" rule calls ``prediction(granularity,
+# block_size, tp_group)`` and every other configuration ignores them, so the model pays nothing (no
+# weight reductions, no TP collective) unless weight-rms QAT is on.
+# ----------------------------------------------------------------------------------------------------
+
+RMSPrediction = Callable[[str, int, object], torch.Tensor]
+
+
+class NormOutputRMS:
+    """weight-rms prediction of a LayerNorm / RMSNorm output: :func:`post_norm_rms` of its parameters.
+
+    The norm's parameters are replicated over TP, so the prediction is TP-invariant without communication.
+    """
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        self.norm = norm
+
+    def __call__(self, granularity: str = "tensor", block_size: int = BLOCK_SIZE, group=None) -> torch.Tensor:
+        return post_norm_rms(self.norm.weight, getattr(self.norm, "bias", None), granularity=granularity,
+                             block_size=block_size)
+
+
+class FFNHiddenRMS:
+    """weight-rms prediction of the fc2 input of an MLP, from fc1's parameters (:func:`predict_ffn_rms`).
+
+    ``input_rms``: the prediction for fc1's input (a :class:`NormOutputRMS` or a number); its per-tensor
+    value is used whatever the granularity. The prediction is one scalar for every group.
+    """
+
+    def __init__(self, fc1: torch.nn.Module, activation: str, input_rms: RMSPrediction | float | torch.Tensor
+                 ) -> None:
+        self.fc1, self.activation, self.input_rms = fc1, activation, input_rms
+
+    def __call__(self, granularity: str = "tensor", block_size: int = BLOCK_SIZE, group=None) -> torch.Tensor:
+        r_x = self.input_rms("tensor", block_size, group) if callable(self.input_rms) else self.input_rms
+        return predict_ffn_rms(self.fc1.weight, r_x, getattr(self.fc1, "bias", None),
+                               activation=self.activation, group=group)

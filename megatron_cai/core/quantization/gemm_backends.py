@@ -10,8 +10,14 @@ over K blocks ``b`` (one block unless a granularity is "block"). The result equa
 K <= 1040 in fp32). The backward is the fake-quant one (high-precision GEMMs on the dequantized operands
 with the straight-through masks), as in int8-forward / bf16-backward training.
 
-Transformer Engine: :func:`te_fp8_autocast` wraps TE's own FP8 autocast (``--transformer-impl
-transformer_engine``); TE layers then use TE's scaling recipe, not this package's clamp rules.
+Transformer Engine (``--transformer-impl transformer_engine``, CUDA only, ``--qat fp8``): the training
+loop runs every forward under :func:`te_fp8_autocast` (TE's delayed-scaling recipe, E4M3 forward and, for
+``--fp8-format hybrid``, E5M2 gradients), and each parallel linear's local GEMM is :func:`te_linear`: a
+``te.Linear`` with no bias and no TP of its own (our layers do the TP communication) whose ``weight``
+is this layer's parameter, so TE casts the weight and input to FP8 with its own amax-history scales
+and autograd delivers the gradient to our parameter. TE's scaling state (amax history) is not part of
+our checkpoints: it restarts on resume, so resumes under TE are not bit-exact. The clamp rules of this
+package do not apply on that path.
 """
 from __future__ import annotations
 
@@ -187,8 +193,11 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def te_fp8_recipe(fp8_format: str = "hybrid", *, amax_history_len: int = 16):
-    """A TE delayed-scaling recipe for ``fp8_format`` "e4m3" or "hybrid" (E4M3 forward, E5M2 backward)."""
+def te_fp8_recipe(fp8_format: str = "hybrid", *, amax_history_len: int = 16, reduce_amax: bool = True):
+    """A TE delayed-scaling recipe for ``fp8_format`` "e4m3" or "hybrid" (E4M3 forward, E5M2 backward).
+
+    ``reduce_amax=False``: each rank scales by its own amax (no collective at the end of the autocast).
+    """
     if not transformer_engine_available():
         raise ImportError("--transformer-impl transformer_engine needs Transformer Engine "
                           "(pip install transformer_engine[pytorch]); it is not installed")
@@ -197,7 +206,8 @@ def te_fp8_recipe(fp8_format: str = "hybrid", *, amax_history_len: int = 16):
     fmt = {"e4m3": Format.E4M3, "hybrid": Format.HYBRID}.get(fp8_format)
     if fmt is None:
         raise ValueError(f"--fp8-format {fp8_format!r} is not one of e4m3, hybrid")
-    return DelayedScaling(fp8_format=fmt, amax_history_len=amax_history_len, amax_compute_algo="max")
+    return DelayedScaling(fp8_format=fmt, amax_history_len=amax_history_len, amax_compute_algo="max",
+                          reduce_amax=reduce_amax)
 
 
 def te_fp8_autocast(enabled: bool = True, fp8_format: str = "hybrid", *, recipe=None, fp8_group=None):
@@ -214,3 +224,31 @@ def te_fp8_autocast(enabled: bool = True, fp8_format: str = "hybrid", *, recipe=
     if hasattr(te, "fp8_autocast"):
         return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=fp8_group)
     return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=fp8_group)
+
+
+def te_linear(x: torch.Tensor, weight: torch.Tensor, cache: dict) -> torch.Tensor:
+    """``F.linear(x, weight)`` computed by a Transformer Engine ``Linear`` (FP8 under :func:`te_fp8_autocast`).
+
+    ``cache`` (one per layer) keeps the TE module between calls; it holds TE's FP8 scaling state and is
+    not registered as a submodule, so it never enters state dicts. ``weight`` must be a CUDA parameter
+    with both dimensions multiples of 16 (TE's FP8 GEMM constraint).
+    """
+    if not transformer_engine_available():
+        raise ImportError("the transformer_engine GEMM backend needs Transformer Engine "
+                          "(pip install transformer_engine[pytorch]); it is not installed")
+    if weight.device.type != "cuda":
+        raise RuntimeError(f"--transformer-impl transformer_engine runs on CUDA only; this weight is on "
+                           f"{weight.device}")
+    import transformer_engine.pytorch as te
+
+    out_features, in_features = weight.shape
+    key = (out_features, in_features, weight.dtype, weight.device)
+    module = cache.get("module")
+    if module is None or cache.get("key") != key:
+        module = te.Linear(in_features, out_features, bias=False, params_dtype=weight.dtype, device=weight.device)
+        cache["module"], cache["key"] = module, key
+    if module.weight is not weight:
+        del module.weight  # TE's own parameter; ours replaces it (gradients flow to ours)
+        module.weight = weight
+    lead = x.shape[:-1]
+    return module(x.reshape(-1, in_features)).reshape(*lead, out_features)

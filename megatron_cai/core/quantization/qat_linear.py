@@ -18,19 +18,26 @@ RowParallelLinear; :func:`attach_gemm_quantizers` reads this from ``weight.tp_di
 - "row" is invariant for ColumnParallelLinear (its rows are whole on each rank, its input replicated);
   for RowParallelLinear the per-row statistics are all-reduced over TP (one small collective);
 - "tensor" statistics are all-reduced over TP whenever the tensor is split (a scalar collective);
-- "weight-rms" needs no reduction over the activation; the prediction is the caller's (pass the TP
-  group to :func:`.dynamic_clamp.predict_relu2_ffn_rms` to make it TP-invariant too).
+- "weight-rms" needs no reduction over the activation; the prediction is the caller's: a number or
+  tensor, or a lazy prediction (:class:`.dynamic_clamp.NormOutputRMS`, :class:`.dynamic_clamp.FFNHiddenRMS`)
+  that the quantizer calls with its granularity and TP group, so weight statistics of TP-sharded layers
+  are all-reduced and every rank gets the prediction of the unsplit weights. Without a prediction the
+  rule falls back to "rms" (``last_input_rule`` records which rule a forward used).
 
 State: a "static" clamp keeps its value in the buffers ``input_static_c`` / ``weight_static_c`` (NaN
 until calibrated from the first batch's absmax when no ``static_value`` is given), so checkpoints save
-and restore it. Quantizers must be attached before a checkpoint is loaded.
+and restore it. Calibration takes the max over the TP shards and over ``calibration_group`` (the data-
+parallel replicas, which see different batches), so every replica holds the same value. Quantizers must
+be attached before a checkpoint is loaded.
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +47,7 @@ from .dynamic_clamp import (
     CLAMP_RULES,
     DEFAULT_EPS,
     GRANULARITIES,
+    _tp_active,
     compute_clamp,
     default_alpha,
     group_absmax,
@@ -48,8 +56,11 @@ from .dynamic_clamp import (
 from .fake_quant import fake_quant, fake_quant_with_clamp
 
 QAT_FORMATS = ("none", "int8", "fp8")
+# A weight-rms prediction: a number, a tensor broadcastable to the clamp statistic, or a lazy
+# ``fn(granularity, block_size, tp_group) -> tensor`` (see dynamic_clamp.NormOutputRMS), or None.
+Prediction = torch.Tensor | float | Callable[[str, int, object], torch.Tensor] | None
 FP8_FORMATS = ("e4m3", "hybrid")
-GEMM_BACKENDS = ("fake", "real", "auto")
+GEMM_BACKENDS = ("fake", "real", "auto", "transformer_engine")
 
 
 @dataclass
@@ -67,7 +78,9 @@ class QATConfig:
     tensor absmax); None means on for fp8 hybrid only. The gradient format is E5M2, except E4M3 for
     fp8 with fp8_format "e4m3".
     ``gemm_backend``: "fake" (fake quant + high-precision GEMM, the reference), "real" (torch._int_mm /
-    torch._scaled_mm on any device that runs them), "auto" (real on CUDA GPUs that have them, else fake).
+    torch._scaled_mm on any device that runs them), "auto" (real on CUDA GPUs that have them, else fake),
+    "transformer_engine" (fp8 only: the GEMM runs in a TE Linear under TE's FP8 autocast, with TE's
+    delayed-scaling amax recipe instead of the clamp rules; see gemm_backends.te_linear).
     """
 
     fmt: str = "none"
@@ -103,6 +116,9 @@ class QATConfig:
             raise bad("--fp8-format", self.fp8_format, FP8_FORMATS)
         if self.gemm_backend not in GEMM_BACKENDS:
             raise bad("gemm_backend", self.gemm_backend, GEMM_BACKENDS)
+        if self.gemm_backend == "transformer_engine" and self.fmt not in ("fp8", "none"):
+            raise ValueError(f"QATConfig: --transformer-impl transformer_engine runs FP8 GEMMs; it needs --qat "
+                             f"fp8, not {self.fmt!r}")
         for name in ("alpha", "weight_alpha", "static_value", "weight_static_value"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -169,12 +185,17 @@ class GemmInputQuantizer(nn.Module):
     ``tp_group``: the tensor-parallel group; ``weight_shard_dim``: the dim along which this rank holds a
     shard of the weight (0: column-parallel, 1: row-parallel, None: whole); ``input_sharded``: X is split
     along its last dim (row-parallel). These decide which statistics are all-reduced (module docstring).
+    ``calibration_group``: the max of a calibrated static clamp is also taken over this group (DP).
     """
 
     def __init__(self, config: QATConfig | None, *, tp_group=None, weight_shard_dim: int | None = None,
-                 input_sharded: bool = False) -> None:
+                 input_sharded: bool = False, calibration_group=None) -> None:
         super().__init__()
         self.config = config = config or QATConfig()
+        self.tp_group = tp_group
+        self.calibration_group = calibration_group
+        self.last_input_rule: str | None = None  # the activation clamp rule of the latest forward
+        self._te_cache: dict = {}
         if weight_shard_dim not in (None, 0, 1, -1):
             raise ValueError(f"weight_shard_dim must be None, 0 or 1 for an (out, in) weight, "
                              f"got {weight_shard_dim}")
@@ -210,17 +231,25 @@ class GemmInputQuantizer(nn.Module):
         if not self._calibrated[which]:
             if bool(torch.isnan(buf)):
                 group = self._input_static_group if which == "input" else self._weight_static_group
-                buf.copy_(group_absmax(x, "tensor", group=group).clamp_min(self.config.eps))
+                amax = group_absmax(x, "tensor", group=group)
+                if _tp_active(self.calibration_group):
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.calibration_group)
+                buf.copy_(amax.clamp_min(self.config.eps))
             self._calibrated[which] = True
         return buf
 
-    def input_clamp(self, x: torch.Tensor, predicted_input_rms: torch.Tensor | float | None = None
-                    ) -> tuple[torch.Tensor, str]:
-        """(c, rule) for the activation X. "weight-rms" without a prediction falls back to "rms"."""
+    def input_clamp(self, x: torch.Tensor, predicted_input_rms: Prediction = None) -> tuple[torch.Tensor, str]:
+        """(c, rule) for the activation X. "weight-rms" without a prediction falls back to "rms".
+
+        A callable prediction is evaluated (``fn(granularity, block_size, tp_group)``) only under "weight-rms".
+        """
         cfg = self.config
         rule = cfg.clamp
+        if rule == "weight-rms" and callable(predicted_input_rms):
+            predicted_input_rms = predicted_input_rms(cfg.granularity, cfg.block_size, self.tp_group)
         if rule == "weight-rms" and predicted_input_rms is None:
             rule = "rms"
+        self.last_input_rule = rule
         static = self._static_c("input", x) if rule == "static" else None
         c = compute_clamp(x, rule, granularity=cfg.granularity, alpha=cfg.alpha, static_value=static,
                           predicted_rms=predicted_input_rms, fmt=cfg.operand_fmt, eps=cfg.eps,
@@ -238,7 +267,7 @@ class GemmInputQuantizer(nn.Module):
         return not (rule == "absmax" and (alpha is None or alpha >= 1.0))
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, *,
-                predicted_input_rms: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                predicted_input_rms: Prediction = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fake-quantized ``(x_q, w_q)`` (STE backward); ``(x, weight)`` unchanged when QAT is off."""
         cfg = self.config
         if not cfg.enabled:
@@ -272,7 +301,7 @@ class GemmInputQuantizer(nn.Module):
         return ok
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               predicted_input_rms: torch.Tensor | float | None = None) -> torch.Tensor:
+               predicted_input_rms: Prediction = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` with quantized GEMM inputs (and output gradient when configured).
 
         The bias is added after the quantized GEMM in high precision.
@@ -280,6 +309,10 @@ class GemmInputQuantizer(nn.Module):
         cfg = self.config
         if not cfg.enabled:
             return F.linear(x, weight, bias)
+        if cfg.gemm_backend == "transformer_engine":
+            self.last_input_rule = "transformer_engine"
+            y = gemm_backends.te_linear(x, weight, self._te_cache)
+            return y if bias is None else y + bias
         if self._use_real_gemm(x):
             c_x, _ = self.input_clamp(x, predicted_input_rms)
             c_w = self.weight_clamp(weight)
@@ -304,22 +337,25 @@ class GemmInputQuantizer(nn.Module):
                 f"weight_shard_dim={self.weight_shard_dim}, input_sharded={self.input_sharded}")
 
 
-def attach_gemm_quantizers(model: nn.Module, config: QATConfig, *, tp_group=None,
+def attach_gemm_quantizers(model: nn.Module, config: QATConfig, *, tp_group=None, dp_group=None,
                            exclude: tuple[str, ...] = ()) -> int:
     """Set ``gemm_quantizer`` on every module that has that attribute and a ``weight``; return how many.
 
     The split is read from ``weight.tp_dim`` (0: column-parallel, 1: row-parallel, None: replicated).
-    ``tp_group`` defaults to parallel_state's TP group when TP > 1. Modules whose qualified name contains
+    ``tp_group`` / ``dp_group`` default to parallel_state's TP / DP groups when larger than 1 (the DP
+    group only makes calibrated static clamps agree over replicas). Modules whose qualified name contains
     any string in ``exclude`` are skipped. Does nothing when ``config.fmt == "none"``. Call before
     loading a checkpoint (static clamps live in the quantizers' buffers).
     """
     if not config.enabled:
         return 0
-    if tp_group is None:
-        from .. import parallel_state as ps
+    from .. import parallel_state as ps
 
-        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+    if ps.model_parallel_is_initialized():
+        if tp_group is None and ps.get_tensor_model_parallel_world_size() > 1:
             tp_group = ps.get_tensor_model_parallel_group()
+        if dp_group is None and ps.get_data_parallel_world_size() > 1:
+            dp_group = ps.get_data_parallel_group()
     n = 0
     for name, module in model.named_modules():
         if not hasattr(module, "gemm_quantizer") or getattr(module, "weight", None) is None:
@@ -328,16 +364,16 @@ def attach_gemm_quantizers(model: nn.Module, config: QATConfig, *, tp_group=None
             continue
         tp_dim = getattr(module.weight, "tp_dim", None)
         module.gemm_quantizer = GemmInputQuantizer(config, tp_group=tp_group, weight_shard_dim=tp_dim,
-                                                   input_sharded=tp_dim in (1, -1))
+                                                   input_sharded=tp_dim in (1, -1), calibration_group=dp_group)
         n += 1
     return n
 
 
-def apply_qat(model: nn.Module, settings: dict | QATConfig, *, tp_group=None,
+def apply_qat(model: nn.Module, settings: dict | QATConfig, *, tp_group=None, dp_group=None,
               exclude: tuple[str, ...] = ("output_layer",)) -> int:
     """Attach quantizers from a settings dict (QATConfig field names, e.g. GPTConfig.qat) or a QATConfig.
 
     The LM head (``output_layer``) stays in high precision by default. Returns the number of layers.
     """
     config = settings if isinstance(settings, QATConfig) else QATConfig(**settings)
-    return attach_gemm_quantizers(model, config, tp_group=tp_group, exclude=exclude)
+    return attach_gemm_quantizers(model, config, tp_group=tp_group, dp_group=dp_group, exclude=exclude)

@@ -2,6 +2,9 @@
 
 Layers live in a ModuleDict keyed by their *global* layer number, so parameter names
 (``decoder.layers.7.mlp.linear_fc1.weight``) are the same under every pipeline layout.
+
+Each layer hands its attention and MLP a lazy prediction of their input's RMS from the norm that
+produced it (``NormOutputRMS``); only quantizers with ``--qat-clamp weight-rms`` ever evaluate it.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quantization.dynamic_clamp import NormOutputRMS
 from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
 from .mlp import MLP
@@ -44,8 +48,8 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, visibility, position_ids,
-                                                  kv_cache))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+                                                  kv_cache, input_rms=NormOutputRMS(self.input_layernorm)))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm)))
 
 
 class TransformerBlock(nn.Module):

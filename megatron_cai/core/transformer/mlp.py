@@ -2,6 +2,11 @@
 
 Activations: ``relu2`` (squared ReLU, Character.ai's choice and the default), ``swiglu`` (fc1 holds the
 gate and up projections as two sections), ``gelu`` (tanh approximation, as GPT-2).
+
+Quantization-aware training with ``--qat-clamp weight-rms``: ``forward(x, input_rms)`` takes the lazy
+prediction of RMS(x) (from the preceding norm's weights) for fc1, and hands fc2 the prediction of its
+input derived from fc1's weights and the activation (``dynamic_clamp.FFNHiddenRMS``: closed form for
+relu2, Gaussian quadrature for gelu and swiglu). Other clamp rules ignore both.
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quantization.dynamic_clamp import FFNHiddenRMS
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 
 
@@ -29,8 +35,8 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias,
                                             init_method=output_init_method, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
+    def forward(self, x: torch.Tensor, input_rms=None) -> torch.Tensor:
+        h = self.linear_fc1(x, predicted_input_rms=input_rms)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
@@ -38,4 +44,5 @@ class MLP(nn.Module):
             h = relu2(h)
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.linear_fc2(h)
+        hidden_rms = None if input_rms is None else FFNHiddenRMS(self.linear_fc1, self.activation, input_rms)
+        return self.linear_fc2(h, predicted_input_rms=hidden_rms)

@@ -2,6 +2,12 @@
 
 The core attention goes through ``core.transformer.attention.attend`` (visibility intervals, Z-Reg);
 plain causal attention without Z-Reg takes torch's scaled_dot_product_attention fast path.
+
+Quantization-aware training with ``--qat-clamp weight-rms``: ``input_rms`` (the lazy prediction of the
+input's RMS from the preceding norm's weights) goes to linear_q and linear_kv. linear_proj gets no
+prediction and falls back to the "rms" rule: its input is an attention-weighted average of V whose RMS
+lies anywhere between RMS(V) / sqrt(keys attended) and RMS(V) depending on how peaked the attention is,
+which the weights alone cannot tell.
 """
 from __future__ import annotations
 
@@ -75,9 +81,10 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
-                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        q = self.linear_q(x)
-        kv = self.linear_kv(x)
+                position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                input_rms=None) -> torch.Tensor:
+        q = self.linear_q(x, predicted_input_rms=input_rms)
+        kv = self.linear_kv(x, predicted_input_rms=input_rms)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, self.num_heads, self.head_dim)
         k, v = kv.chunk(2, dim=-1)
