@@ -223,6 +223,9 @@ def nonfinite_cases() -> dict[str, torch.Tensor]:
     x = base.clone()
     x[3], x[30] = math.nan, math.inf
     out["nan_and_inf"] = x
+    x = torch.linspace(-3.0, 2.0, 403)  # long enough for the 16-block CPU path
+    x[150], x[251], x[300] = math.nan, -math.inf, math.inf
+    out["long_nan_inf"] = x
     return out
 
 
