@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install what the tests need (CPU torch first) and run the CI test suite (everything but @slow).
+#   bash tests/run.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
+pip install -q -e ".[test]"
+# pytest exits 5 when it collects no tests; `set -e` turns that into a failure too.
+exec python -m pytest -m "not slow" -q -p no:cacheprovider "$@"
