@@ -18,7 +18,8 @@ from megatron_cai.training.training import pretrain
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Masked mean of the per-token losses of one micro-batch."""
+    """Masked mean of the per-token losses of one micro-batch (a weighted mean for tree data with
+    ``--tree-loss-weighting branch``, whose loss_mask holds branch weights)."""
     losses = output.float()
     mask = loss_mask.float()
     loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
@@ -34,7 +35,8 @@ def forward_step(data_iterator, model):
     distiller = get_distiller()
     if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage
         return distiller.forward(model, batch, visibility)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility,
+                   label_positions=batch.get("label_positions"))  # tree data: predictions across branches
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 
@@ -55,13 +57,30 @@ def train_valid_test_datasets_provider(args, tokenizer, num_samples):
         return tuple(MockGPTDataset(n, args.seq_length, vocab, seed=args.seed + i) if n else None
                      for i, n in enumerate(num_samples))
     from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
-    from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron_cai.core.datasets.tree_dataset import TreeDataset, TreeDatasetConfig
+    from megatron_cai.training.logging import print_rank_0
 
-    config = GPTDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed, split=args.split,
-                              path_to_cache=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-                              reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-                              eod_token_id=tokenizer.eod if tokenizer is not None else None)
-    return build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
+    config = TreeDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed, split=args.split,
+                               path_to_cache=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+                               reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                               eod_token_id=_eod_or_none(tokenizer), data_format=args.data_format,
+                               tree_loss_weighting=args.tree_loss_weighting)
+    datasets = build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
+    trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
+    if trees and (args.distill_samples or args.distill_teacher_load):
+        raise ArgumentError("distillation (--distill-*) does not support tree data; use plain documents")
+    for name, ds in trees:
+        print_rank_0(f" > tree data: {ds.stats.summary(name)}")
+    return datasets
+
+
+def _eod_or_none(tokenizer):
+    if tokenizer is None:
+        return None
+    try:
+        return tokenizer.eod
+    except ValueError:
+        return None
 
 
 def main(argv=None):
@@ -72,6 +91,9 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     pretrain(args, train_valid_test_datasets_provider, forward_step, tokenizer)
+    if torch.distributed.is_initialized():  # a clean shutdown: no process-group teardown at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
