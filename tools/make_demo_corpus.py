@@ -8,10 +8,19 @@ independent of file-system order) and taken until ``--max-mb`` is reached. The s
 version always gives the same corpus.
 
     python tools/make_demo_corpus.py --output data/stdlib.jsonl --max-mb 4
+    python tools/make_demo_corpus.py --tree --output data/stdlib_trees.jsonl --max-mb 4
+
+``--tree`` writes each file as a tree in the format of ``tools/preprocess_data.py --tree``: the root
+is the module header (every line outside top-level ``def``/``class`` blocks: docstring, imports,
+constants, trailing code), its children the top-level definitions in source order (decorators
+included), and a class's children its methods (the class node keeps the rest of the class body).
+Each node's text is its source lines verbatim, so root + definition (+ method) reads as real code.
+Files that do not parse become single-node trees.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -43,19 +52,60 @@ def list_source_files(root: str, max_file_kb: int) -> list[str]:
     return sorted(found, key=lambda p: (hashlib.md5(p.encode()).hexdigest(), p))
 
 
-def file_records(root: str, relpath: str) -> Iterator[dict]:
-    """The JSONL records of one source file: one ``{"text", "path"}`` document.
+def _span(node: ast.AST) -> tuple[int, int]:
+    """0-based [first, last) source lines of a definition, decorators included."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return first - 1, node.end_lineno
 
-    This is the hook for a later ``--tree`` mode (documents as trees of nested code blocks for the
-    tree-structured visibility masks); it would yield tree-shaped records here instead.
-    """
+
+def _cut(lines: list[str], begin: int, end: int, holes: list[tuple[int, int]]) -> str:
+    """Lines [begin, end) without the line ranges in ``holes``."""
+    keep, pos = [], begin
+    for a, b in sorted(holes):
+        keep.extend(lines[pos:a])
+        pos = max(pos, b)
+    keep.extend(lines[pos:end])
+    return "".join(keep)
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def code_tree(text: str) -> dict:
+    """Module header -> top-level definitions -> methods, as a tree of ``{"text", "children"}`` nodes."""
+    lines = text.splitlines(keepends=True)
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return {"text": text}
+    top = [n for n in module.body if isinstance(n, _DEFS)]
+    children = []
+    for node in top:
+        a, b = _span(node)
+        methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))] \
+            if isinstance(node, ast.ClassDef) else []
+        spans = [_span(m) for m in methods]
+        child = {"text": _cut(lines, a, b, spans)}
+        if methods:
+            child["children"] = [{"text": "".join(lines[ma:mb])} for ma, mb in spans]
+        children.append(child)
+    root = {"text": _cut(lines, 0, len(lines), [_span(n) for n in top])}
+    if children:
+        root["children"] = children
+    return root
+
+
+def file_records(root: str, relpath: str, tree: bool = False) -> Iterator[dict]:
+    """The JSONL records of one source file: one ``{"text", "path"}`` document, or with ``tree`` one
+    ``{"text", "children", "path"}`` tree (see the module docstring)."""
     with open(os.path.join(root, relpath), encoding="utf-8") as f:
         text = f.read()
     if text.strip():
-        yield {"text": text, "path": relpath}
+        yield {**code_tree(text), "path": relpath} if tree else {"text": text, "path": relpath}
 
 
-def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: str | None = None) -> dict:
+def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: str | None = None,
+                tree: bool = False) -> dict:
     """Write the corpus to ``output``; returns ``{"files", "bytes", "skipped"}``."""
     root = root or stdlib_dir()
     if not os.path.isdir(root):
@@ -69,7 +119,7 @@ def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: 
             if written >= budget:
                 break
             try:
-                records = list(file_records(root, rel))
+                records = list(file_records(root, rel, tree))
             except (UnicodeDecodeError, OSError):
                 skipped += 1
                 continue
@@ -87,9 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="JSONL file to write")
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop after about this many MB")
     parser.add_argument("--max-file-kb", type=int, default=256, help="skip source files larger than this")
-    # A future --tree flag plugs in at file_records().
+    parser.add_argument("--tree", action="store_true",
+                        help="one tree per file: module header -> top-level definitions -> methods")
     args = parser.parse_args(argv)
-    stats = make_corpus(args.output, args.max_mb, args.max_file_kb)
+    stats = make_corpus(args.output, args.max_mb, args.max_file_kb, tree=args.tree)
     print(f"wrote {args.output}: {stats['files']} files, {stats['bytes'] / 1e6:.2f} MB from {stats['root']} "
           f"(Python {sys.version.split()[0]}; {stats['skipped']} unreadable files skipped)")
     return 0

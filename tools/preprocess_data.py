@@ -4,7 +4,14 @@
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
 
+    python tools/preprocess_data.py --tree --input trees.jsonl --output-prefix data/trees ...
+
 Megatron-LM's flags. Each line is a JSON object; every ``--json-keys`` key must hold a string.
+With ``--tree`` each line is one tree of nodes ``{"text", "children", "bidirectional", "loss"}``
+(``--json-keys`` names the one text key of the nodes): the ``.bin/.idx`` pair holds one document per
+tree (nodes in DFS preorder, readable by any MMIDIDX reader) and ``<prefix>.tree`` the node
+structure (format: ``megatron_cai/core/datasets/tree_format.py``); ``--append-eod`` ends every leaf
+(every branch) with EOD.
 Workers (a process pool) decode, parse and tokenize chunks of lines; the parent writes the results
 in input order (single writer). A malformed line (invalid UTF-8, bad JSON, missing key, non-string
 value) stops the run with ``<file>:<line>: <reason>`` and exit code 1, and leaves no output behind;
@@ -35,6 +42,13 @@ from megatron_cai.core.datasets.indexed_dataset import (  # noqa: E402
     get_bin_path,
     get_idx_path,
 )
+from megatron_cai.core.datasets.tree_format import (  # noqa: E402
+    TreeFormatError,
+    TreeSidecarBuilder,
+    encode_tree,
+    flatten_tree,
+    tree_path,
+)
 from megatron_cai.training.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 MAX_BAD_LINES_SHOWN = 5
@@ -50,8 +64,8 @@ class PreprocessError(RuntimeError):
     """Preprocessing stopped; the message names the file and line."""
 
 
-def parse_json_line(raw: bytes, keys: Sequence[str]) -> dict[str, str] | None:
-    """The ``keys`` of one JSONL line as strings; ``None`` for a blank line; ``BadLine`` otherwise."""
+def _json_object(raw: bytes) -> dict | None:
+    """One JSONL line as a dict; ``None`` for a blank line; ``BadLine`` otherwise."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -64,6 +78,14 @@ def parse_json_line(raw: bytes, keys: Sequence[str]) -> dict[str, str] | None:
         raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_json_line(raw: bytes, keys: Sequence[str]) -> dict[str, str] | None:
+    """The ``keys`` of one JSONL line as strings; ``None`` for a blank line; ``BadLine`` otherwise."""
+    obj = _json_object(raw)
+    if obj is None:
+        return None
     out = {}
     for key in keys:
         if key not in obj:
@@ -100,15 +122,30 @@ def iter_chunks(path: str) -> Iterator[list[tuple[int, bytes]]]:
 class Encoder:
     """Parses and tokenizes lines (one instance per worker process)."""
 
-    def __init__(self, keys: Sequence[str], tokenizer_kwargs: dict, append_eod: bool, dtype: type) -> None:
+    def __init__(self, keys: Sequence[str], tokenizer_kwargs: dict, append_eod: bool, dtype: type,
+                 tree: bool = False) -> None:
         self.keys = list(keys)
         self.tokenizer = build_tokenizer(**tokenizer_kwargs)
         self.append_eod = append_eod
         self.eod = self.tokenizer.eod if append_eod else None
         self.dtype = dtype
+        self.tree = tree
+
+    def encode_tree_line(self, raw: bytes) -> dict[str, tuple] | None:
+        """``{key: (token array, TreeNodes)}`` of one tree line (EOD ending every leaf); ``None`` if blank."""
+        obj = _json_object(raw)
+        if obj is None:
+            return None
+        try:
+            tokens, nodes = encode_tree(flatten_tree(obj, self.keys[0]), self.tokenizer.tokenize, self.eod)
+        except (TreeFormatError, ValueError) as e:
+            raise BadLine(str(e)) from None
+        return {self.keys[0]: (np.asarray(tokens, dtype=self.dtype), nodes)}
 
     def encode_line(self, raw: bytes) -> dict[str, np.ndarray] | None:
         """Token arrays per key (EOD appended to non-empty documents); ``None`` for a blank line."""
+        if self.tree:
+            return self.encode_tree_line(raw)
         fields = parse_json_line(raw, self.keys)
         if fields is None:
             return None
@@ -162,6 +199,7 @@ class PreprocessStats:
     empty_documents: dict[str, int] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    nodes: dict[str, int] | None = None  # --tree: nodes per key
 
     def summary(self, path: str) -> str:
         """Human-readable summary."""
@@ -170,6 +208,10 @@ class PreprocessStats:
         rows = [f"processed {path}: {self.lines} lines, {self.bytes / 1e6:.2f} MB in {self.seconds:.1f} s "
                 f"({rate:.0f} docs/s, {mbps:.2f} MB/s)"]
         for key, prefix in self.outputs.items():
+            if self.nodes is not None:
+                rows.append(f"  {key}: {self.documents[key]} trees, {self.nodes[key]} nodes, {self.tokens[key]} "
+                            f"tokens, {self.empty_documents[key]} empty trees skipped -> {prefix}.bin/.idx/.tree")
+                continue
             rows.append(f"  {key}: {self.documents[key]} documents, {self.tokens[key]} tokens, "
                         f"{self.empty_documents[key]} empty documents skipped -> {prefix}.bin/.idx")
         rows.append(f"  blank lines ignored: {self.blank_lines}")
@@ -188,8 +230,12 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
                vocab_size: int | None = None, json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
-               progress: bool | None = None, log=None) -> PreprocessStats:
+               progress: bool | None = None, log=None, tree: bool = False) -> PreprocessStats:
     """Tokenize ``input_path`` into ``<output_prefix>_<key>_document.{bin,idx}`` for every key.
+
+    ``tree``: each line is one tree (see the module docstring); ``json_keys`` is the one node text key
+    and ``<prefix>.tree`` is written too (before the ``.idx``). A plain run removes a stale
+    ``<prefix>.tree`` left at its output prefix.
 
     Raises ``PreprocessError`` (``"<file>:<line>: <reason>"``) on a bad line unless
     ``skip_bad_lines``; then no output files exist for this run (earlier files at the output paths
@@ -202,6 +248,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
         raise ValueError("--workers must be >= 1")
     if len(set(json_keys)) != len(json_keys) or not json_keys:
         raise ValueError(f"--json-keys must be distinct and non-empty, got {list(json_keys)}")
+    if tree and len(json_keys) != 1:
+        raise ValueError(f"--tree takes one --json-keys key (the nodes' text), got {list(json_keys)}")
     tokenizer_kwargs = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
                         "vocab_size": vocab_size}
     tokenizer = build_tokenizer(**tokenizer_kwargs)
@@ -212,13 +260,17 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
 
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    stats = PreprocessStats()
+    stats = PreprocessStats(nodes={} if tree else None)
     builders: dict[str, IndexedDatasetBuilder] = {}
+    sidecars: dict[str, TreeSidecarBuilder] = {}
     for key in json_keys:
         prefix = output_prefix_for(output_prefix, key)
         builders[key] = IndexedDatasetBuilder(get_bin_path(prefix), dtype)
         stats.outputs[key] = prefix
         stats.documents[key] = stats.tokens[key] = stats.empty_documents[key] = 0
+        if tree:
+            sidecars[key] = TreeSidecarBuilder(tree_path(prefix))
+            stats.nodes[key] = 0
 
     total_bytes = os.path.getsize(input_path)
     from tqdm import tqdm
@@ -227,7 +279,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                disable=(not progress) if progress is not None else None, dynamic_ncols=True)
     t0 = time.time()
     next_log = log_interval
-    init_args = (list(json_keys), tokenizer_kwargs, append_eod, dtype)
+    init_args = (list(json_keys), tokenizer_kwargs, append_eod, dtype, tree)
 
     def handle(results: list[tuple[int, int, str, object]]) -> None:
         nonlocal next_log
@@ -244,9 +296,14 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                 stats.blank_lines += 1
             else:
                 for key, ids in payload.items():
+                    if tree:
+                        ids, nodes = ids
                     if len(ids) == 0:
                         stats.empty_documents[key] += 1
                         continue
+                    if tree:
+                        sidecars[key].add_tree(nodes)
+                        stats.nodes[key] += len(nodes.parents)
                     builders[key].add_item(ids)
                     builders[key].end_document()
                     stats.documents[key] += 1
@@ -281,6 +338,11 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
             except BrokenProcessPool as e:
                 raise PreprocessError(f"a tokenizer worker process died ({e}); try --workers 1") from None
         for key, builder in builders.items():
+            sidecar = tree_path(stats.outputs[key])
+            if tree:
+                sidecars[key].finalize()  # before the .idx, which is written last
+            elif os.path.exists(sidecar):
+                os.remove(sidecar)  # a stale tree sidecar would make --data-format auto read trees
             builder.finalize(get_idx_path(stats.outputs[key]))
         finalized = True
     finally:
@@ -299,6 +361,9 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    group.add_argument("--tree", action="store_true",
+                       help="each line is a tree of {text, children, bidirectional, loss} nodes; also writes "
+                            "<prefix>.tree (the node structure)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None,
@@ -323,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stats = preprocess(args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
                            args.vocab_size, args.json_keys, args.append_eod, args.workers, args.log_interval,
-                           args.skip_bad_lines, progress=False if args.no_progress else None)
+                           args.skip_bad_lines, progress=False if args.no_progress else None, tree=args.tree)
     except PreprocessError as e:
         print(f"preprocess_data.py: error: {e}\n  (no output written; use --skip-bad-lines to skip such "
               f"lines)", file=sys.stderr)

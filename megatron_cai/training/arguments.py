@@ -127,6 +127,12 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="packed documents cannot attend to each other (visibility intervals)")
+    g.add_argument("--data-format", choices=["auto", "plain", "tree"], default="auto",
+                   help="tree: tree-structured documents (tools/preprocess_data.py --tree), packed whole with "
+                        "visibility intervals; auto: tree when the prefix has a .tree sidecar")
+    g.add_argument("--tree-loss-weighting", choices=["token", "branch"], default="token",
+                   help="tree data: every predicted token weighs 1 (token), or its fraction of the tree's "
+                        "branches (branch: each tree's loss = the token mean of its flattened branches)")
 
 
 def _checkpoint(p: argparse.ArgumentParser) -> None:

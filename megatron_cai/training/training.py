@@ -156,11 +156,11 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------- setup
     def _apply_model_options(self, chunks) -> None:
+        self._attention = [mod for m in chunks for mod in m.modules() if isinstance(mod, SelfAttention)]
         for m in chunks:
             m.decoder.recompute = self.args.recompute_granularity == "full"
-            for mod in m.modules():
-                if isinstance(mod, SelfAttention):
-                    mod.zreg_scale = 1.0 / self.args.num_microbatches
+        for mod in self._attention:
+            mod.zreg_scale = 1.0 / self.args.num_microbatches
         if self.config.qat:
             from ..core.quantization.qat_linear import apply_qat
 
@@ -226,6 +226,8 @@ class Trainer:
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
+        for mod in self._attention:
+            mod.last_lse_stats = None
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
@@ -307,10 +309,15 @@ class Trainer:
                 avg = {k: v / window_iters for k, v in window_losses.items()}
                 tps = a.global_batch_size * a.seq_length / max(elapsed, 1e-9)
                 extra = self._lse_stats()
+                line_extra = None
+                if extra:
+                    line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
+                                  / (len(extra) // 2),
+                                  "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
                 print_rank_last(training_log_line(
                     st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
                     a.global_batch_size, avg, grad_norm, st.skipped_iterations, tps,
-                    grad_comm_bytes=comm_bytes, extra=None))
+                    grad_comm_bytes=comm_bytes, extra=line_extra))
                 self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
                                  "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
@@ -342,13 +349,30 @@ class Trainer:
         return st
 
     def _lse_stats(self) -> dict[str, float]:
+        """Attention lse mean / max per layer in this iteration's last micro-batch (every rank calls it).
+
+        Each layer's stats come from the ranks that hold it (its pipeline stage, every TP/DP rank): the
+        mean is the mean of those ranks' means (equal row counts per rank), the max their max.
+        """
+        layers = self.config.num_layers
+        stats = torch.zeros(layers, 3, device=self.device)  # [sum of means, ranks, max]
+        stats[:, 2] = float("-inf")
+        for mod in self._attention:
+            if mod.last_lse_stats is not None:
+                mean, mx = mod.last_lse_stats.detach().float().to(self.device)
+                stats[mod.layer_number] = torch.stack([stats[mod.layer_number, 0] + mean,
+                                                       stats[mod.layer_number, 1] + 1,
+                                                       torch.maximum(stats[mod.layer_number, 2], mx)])
+        if ps.get_world_size() > 1:
+            sums, maxes = stats[:, :2].contiguous(), stats[:, 2].contiguous()
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            stats = torch.cat([sums, maxes.unsqueeze(1)], dim=1)
         out = {}
-        for m in self.model:
-            for mod in m.module.modules():
-                if isinstance(mod, SelfAttention) and mod.last_lse_stats is not None:
-                    mean, mx = (float(x) for x in mod.last_lse_stats)
-                    out[f"attention-lse/layer{mod.layer_number}-mean"] = mean
-                    out[f"attention-lse/layer{mod.layer_number}-max"] = mx
+        for layer, (total, ranks, mx) in enumerate(stats.cpu().tolist()):
+            if ranks > 0:
+                out[f"attention-lse/layer{layer}-mean"] = total / ranks
+                out[f"attention-lse/layer{layer}-max"] = mx
         return out
 
 

@@ -40,7 +40,8 @@ def build_train_valid_test_datasets(
 
     A split is ``None`` when its weight in ``split`` is 0, it was asked for 0 samples, or it has
     no documents (a tiny corpus); the training loop then skips it. One prefix gives
-    :class:`GPTDataset` objects; several give :class:`BlendedDataset` objects. An unweighted list
+    :class:`GPTDataset` objects (:class:`TreeDataset` for tree prefixes, see ``config.data_format``);
+    several give :class:`BlendedDataset` objects. An unweighted list
     of prefixes is weighted by the token count of each prefix's split (Megatron weights by the
     samples of one epoch and caps the blend at one epoch; here blends may span several epochs).
     """
@@ -51,6 +52,7 @@ def build_train_valid_test_datasets(
         keep = [i for i, w in enumerate(weights) if w > 0]
         prefixes, weights = [prefixes[i] for i in keep], [weights[i] for i in keep]
     indexed = [_open(p, config) for p in prefixes]
+    dataset_class = _dataset_class(prefixes, config)
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
     out: list[Dataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
@@ -74,19 +76,39 @@ def build_train_valid_test_datasets(
             out.append(None)
         elif len(parts) == 1:
             prefix, ds, docs, _ = parts[0]
-            out.append(GPTDataset(ds, prefix, docs, n, name, config))
+            out.append(dataset_class(ds, prefix, docs, n, name, config))
         else:
-            out.append(_build_blend(parts, n, name, config))
+            out.append(_build_blend(parts, n, name, config, dataset_class))
     return out[0], out[1], out[2]
 
 
+def _dataset_class(prefixes: Sequence[str], config: GPTDatasetConfig) -> type:
+    """GPTDataset, or TreeDataset for tree prefixes (``config.data_format``: tree, or auto with a sidecar)."""
+    from megatron_cai.core.datasets.tree_dataset import TreeDataset
+    from megatron_cai.core.datasets.tree_format import tree_exists, tree_path
+
+    fmt = getattr(config, "data_format", "plain")
+    if fmt == "plain":
+        return GPTDataset
+    has_tree = [tree_exists(p) for p in prefixes]
+    if fmt == "tree" and not all(has_tree):
+        missing = prefixes[has_tree.index(False)]
+        raise IndexedDatasetError(f"--data-format tree: {tree_path(missing)} not found (preprocess the corpus with "
+                                  f"tools/preprocess_data.py --tree)")
+    if any(has_tree) and not all(has_tree):
+        raise IndexedDatasetError(f"--data-path mixes tree prefixes ({prefixes[has_tree.index(True)]}) and plain "
+                                  f"ones ({prefixes[has_tree.index(False)]}); blend only one kind, or pass "
+                                  f"--data-format plain to read the trees as plain documents")
+    return TreeDataset if all(has_tree) else GPTDataset
+
+
 def _build_blend(parts: list[tuple[str, IndexedDataset, np.ndarray, float]], n: int | None, name: str,
-                 config: GPTDatasetConfig) -> BlendedDataset:
+                 config: GPTDatasetConfig, dataset_class: type = GPTDataset) -> BlendedDataset:
     """Blend the splits in ``parts`` with Megatron's per-dataset sizes (target * (1 + surplus))."""
     w = np.asarray([p[3] for p in parts], dtype=np.float64)
     w = w / w.sum()
     if n is None:  # one epoch of everything, in proportion to the weights
-        singles = [GPTDataset(ds, prefix, docs, None, name, config) for prefix, ds, docs, _ in parts]
+        singles = [dataset_class(ds, prefix, docs, None, name, config) for prefix, ds, docs, _ in parts]
         n = sum(len(d) for d in singles)
     targets = [int(math.ceil(n * wi)) for wi in w]
     size = sum(targets)
@@ -96,5 +118,5 @@ def _build_blend(parts: list[tuple[str, IndexedDataset, np.ndarray, float]], n: 
         # (BlendedDataset re-checks); the surplus follows Megatron.
         surplus = int(math.ceil(target * (1.0 + config.mid_level_dataset_surplus)))
         want = max(int(math.ceil(wi * size)), surplus)
-        datasets.append(GPTDataset(ds, prefix, docs, want, name, config))
+        datasets.append(dataset_class(ds, prefix, docs, want, name, config))
     return BlendedDataset(datasets, w.tolist(), size, name, config.path_to_cache)

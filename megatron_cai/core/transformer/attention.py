@@ -53,6 +53,7 @@ def attend(
     position_ids: torch.Tensor | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention where query i sees key j iff ``start[b, j] <= i < limit[b, j]``.
 
@@ -75,6 +76,9 @@ def attend(
         backend: one of :data:`BACKENDS` (``"cpu"`` is an alias of ``"blocked"``), or None for
             :func:`default_backend`.
         return_lse: also return lse ``[batch, heads, seq_q]`` fp32 (differentiable; for logging).
+        dropout_p: attention dropout on the probabilities (training). Any ``dropout_p > 0`` runs the
+            ``eager`` dense-mask path (O(T^2) memory) whatever ``backend`` says; Z-Reg composes with it
+            (lse and its gradient are those of the undropped softmax).
 
     Fully masked query rows (possible only with intervals that fail :func:`visibility.validate`)
     give output 0 and lse ``-inf``, are excluded from N and produce no NaN in forward or backward.
@@ -83,8 +87,13 @@ def attend(
     if position_ids is not None and position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0).expand(q.shape[0], -1)
     backend = default_backend(q.device) if backend is None else ALIASES.get(backend, backend)
-    if backend == "eager":
-        out, lse = eager_attention(q, k, v, start, limit, window=window, position_ids=position_ids)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS} or None")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if backend == "eager" or dropout_p > 0:
+        out, lse = eager_attention(q, k, v, start, limit, window=window, position_ids=position_ids,
+                                   dropout_p=dropout_p)
         out, lse = inject_zreg(out, lse, zreg_coeff)
         lse = lse.float()
     elif backend == "blocked":
@@ -94,14 +103,12 @@ def attend(
     elif backend == "flex":
         out, lse = flex_attention_intervals(q, k, v, start, limit, window=window, position_ids=position_ids)
         out, lse = inject_zreg(out, lse, zreg_coeff)
-    elif backend == "triton":
+    else:  # triton
         from megatron_cai.core.transformer.triton_attention import triton_attention
 
         out, lse = triton_attention(
             q, k, v, start, limit, zreg_coeff=zreg_coeff, window=window, position_ids=position_ids
         )
-    else:
-        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS} or None")
     return (out, lse) if return_lse else out
 
 
@@ -135,11 +142,13 @@ def eager_attention(
     *,
     window: int | None = None,
     position_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: dense fp32 (fp64 for fp64 inputs) mask and softmax; returns ``(out, lse)``, lse in
     the compute dtype.
 
     Autograd flows through both outputs; masked rows have output 0, lse -inf and zero gradients.
+    ``dropout_p > 0`` drops attention probabilities (scaling the rest by 1 / (1 - p)); lse is unchanged.
     """
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
@@ -157,7 +166,10 @@ def eager_attention(
     z = e.sum(-1, keepdim=True)
     seen = z > 0
     z_safe = torch.where(seen, z, torch.ones_like(z))
-    out = torch.matmul(e / z_safe, vf)
+    p = e / z_safe
+    if dropout_p > 0:
+        p = torch.nn.functional.dropout(p, dropout_p, training=True)
+    out = torch.matmul(p, vf)
     lse = torch.where(seen, torch.log(z_safe) + m, torch.full_like(z, float("-inf"))).squeeze(-1)
     return out.to(q.dtype), lse
 

@@ -77,7 +77,7 @@ class SelfAttention(nn.Module):
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
-        self.last_lse_stats: tuple[float, float] | None = None
+        self.last_lse_stats: torch.Tensor | None = None  # [lse mean, lse max] of the last interval-path call
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -129,13 +129,13 @@ class SelfAttention(nn.Module):
             idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
             visibility = (idx, torch.full_like(idx, t))
         start, limit = visibility
-        if dropout:
-            raise NotImplementedError("attention dropout with visibility masks / Z-Reg: use --attention-dropout 0")
         zreg = cfg.attention_zreg_coeff * getattr(self, "zreg_scale", 1.0)
+        # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
-                          position_ids=position_ids, backend=cfg.attention_backend, return_lse=True)
-        with torch.no_grad():
-            finite = lse[torch.isfinite(lse)]
-            if finite.numel():
-                self.last_lse_stats = (finite.mean().item(), finite.max().item())
+                          position_ids=position_ids, backend=cfg.attention_backend, return_lse=True,
+                          dropout_p=dropout)
+        with torch.no_grad():  # [mean, max] over rows with a finite lse; no host sync (read when logging)
+            finite = torch.isfinite(lse)
+            mean = torch.where(finite, lse, 0.0).sum() / finite.sum().clamp_min(1)
+            self.last_lse_stats = torch.stack([mean, torch.where(finite, lse, float("-inf")).amax()])
         return out

@@ -102,9 +102,12 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, label_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states (stages before the last), per-token losses [b, s] (with labels) or the
-        vocab-parallel logits [b, s, vocab / TP] (without)."""
+        vocab-parallel logits [b, s, vocab / TP] (without).
+
+        ``label_positions`` [b, s] (trees, see ``datasets.tree_dataset``): slot t's logits come from the
+        hidden state at position ``label_positions[b, t]`` instead of t (default: t)."""
         if self.pre_process:
             x = self.embedding(input_ids, position_ids)
         else:
@@ -115,16 +118,18 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, visibility, position_ids, kv_cache)
         if not self.post_process:
             return x
-        logits = self._logits(x)
+        logits = self._logits(x, label_positions)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels, self.config.vocab_size, self.config.output_zreg_coeff)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, label_positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x)
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x)
+        if label_positions is not None:
+            x = x.gather(1, label_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         return nn.functional.linear(x, self.output_weight())
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
