@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
 from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
+from megatron_cai.training.checkpointing import CheckpointError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _eod(tokenizer) -> int | None:
+    try:
+        return tokenizer.eod
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,15 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = checkpoint_tokenizer(ck, args.tokenizer_model, args.tokenizer_type)
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
         ids = tokenizer.tokenize(prompt)
-        if not ids:
-            bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
-            ids = [bos]  # an empty prompt starts from BOS (or EOD: the start of a new document)
-        eos = None
-        if not args.ignore_eod:
-            try:
-                eos = tokenizer.eod
-            except ValueError:
-                eos = None
+        if not ids:  # an empty prompt starts from BOS, or from EOD (the start of a new document)
+            start = tokenizer.bos if tokenizer.bos is not None else _eod(tokenizer)
+            if start is None or start >= model.config.vocab_size:
+                raise ValueError("the prompt is empty and the tokenizer has no BOS/EOD token in the model's vocabulary")
+            ids = [start]
+        eos = None if args.ignore_eod else _eod(tokenizer)
         for i in range(args.num_samples):
             out = generate(model, ids, args.max_new_tokens, tokenizer=tokenizer, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p,
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.num_samples > 1:
                 print(f"----- sample {i + 1} -----")
             print(out.text[0], flush=True)
-    except (ConversionError, FileNotFoundError, ValueError) as e:
+    except (ConversionError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -406,7 +406,8 @@ def _export_tokenizer(ck: CanonicalCheckpoint, save: str, tokenizer_model, token
         return {}
     source = getattr(ours, "model_file", None) or getattr(ours, "path", None)
     ttype = "SentencePieceTokenizer" if hasattr(ours, "model_file") else "HuggingFaceTokenizer"
-    special = save_hf_tokenizer(ttype, source, save, ck.config.max_position_embeddings)
+    learned = ck.config.position_embedding_type == "learned_absolute"  # a hard length limit only then
+    special = save_hf_tokenizer(ttype, source, save, ck.config.max_position_embeddings if learned else None)
     bad = compare_encodings(ours, save)
     if bad:
         log(f" warning: the exported tokenizer encodes {len(bad)} sample texts differently, e.g. {bad[0][:40]!r}")

@@ -132,4 +132,4 @@ def compare_encodings(ours, hf_dir: str, texts: Sequence[str] = SAMPLE_TEXTS) ->
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    return [t for t in texts if list(hf(t, add_special_tokens=True)["input_ids"]) != list(ours.tokenize(t))]
+    return [t for t in texts if list(hf(t, add_special_tokens=True, verbose=False)["input_ids"]) != list(ours.tokenize(t))]

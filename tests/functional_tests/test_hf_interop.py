@@ -108,8 +108,8 @@ def test_remote_code_export_for_rmsnorm_relu2_with_window(tmp_path):
     tokens = torch.randint(0, 100, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, full_logits(ours, tokens), rtol=1e-5, atol=1e-5)
-    prompt = tokens[:1, :5]
-    assert torch.equal(_hf_greedy(hf, prompt, 32), generate(ours, prompt, 32, temperature=0).tokens)
+    prompt = tokens[:1, :5]  # (a windowed model decodes without a KV cache: keep it short)
+    assert torch.equal(_hf_greedy(hf, prompt, 16), generate(ours, prompt, 16, temperature=0).tokens)
 
 
 def _tiny_llama(path):
