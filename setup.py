@@ -18,6 +18,7 @@ setup(
             "transformers",
             "tokenizers",
             "safetensors",
+            "protobuf",
             "ruff",
             "matplotlib",
         ],

@@ -30,7 +30,10 @@ SAMPLE_TEXTS = (
 
 
 def _spm_proto(path: str):
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except ImportError as e:  # the generated module needs protobuf
+        raise ImportError(f"exporting a sentencepiece tokenizer needs the 'protobuf' package ({e})") from None
 
     proto = pb.ModelProto()
     with open(path, "rb") as f:
@@ -132,4 +135,5 @@ def compare_encodings(ours, hf_dir: str, texts: Sequence[str] = SAMPLE_TEXTS) ->
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    return [t for t in texts if list(hf(t, add_special_tokens=True, verbose=False)["input_ids"]) != list(ours.tokenize(t))]
+    return [t for t in texts
+            if list(hf(t, add_special_tokens=True, verbose=False)["input_ids"]) != list(ours.tokenize(t))]

@@ -411,8 +411,3 @@ def reshard_checkpoint(load: str, save: str, tp: int, pp: int, vp_layers: int | 
         f"({target.tp}, {target.pp}, {target.vpp}); optimizer state: "
         f"{'yes' if with_optimizer and ck.optimizer is not None else 'no'}; wrote {out}")
     return out
-
-
-def single_rank_state_dict(ck: CanonicalCheckpoint) -> dict[str, torch.Tensor]:
-    """The state dict of a TP = 1, PP = 1 model (vocabulary rows as saved)."""
-    return dict(ck.model)
