@@ -6,7 +6,7 @@ gate and up projections as two sections), ``gelu`` (tanh approximation, as GPT-2
 Quantization-aware training with ``--qat-clamp weight-rms``: ``forward(x, input_rms)`` takes the lazy
 prediction of RMS(x) (from the preceding norm's weights) for fc1, and hands fc2 the prediction of its
 input derived from fc1's weights and the activation (``dynamic_clamp.FFNHiddenRMS``: closed form for
-relu2, Gaussian quadrature for gelu and swiglu). Other clamp rules ignore both.
+relu2, Gaussian integrals computed numerically for gelu and swiglu). Other clamp rules ignore both.
 """
 from __future__ import annotations
 
