@@ -131,8 +131,9 @@ class SelfAttention(nn.Module):
         start, limit = visibility
         zreg = cfg.attention_zreg_coeff * getattr(self, "zreg_scale", 1.0)
         # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
+        window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
-                          position_ids=position_ids, backend=cfg.attention_backend, return_lse=True,
+                          position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
                           dropout_p=dropout)
         with torch.no_grad():  # [mean, max] over rows with a finite lse; no host sync (read when logging)
             finite = torch.isfinite(lse)
