@@ -20,7 +20,8 @@ def _all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_start: int, vocab_size: int, zreg_coeff: float):
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
         n_local = logits.shape[-1]
         if vocab_start + n_local > vocab_size:  # this shard holds padded rows
             pad = torch.arange(vocab_start, vocab_start + n_local, device=logits.device) >= vocab_size
