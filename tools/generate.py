@@ -2,9 +2,12 @@
 
     python tools/generate.py --load checkpoints/demo --prompt "def main(" --max-new-tokens 64
     python tools/generate.py --load checkpoints/demo --prompt "import" --temperature 0.8 --top-p 0.9 --seed 1
+    python tools/generate.py --load checkpoints/demo --prompt "class A:" --branches "  def f(" "  def g("
 
 ``--temperature 0`` is greedy decoding. The tokenizer is the copy saved with the checkpoint
 (``iter_*/tokenizer/``) unless ``--tokenizer-model`` is given. Prints the prompt and its continuation.
+``--branches`` decodes several continuations of one prompt together, the prompt computed once
+(``megatron_cai.inference.branches``); with ``--num-samples K`` each branch is sampled K times.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from megatron_cai.inference.branches import decode_branches  # noqa: E402
 from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
 from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
 from megatron_cai.training.checkpointing import CheckpointError  # noqa: E402
@@ -32,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--num-samples", type=int, default=1, help="independent continuations of the prompt")
+    p.add_argument("--branches", nargs="+", default=None, metavar="TEXT",
+                   help="continuations of the prompt decoded together as branches (the prompt is computed "
+                        "once); each branch text is fed after the prompt before decoding ('' for none)")
     p.add_argument("--ignore-eod", action="store_true", help="keep generating after the end-of-document token")
     p.add_argument("--tokenizer-model", default=None, help="override the checkpoint's tokenizer file")
     p.add_argument("--tokenizer-type", default=None,
@@ -45,6 +52,18 @@ def _eod(tokenizer) -> int | None:
         return tokenizer.eod
     except ValueError:
         return None
+
+
+def _print_branches(args, model, tokenizer, ids: list[int], eos: int | None) -> None:
+    """Decode every ``--branches`` suffix (x --num-samples) after the shared prompt in one batch."""
+    suffixes = [tokenizer.tokenize(text) for text in args.branches]
+    rows = [s for s in suffixes for _ in range(args.num_samples)]
+    out = decode_branches(model, ids, args.max_new_tokens, branches=rows, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
+    for r, new in enumerate(out.new_tokens):
+        b, i = divmod(r, args.num_samples)
+        print(f"----- branch {b + 1}" + (f" sample {i + 1}" if args.num_samples > 1 else "") + " -----")
+        print(tokenizer.detokenize(ids + rows[r] + new.tolist()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("the prompt is empty and the tokenizer has no BOS/EOD token in the model's vocabulary")
             ids = [start]
         eos = None if args.ignore_eod else _eod(tokenizer)
+        if args.branches is not None:
+            _print_branches(args, model, tokenizer, ids, eos)
+            return 0
         for i in range(args.num_samples):
             out = generate(model, ids, args.max_new_tokens, tokenizer=tokenizer, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p,

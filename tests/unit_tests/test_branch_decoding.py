@@ -128,3 +128,31 @@ def test_sampled_branches_seed_top_k_eos_and_errors():
         decode_branches(model, prompt, 2, num_branches=2, attach=[0, 0])
     with pytest.raises(ValueError, match="preorder"):
         decode_branches(model, TreePrompt([1, 2, 3], [-1, 2, 0], [1, 1, 1]), 2, num_branches=1)
+
+
+def test_generate_cli_branches(tmp_path):
+    import contextlib
+    import io
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    import generate as generate_tool
+    from train_utils import TINY_MODEL, train
+
+    from megatron_cai.inference.generation import load_model
+
+    ckpt = str(tmp_path / "ckpt")
+    train(TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-iters", "1", "--eval-interval", "0",
+                        "--eval-iters", "0", "--log-interval", "100", "--save", ckpt])
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = generate_tool.main(["--load", ckpt, "--prompt", "5 6 7", "--branches", "1 2", "", "9",
+                                 "--max-new-tokens", "5", "--temperature", "0"])
+    assert rc == 0
+    lines = buf.getvalue().strip().splitlines()
+    assert lines[0::2] == ["----- branch 1 -----", "----- branch 2 -----", "----- branch 3 -----"]
+    model, _ = load_model(ckpt)
+    for line, suffix in zip(lines[1::2], [[1, 2], [], [9]]):
+        alone = generate(model, [5, 6, 7] + suffix, 5, temperature=0)
+        assert [int(x) for x in line.split()] == alone.tokens[0].tolist()
