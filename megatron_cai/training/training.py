@@ -325,6 +325,7 @@ class Trainer:
             if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
+                    st.extra.setdefault("validation", []).append({"iteration": st.iteration, **val})
                     print_rank_last(validation_log_lines(st.iteration, val))
                     self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, st.iteration)
             if a.save_interval and st.iteration % a.save_interval == 0:
