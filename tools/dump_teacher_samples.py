@@ -127,10 +127,13 @@ def build_train_dataset(args, tokenizer, num_samples: int):
     if len(args.data_path) != 1:
         raise DumpError(f"--data-path: give one preprocessed prefix, got {args.data_path} (a store is keyed by "
                         "the samples of one GPT dataset; blends are not supported)")
-    ns = argparse.Namespace(mock_data=False, data_path=args.data_path, split=args.split, seq_length=args.seq_length,
-                            seed=args.seed, data_cache_path=args.data_cache_path,
-                            reset_position_ids=args.reset_position_ids,
-                            reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss)
+    from megatron_cai.training.arguments import build_parser as training_parser
+
+    ns = training_parser().parse_args([])  # every training flag at its default, then the student's data flags
+    for name in ("data_path", "split", "seq_length", "seed", "data_cache_path", "reset_position_ids",
+                 "reset_attention_mask", "eod_mask_loss"):
+        setattr(ns, name, getattr(args, name))
+    ns.distill_samples = args.output
     train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(ns, tokenizer, (num_samples, 0, 0))
     if train is None:
         raise DumpError(f"--data-path {args.data_path[0]} --split {args.split}: the train split is empty")

@@ -1,4 +1,5 @@
 """Gumbel top-k teacher sampling, sparse-target distillation losses and the teacher-sample store."""
+from .dataset import DISTILL_KEYS, TeacherSamplesDataset, open_teacher_samples, sample_order_fingerprint
 from .gumbel import (
     ESTIMATORS,
     counter_gumbel,
@@ -23,10 +24,12 @@ from .teacher_samples import (
 )
 
 __all__ = [
+    "DISTILL_KEYS",
     "ESTIMATORS",
     "TeacherSamples",
     "TeacherSamplesError",
     "TeacherSamplesMismatchError",
+    "TeacherSamplesDataset",
     "TeacherSamplesWriter",
     "counter_gumbel",
     "dataset_fingerprint",
@@ -34,8 +37,10 @@ __all__ = [
     "full_kd_loss",
     "gumbel_noise",
     "gumbel_topk",
+    "open_teacher_samples",
     "position_keys",
     "priority_weights",
+    "sample_order_fingerprint",
     "self_normalized_weights",
     "shard_seed",
     "sparse_kd_loss",
