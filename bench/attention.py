@@ -1,6 +1,6 @@
 """Visibility-interval attention on CPU: block-skipping path vs dense-mask paths, and tree packing savings.
 
-    python bench/attention.py [--seq 2048 4096 8192] [--tree-jsonl PATH] [--repeats 3]
+    python bench/attention.py [--seq 2048 4096 8192] [--tree-jsonl PATH] [--tree-data PREFIX] [--repeats 3]
 
 For each sequence length and workload (packed documents of 100-1000 tokens; packed code trees) it
 times forward+backward (batch 1, 2 heads, head_dim 64, fp32) of
@@ -15,7 +15,10 @@ the tokens saved by packing each tree once instead of flattening every root-to-l
 Tree sources: ``synthetic`` (random code-shaped trees: module header -> top-level definitions ->
 methods), ``stdlib`` (the same shape parsed with ``ast`` from Python's standard library, ~4 bytes per
 token) and, with ``--tree-jsonl``, a tree corpus in the issue's JSONL format
-(``{"text", "children", "bidirectional"}`` nested nodes), e.g. ``tools/make_demo_corpus.py --tree``.
+(``{"text", "children", "bidirectional"}`` nested nodes), e.g. ``tools/make_demo_corpus.py --tree``,
+and with ``--tree-data`` a corpus preprocessed by ``tools/preprocess_data.py --tree`` (real token
+counts from its ``.tree`` sidecar; ``bench/tree_corpus.py`` builds the demo one). Trees longer than a
+row are cut as the training dataset cuts them (last subtrees dropped), then packed first fit.
 Writes bench/results/attention.{json,md}.
 """
 from __future__ import annotations
@@ -125,10 +128,31 @@ def jsonl_trees(path: str) -> list[Tree]:
     return out
 
 
+def tree_data_trees(prefix: str) -> list[Tree]:
+    """Trees of a ``preprocess_data.py --tree`` prefix, with their real token counts per node."""
+    from megatron_cai.core.datasets.indexed_dataset import IndexedDataset
+    from megatron_cai.core.datasets.tree_format import TreeSidecar
+
+    side = TreeSidecar(prefix, IndexedDataset(prefix).sequence_lengths)
+    return [(t.parents, t.lengths, t.bidirectional) for t in map(side.tree, range(len(side)))]
+
+
+def _cut(tree: Tree, seq: int) -> Tree:
+    """The tree as the training dataset cuts it to fit ``seq`` tokens (tree_dataset.cut_tree)."""
+    from megatron_cai.core.datasets.tree_dataset import cut_tree
+
+    parents, lengths, bidir = tree
+    k, tok = cut_tree(lengths, seq)
+    lengths = list(lengths[:k])
+    lengths[-1] -= sum(lengths) - tok
+    return list(parents[:k]), lengths, list(bidir[:k])
+
+
 def pack_trees(trees: list[Tree], seq: int) -> tuple[V.TreeLayout, int]:
-    """First fit of whole trees into one row of ``seq`` tokens; returns (layout, trees packed)."""
+    """First fit of whole (cut to ``seq`` where longer) trees into one row; returns (layout, trees packed)."""
     chosen, used = [], 0
     for t in trees:
+        t = _cut(t, seq)
         n = sum(t[1])
         if used + n <= seq:
             chosen.append(V.from_tree(*t))
@@ -246,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--tree-jsonl", default=None, help="tree corpus in the issue's JSONL format")
+    ap.add_argument("--tree-data", default=None, help="tree corpus prefix written by preprocess_data.py --tree")
     ap.add_argument("--no-stdlib", action="store_true", help="skip the stdlib-parsed trees")
     ap.add_argument("--out", default=os.path.join(RESULTS, "attention"))
     ap.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
@@ -259,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         sources["stdlib-trees"] = stdlib_trees()
     if args.tree_jsonl:
         sources["jsonl-trees"] = jsonl_trees(args.tree_jsonl)
+    if args.tree_data:
+        sources["demo-trees"] = tree_data_trees(args.tree_data)
     savings = {name: branch_savings(trees) for name, trees in sources.items()}
 
     rows = []

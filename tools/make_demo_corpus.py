@@ -15,7 +15,10 @@ is the module header (every line outside top-level ``def``/``class`` blocks: doc
 constants, trailing code), its children the top-level definitions in source order (decorators
 included), and a class's children its methods (the class node keeps the rest of the class body).
 Each node's text is its source lines verbatim, so root + definition (+ method) reads as real code.
-Files that do not parse become single-node trees.
+Files that do not parse become single-node trees. ``--max-tree-kb K`` splits a module whose tree
+exceeds K KB into several trees that repeat the header over consecutive groups of top-level
+definitions (a class too large is split the same way over groups of its methods; a node whose own
+text exceeds the budget stays whole), so that trees fit training rows.
 """
 from __future__ import annotations
 
@@ -95,17 +98,52 @@ def code_tree(text: str) -> dict:
     return root
 
 
-def file_records(root: str, relpath: str, tree: bool = False) -> Iterator[dict]:
+def _tree_bytes(node: dict) -> int:
+    return len(node["text"].encode()) + sum(_tree_bytes(c) for c in node.get("children", []))
+
+
+def split_tree(tree: dict, max_bytes: int | None) -> list[dict]:
+    """The tree, or copies of it over consecutive groups of its children of <= max_bytes each.
+
+    Applied recursively (a class too large for the budget left under the header becomes several
+    copies of the class over groups of methods); a node whose own text leaves no budget stays whole.
+    """
+    children = tree.get("children", [])
+    if max_bytes is None or _tree_bytes(tree) <= max_bytes or not children:
+        return [tree]
+    header = len(tree["text"].encode())
+    if header >= max_bytes:
+        return [tree]
+    pieces = [p for c in children for p in split_tree(c, max_bytes - header)]
+    groups: list[list[dict]] = [[]]
+    size = header
+    for piece in pieces:
+        n = _tree_bytes(piece)
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = header
+        groups[-1].append(piece)
+        size += n
+    return [{**tree, "children": g} for g in groups]
+
+
+def file_records(root: str, relpath: str, tree: bool = False, max_tree_kb: float | None = None) -> Iterator[dict]:
     """The JSONL records of one source file: one ``{"text", "path"}`` document, or with ``tree`` one
-    ``{"text", "children", "path"}`` tree (see the module docstring)."""
+    ``{"text", "children", "path"}`` tree, or several with ``max_tree_kb`` (see the module docstring)."""
     with open(os.path.join(root, relpath), encoding="utf-8") as f:
         text = f.read()
-    if text.strip():
-        yield {**code_tree(text), "path": relpath} if tree else {"text": text, "path": relpath}
+    if not text.strip():
+        return
+    if not tree:
+        yield {"text": text, "path": relpath}
+        return
+    limit = None if max_tree_kb is None else int(max_tree_kb * 1024)
+    for part in split_tree(code_tree(text), limit):
+        yield {**part, "path": relpath}
 
 
 def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: str | None = None,
-                tree: bool = False) -> dict:
+                tree: bool = False, max_tree_kb: float | None = None) -> dict:
     """Write the corpus to ``output``; returns ``{"files", "bytes", "skipped"}``."""
     root = root or stdlib_dir()
     if not os.path.isdir(root):
@@ -119,7 +157,7 @@ def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: 
             if written >= budget:
                 break
             try:
-                records = list(file_records(root, rel, tree))
+                records = list(file_records(root, rel, tree, max_tree_kb))
             except (UnicodeDecodeError, OSError):
                 skipped += 1
                 continue
@@ -139,8 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-file-kb", type=int, default=256, help="skip source files larger than this")
     parser.add_argument("--tree", action="store_true",
                         help="one tree per file: module header -> top-level definitions -> methods")
+    parser.add_argument("--max-tree-kb", type=float, default=None,
+                        help="--tree: split larger modules into trees that repeat the header over groups of "
+                             "top-level definitions")
     args = parser.parse_args(argv)
-    stats = make_corpus(args.output, args.max_mb, args.max_file_kb, tree=args.tree)
+    stats = make_corpus(args.output, args.max_mb, args.max_file_kb, tree=args.tree, max_tree_kb=args.max_tree_kb)
     print(f"wrote {args.output}: {stats['files']} files, {stats['bytes'] / 1e6:.2f} MB from {stats['root']} "
           f"(Python {sys.version.split()[0]}; {stats['skipped']} unreadable files skipped)")
     return 0

@@ -256,3 +256,72 @@ def test_builder_formats(tmp_path):
                                         TreeDatasetConfig(**base, data_format="tree"))
     blend = build_train_valid_test_datasets([prefix, prefix], "90,10,0", [10, 2, 0], TreeDatasetConfig(**base))
     assert "label_positions" in blend[0][3]
+
+
+SOURCE = '''"""Module doc."""
+import os
+
+X = 1
+
+
+@decorator
+def f(a):
+    return a
+
+
+class C(Base):
+    """Class doc."""
+    y = 2
+
+    def m(self):
+        return 1
+
+    async def n(self):
+        pass
+
+
+if __name__ == "__main__":
+    f(X)
+'''
+
+
+def test_make_demo_corpus_tree(tmp_path):
+    import json
+
+    import make_demo_corpus
+
+    root = tmp_path / "lib"
+    root.mkdir()
+    (root / "mod.py").write_text(SOURCE)
+    (root / "broken.py").write_text("def (:\n")
+    out = tmp_path / "trees.jsonl"
+    make_demo_corpus.make_corpus(str(out), root=str(root), tree=True)
+    recs = {r["path"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["broken.py"]["text"] == "def (:\n" and "children" not in recs["broken.py"]
+    t = recs["mod.py"]
+    lines = SOURCE.splitlines(keepends=True)
+    assert t["text"] == "".join(lines[0:6] + lines[9:11] + lines[20:])  # header: all but the definitions
+    f, c = t["children"]
+    assert f["text"] == "".join(lines[6:9]) and "children" not in f  # decorator included
+    assert c["text"] == "".join(lines[11:15]) + "\n"
+    assert [m["text"] for m in c["children"]] == ["".join(lines[15:17]), "".join(lines[18:20])]
+    # Every source line is in exactly one node.
+    nodes = [t, f, c, *c["children"]]
+    assert sorted("".join(n["text"] for n in nodes).splitlines()) == sorted(SOURCE.splitlines())
+
+
+def test_split_tree_recursive():
+    import make_demo_corpus
+
+    leaf = lambda n, k: {"text": "x" * n, "tag": k}  # noqa: E731
+    cls = {"text": "c" * 10, "children": [leaf(30, "m1"), leaf(30, "m2"), leaf(30, "m3")]}
+    tree = {"text": "h" * 20, "children": [leaf(40, "f"), cls]}
+    parts = make_demo_corpus.split_tree(tree, 85)
+    sizes = [make_demo_corpus._tree_bytes(p) for p in parts]
+    assert all(s <= 85 for s in sizes)
+    # Every method survives once, under a copy of its class, under a copy of the header, in order.
+    flat = [(p["text"], c["text"], g.get("tag")) for p in parts for c in p["children"]
+            for g in (c.get("children") or [c])]
+    assert [f[2] for f in flat] == ["f", "m1", "m2", "m3"]
+    assert {f[0] for f in flat} == {"h" * 20}
+    assert make_demo_corpus.split_tree(tree, 10) == [tree]  # the header alone exceeds the budget

@@ -34,25 +34,25 @@ def _worker() -> dict:
 
     import torch
     from test_tree_model import _check_branches, _tree_losses
-    from tree_testlib import branch_views, branch_visibility, causal_losses, tiny_gpt, tree_rows
+    from tree_testlib import tiny_gpt, tree_rows
 
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     model = tiny_gpt("triton", num_layers=1, hidden_size=32, num_attention_heads=2, num_query_groups=1).eval()
     rows, batch = tree_rows(random.Random(7), 1, 48, 50, trees_per_row=3, max_nodes=6, max_len=5, p_bidir=0.3)
     losses = _tree_losses(model, batch)
-    checked = _check_branches(model, rows, batch, losses, min_checked=10)
+    found = _check_branches(model, rows, batch, losses, min_checked=10)
     # Backward through the fused kernel: branch-count weighted tree loss == sum of the branches' losses.
     counts, total = torch.zeros_like(losses), 0.0
-    for path, bidir, nodes in branch_views(rows[0]):
-        alone = causal_losses(model, batch["tokens"][0, path], branch_visibility(bidir, nodes) if any(bidir) else None)
-        keep = torch.tensor([float(batch["loss_mask"][0, path[p + 1] - 1] > 0) for p in range(len(path) - 1)])
+    for b, path, keep, alone in found:
         total = total + (alone * keep).sum()
         for p in range(len(path) - 1):
-            counts[0, path[p + 1] - 1] += keep[p]
+            counts[b, path[p + 1] - 1] += keep[p]
     params = list(model.parameters())
-    for a, e in zip(torch.autograd.grad((losses * counts).sum(), params), torch.autograd.grad(total, params)):
+    g_tree = torch.autograd.grad((losses * counts).sum(), params, retain_graph=True)
+    for a, e in zip(g_tree, torch.autograd.grad(total, params)):
         torch.testing.assert_close(a, e, atol=5e-5, rtol=1e-4)
+    checked = int(sum(k.sum() for _, _, k, _ in found))
     return {"status": "ok", "checked": checked}
 
 

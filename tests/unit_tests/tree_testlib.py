@@ -153,3 +153,34 @@ def causal_losses(model, tokens, visibility=None):
     pos = torch.arange(ids.shape[1]).view(1, -1)
     labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     return model(ids, pos, labels=labels, visibility=visibility)[0, :-1]
+
+
+def branches_alone(model, seqs: list[list[int]], bidirs: list[list[bool]], nodes: list[list[int]]):
+    """Per-token losses of every branch fed alone, batched: the causal branches in one plain forward
+    (right padding cannot affect earlier causal positions), the others in one forward with their
+    hand-written intervals (padding keys see only themselves). Returns one loss tensor per branch."""
+    import torch
+
+    out: list = [None] * len(seqs)
+    causal = [i for i, b in enumerate(bidirs) if not any(b)]
+    other = [i for i, b in enumerate(bidirs) if any(b)]
+    for group, plain in ((causal, True), (other, False)):
+        if not group:
+            continue
+        width = max(len(seqs[i]) for i in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        start = torch.arange(width).repeat(len(group), 1)
+        limit = start + 1
+        for r, i in enumerate(group):
+            n = len(seqs[i])
+            ids[r, :n] = torch.as_tensor(seqs[i])
+            if not plain:
+                s, lim = branch_visibility(bidirs[i], nodes[i])
+                start[r, :n], limit[r, :n] = s[0], lim[0]
+        pos = torch.arange(width).repeat(len(group), 1)
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+        vis = None if plain else (start.int(), limit.int())
+        losses = model(ids, pos, labels=labels, visibility=vis)
+        for r, i in enumerate(group):
+            out[i] = losses[r, :len(seqs[i]) - 1]
+    return out
