@@ -229,6 +229,10 @@ def test_tree_dataset_packs_every_tree_once_per_epoch(tmp_path):
         assert len(expect) <= seq
         assert sample["tokens"][:len(expect)].tolist() == expect.tolist()
         assert (sample["tokens"][len(expect):] == EOD).all()
+    import pickle  # DataLoader workers: the sidecar reopens by path
+
+    clone = pickle.loads(pickle.dumps(ds))
+    assert all(torch.equal(clone[3][k], ds[3][k]) for k in ds[3])
     # More samples than one epoch: more epochs; the cache returns the same arrays.
     many = TreeDataset(ds_plain, prefix, docs, 3 * len(ds), "train", cfg)
     assert len(many) >= 3 * len(ds) and many.stats.epochs >= 3

@@ -176,7 +176,8 @@ class TreeSidecarBuilder:
 class TreeSidecar:
     """Read-only view of ``<prefix>.tree``, validated against the token stream's sequence lengths."""
 
-    def __init__(self, prefix: str, sequence_lengths: np.ndarray | None = None) -> None:
+    def __init__(self, prefix: str, sequence_lengths: np.ndarray | None = None, validate: bool = True) -> None:
+        self.prefix = prefix
         self.path = tree_path(prefix)
         if not os.path.isfile(self.path):
             raise TreeFormatError(f"{self.path}: tree sidecar not found (write it with tools/preprocess_data.py "
@@ -201,7 +202,15 @@ class TreeSidecar:
         self.parents = np.frombuffer(mm, dtype="<i4", count=m, offset=off)
         self.lengths = np.frombuffer(mm, dtype="<i4", count=m, offset=off + 4 * m)
         self.flags = np.frombuffer(mm, dtype=np.uint8, count=m, offset=off + 8 * m)
-        self._validate(sequence_lengths)
+        if validate:
+            self._validate(sequence_lengths)
+
+    # Pickling (DataLoader workers) reopens the memory map by path instead of copying the arrays.
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["prefix"], validate=False)
 
     def _validate(self, sequence_lengths: np.ndarray | None) -> None:
         off, n, m = self.node_offsets, self.tree_count, self.node_count
