@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=1200)
     p.add_argument("--eval-interval", type=int, default=100)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--replot", action="store_true", help="redraw table and figure from the saved JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_convergence"))
     opts = p.parse_args()
     data, tok = ensure_demo_data()
@@ -69,8 +70,11 @@ def main() -> None:
             "--lr-warmup-iters", str(max(opts.iters // 50, 1)), "--weight-decay", "0.1",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000",
             "--eval-interval", str(opts.eval_interval), "--eval-iters", "8", "--seed", "1234"]
-    partial = opts.out + ".partial.json"
+    partial = os.path.join(ROOT, "bench", ".cache", "squinch_convergence.partial.json")
+    os.makedirs(os.path.dirname(partial), exist_ok=True)
     results = json.load(open(partial)) if os.path.exists(partial) else {}
+    if opts.replot:
+        results = json.load(open(opts.out + ".json"))
     for name in opts.variants:
         if name in results and results[name].get("iters") == opts.iters:
             continue
@@ -113,7 +117,8 @@ def main() -> None:
         axes[1].set(title="validation loss", xlabel="iteration", ylabel="lm loss")
         lo = min(min(x["lm loss"] for x in results[n]["validation"]) for n in opts.variants)
         axes[1].set_ylim(lo - 0.05, lo + 1.0)
-        axes[0].set_ylim(lo - 0.3, lo + 2.5)
+        tr_lo = min(min(results[n]["train"]) for n in opts.variants)
+        axes[0].set_ylim(tr_lo - 0.1, lo + 2.5)
         for ax in axes:
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3)

@@ -202,10 +202,16 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
     for m in model_chunks:
         module = getattr(m, "module", m)
         own = module.state_dict()
+        params = {n for n, _ in module.named_parameters()}
         missing = [k for k in own if k not in merged]
-        if missing:
-            raise CheckpointError(f"{path} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        module.load_state_dict({k: merged[k] for k in own})
+        missing_params = [k for k in missing if k in params]
+        if missing_params:
+            raise CheckpointError(f"{path} lacks parameters {missing_params[:5]}"
+                                  f"{'...' if len(missing_params) > 5 else ''}")
+        if missing:  # buffers this run adds (e.g. QAT calibration of a bf16 checkpoint): keep their values
+            print(f" checkpoint {path} has no {missing[:3]}{'...' if len(missing) > 3 else ''}: keeping "
+                  "this run's initial values for these buffers", flush=True)
+        module.load_state_dict({k: merged[k] if k in merged else v for k, v in own.items()})
     if finetune:
         return {}
     if load_optim and payload.get("optimizer") is not None:
