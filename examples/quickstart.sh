@@ -5,7 +5,7 @@
 #
 #   bash examples/quickstart.sh            # ~10 minutes on a 2-core laptop
 #
-# Environment overrides: DATA_DIR (data/), CKPT_DIR (checkpoints/quickstart), TRAIN_ITERS (300),
+# Environment overrides: DATA_DIR (data/), CKPT_DIR (checkpoints/quickstart), TRAIN_ITERS (600),
 # PYTHON (python3). Extra arguments are passed to pretrain_gpt.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ python -c "import megatron_cai, sentencepiece, tqdm" 2>/dev/null || pip install 
 
 DATA=${DATA_DIR:-data}
 CKPT=${CKPT_DIR:-checkpoints/quickstart}
-ITERS=${TRAIN_ITERS:-300}
+ITERS=${TRAIN_ITERS:-600}
 HALF=$((ITERS / 2))
 LOGS=$CKPT/logs
 mkdir -p "$DATA"
@@ -40,12 +40,12 @@ mkdir -p "$LOGS"
 TRAIN=(
   --data-path "$DATA/demo_text_document" --split 969,30,1
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok.model"
-  --num-layers 4 --hidden-size 192 --num-attention-heads 4 --seq-length 128
-  --micro-batch-size 16 --global-batch-size 16 --train-iters "$ITERS"
-  --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0
+  --num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256
+  --micro-batch-size 8 --global-batch-size 8 --train-iters "$ITERS"
+  --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0
   --hidden-dropout 0 --attention-dropout 0
-  --log-interval 10 --eval-interval 100 --eval-iters 5
-  --save "$CKPT" --save-interval 100 --tensorboard-dir "$CKPT/tensorboard"
+  --log-interval 10 --eval-interval 200 --eval-iters 5
+  --save "$CKPT" --save-interval 200 --tensorboard-dir "$CKPT/tensorboard"
 )
 echo "== 4/5 train to iteration $HALF, save and stop; then resume to $ITERS"
 python pretrain_gpt.py "${TRAIN[@]}" --exit-interval "$HALF" "$@" | tee "$LOGS/part1.log"
