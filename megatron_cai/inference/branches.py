@@ -29,7 +29,7 @@ import torch
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer import visibility as V
 from ..core.transformer.self_attention import KVCache
-from .generation import ensure_single_process, sample_next
+from .generation import ensure_single_process, sample_step
 
 INF = torch.iinfo(torch.int64).max
 
@@ -183,10 +183,7 @@ def decode_branches(model: GPTModel, prompt: Sequence[int] | torch.Tensor | Tree
         for i in range(max_new_tokens):
             if return_logits:
                 step_logits.append(logits)
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            if eos_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-                done |= nxt == eos_id
+            nxt = sample_step(logits, done, eos_id, temperature, top_k, top_p, generator)
             generated.append(nxt)
             if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
                 break

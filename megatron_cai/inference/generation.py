@@ -67,6 +67,16 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_step(logits: torch.Tensor, done: torch.Tensor, eos_id: int | None, temperature: float, top_k: int,
+                top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """One decoding step for a batch: sample, keep finished rows at EOS and mark rows that hit it."""
+    nxt = sample_next(logits, temperature, top_k, top_p, generator)
+    if eos_id is not None:
+        nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+        done |= nxt == eos_id
+    return nxt
+
+
 # ------------------------------------------------------------------------------------------ forward
 def ensure_single_process() -> None:
     """Set up a TP = PP = 1 parallel state for inference unless one exists; refuse a model-parallel one."""
@@ -161,10 +171,7 @@ def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_ne
         for i in range(max_new_tokens):
             if return_logits:
                 step_logits.append(logits)
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            if eos_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-                done |= nxt == eos_id
+            nxt = sample_step(logits, done, eos_id, temperature, top_k, top_p, generator)
             tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
             if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
                 break
