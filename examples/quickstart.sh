@@ -3,7 +3,7 @@
 # sources), train a tokenizer, preprocess to Megatron .bin/.idx, train a small GPT, stop halfway with a
 # checkpoint, resume to the end, and sample text from the result.
 #
-#   bash examples/quickstart.sh            # ~10 minutes on a 2-core laptop
+#   bash examples/quickstart.sh            # ~6 minutes on a 2-core CPU
 #
 # Environment overrides: DATA_DIR (data/), CKPT_DIR (checkpoints/quickstart), TRAIN_ITERS (600),
 # PYTHON (python3). Extra arguments are passed to pretrain_gpt.py.
