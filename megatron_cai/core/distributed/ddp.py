@@ -29,6 +29,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.reducer = reducer
+        reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         self.overlap_grad_reduce = overlap_grad_reduce
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
