@@ -164,6 +164,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--variants", nargs="*", default=["bf16", "squinch+EF", "squinch no-EF",
                                                      "squinch hierarchical+EF"], choices=list(VARIANTS))
+    p.add_argument("--runs", nargs="*", default=None, metavar="VARIANT@SEED",
+                   help="run only these, in this order (e.g. to split the work over two processes with "
+                        "different --out, then merge their .partial.json files)")
     p.add_argument("--quick", action="store_true", help="20 iterations, one seed: a smoke run")
     p.add_argument("--replot", action="store_true", help="redraw table and figure from the saved JSON")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_convergence"))
@@ -180,26 +183,28 @@ def main() -> None:
         results = json.load(open(opts.out + ".json"))["runs"]
     else:
         data, tok = ensure_demo_data()
-        for seed in opts.seeds:  # seed-major: a partial run still gives complete paired gaps
-            for name in opts.variants:
-                key = f"{name}@{seed}"
-                if key in results and results[key].get("iters") == opts.iters:
-                    continue
-                base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
-                        "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
-                        "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3",
-                        "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
-                        "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
-                        "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
-                        "--eval-iters", str(opts.eval_iters), "--seed", str(seed)]
-                print(f"== {key}", flush=True)
-                r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
-                                    env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]
-                r["iters"] = opts.iters
-                results[key] = r
-                json.dump(results, open(partial, "w"))
-                print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s",
-                      flush=True)
+        order = [(n, s) for s in opts.seeds for n in opts.variants]  # seed-major: complete paired gaps first
+        if opts.runs is not None:
+            order = [(k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])) for k in opts.runs]
+        for name, seed in order:
+            key = f"{name}@{seed}"
+            if key in results and results[key].get("iters") == opts.iters:
+                continue
+            base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
+                    "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
+                    "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3",
+                    "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
+                    "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
+                    "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
+                    "--eval-iters", str(opts.eval_iters), "--seed", str(seed)]
+            print(f"== {key}", flush=True)
+            r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
+                                env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]
+            r["iters"] = opts.iters
+            results[key] = r
+            json.dump(results, open(partial, "w"))
+            print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s",
+                  flush=True)
     lines = _summary(results, opts.variants, opts.seeds, opts)
     with open(opts.out + ".json", "w") as f:
         json.dump({"iters": opts.iters, "seeds": opts.seeds, "validation_sequences": opts.eval_iters * 16,

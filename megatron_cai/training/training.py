@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
+from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.config import GPTConfig
@@ -173,7 +174,7 @@ class Trainer:
             return {}
         return {"error_feedback": a.squinch_error_feedback, "stochastic": a.squinch_stochastic_rounding,
                 "hierarchical": a.squinch_hierarchical, "shard_only": a.use_distributed_optimizer,
-                "seed": a.seed + ps.get_rank()}
+                "seed": a.seed + ps.get_rank(), "timing_level": a.timing_log_level}
 
     def _num_samples(self) -> tuple[int, int, int]:
         a = self.args
@@ -321,6 +322,12 @@ class Trainer:
                 self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
                                  "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
+                if a.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
+                    timings = [m.reducer.timers.collect() for m in self.model if hasattr(m.reducer, "timers")]
+                    for line in timing_log_lines(st.iteration, timings, a.timing_log_level, window_iters):
+                        print_rank_last(line)
+                    if a.log_timers_to_tensorboard:
+                        self.tb.scalars(timing_scalars(timings, window_iters), st.iteration)
                 window_time, window_iters, window_losses = time.time(), 0, {}
             if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
