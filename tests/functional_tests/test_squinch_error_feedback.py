@@ -18,10 +18,11 @@ Mutations tried (each, applied alone to core/distributed/squinch_reducer.py, mad
   4. owner-side error feedback off in the hierarchical all-reduce (``_finish_hier``): ``hier_ar`` fails.
   5. one residual shared by all buckets (key without the bucket index): every case fails.
   6. ``step_skipped`` does not zero the residuals: test_skipped_nonfinite_step_resets_feedback fails.
-  7. the non-finite flag byte not set by the sender (or not honoured by the receiver):
-     test_skipped_nonfinite_step_resets_feedback fails.
+  7. the non-finite flag byte not set by the sender: test_skipped_nonfinite_step_resets_feedback fails.
+  8. the receiver ignores the flag byte: test_skipped_nonfinite_step_resets_feedback[rs] fails.
 """
 import math
+import time
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from dist_utils import run_distributed
 
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.distributed.grad_buffer import Bucket, bucket_padding
-from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
+from megatron_cai.core.distributed.squinch_reducer import SquinchReducer, _completed
 from megatron_cai.core.squinch import decode, encode
 
 BUCKET_BLOCKS = (3, 2)  # two buckets of different sizes (multiples of the DP padding)
@@ -45,12 +46,12 @@ def _numels(dp: int) -> list[int]:
     return [k * bucket_padding(dp) for k in BUCKET_BLOCKS]
 
 
-def _worker(rank, world, tp, pp, mode, rpn, nan_at):
+def _worker(rank, world, tp, pp, mode, rpn, nan_at, early=False):
     ps.initialize_model_parallel(tp, pp, ranks_per_node=rpn)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     reducer = SquinchReducer(ps.get_data_parallel_group(), dp, error_feedback=True,
                              shard_only=mode.endswith("rs"), hierarchical=mode.startswith("hier"), backend="cpu")
-    outs = []
+    outs, early_stages = [], []
     for step in range(STEPS):
         step_out = []
         handles, buckets = [], []
@@ -61,13 +62,22 @@ def _worker(rank, world, tp, pp, mode, rpn, nan_at):
             bucket = Bucket(b, 0, numel, [], g, torch.zeros(numel), dp, dp_rank)
             buckets.append(bucket)
             handles.append(reducer.reduce(bucket))
+            if early:  # let this bucket's first collective finish, so the next hand-over advances it
+                while not _completed(handles[-1].work):
+                    time.sleep(0.001)
+        if early:
+            reducer.progress()
+            early_stages.append([h.stage for h in handles])
         for h, bucket in zip(handles, buckets):
             h.wait()
             step_out.append(bucket.grad_data.clone())
         if any(not torch.isfinite(o).all() for o in step_out):
             reducer.step_skipped()
         outs.append(step_out)
-    return {"dp_ranks": ps.get_data_parallel_global_ranks(), "dp_rank": dp_rank, "outs": outs}
+    # numpy arrays travel by value (tensors would travel as file descriptors of a process that exits)
+    outs = [[o.numpy() for o in step_out] for step_out in outs]
+    return {"dp_ranks": ps.get_data_parallel_global_ranks(), "dp_rank": dp_rank, "outs": outs,
+            "early_stages": early_stages}
 
 
 # ------------------------------------------------------------------------------------------ oracle
@@ -146,7 +156,7 @@ def _check(results, mode, nan_at=None):
             expected = oracle.step(step, nan_at)
             for b, per_rank in enumerate(expected):
                 for r, (shard, full) in enumerate(per_rank):
-                    got = members[r]["outs"][step][b]
+                    got = torch.from_numpy(members[r]["outs"][step][b])
                     c = got.numel() // n
                     where = f"{mode}: global rank {ranks[r]}, bucket {b}, step {step + 1}"
                     if mode.endswith("rs"):
@@ -178,5 +188,15 @@ def test_skipped_nonfinite_step_resets_feedback(mode):
     step 3 matches an oracle whose residuals restart from zero."""
     results = run_distributed(_worker, 2, (1, 1, mode, None, (1, 1, 0)))
     for res in results:
-        assert torch.isnan(res["outs"][1][0]).any()
+        assert torch.isnan(torch.from_numpy(res["outs"][1][0])).any()
     _check(results, mode, nan_at=(1, 1, 0))
+
+
+@pytest.mark.parametrize("world,mode,rpn", [(2, "ar", None), (4, "hier_ar", 2)], ids=["dp2_ar", "hier_ar"])
+def test_second_phase_started_before_wait_is_exact(world, mode, rpn):
+    """The overlap path: each bucket's all-to-all (hierarchical: its intra-node reduce-scatter) completes
+    before the next hand-over, so progress() starts the later stages before wait(); same exact results."""
+    results = run_distributed(_worker, world, (1, 1, mode, rpn, None, True))
+    for res in results:
+        assert all(min(stages) >= 1 for stages in res["early_stages"]), res["early_stages"]
+    _check(results, mode)

@@ -13,6 +13,16 @@ Hierarchical mode: an uncompressed reduce-scatter inside each node, the Squinch 
 nodes among ranks with the same local index (the inter-node group), and (all-reduce mode) the
 compressed all-gather across nodes followed by an uncompressed all-gather inside the node.
 
+Overlap. A bucket's reduction is a chain of stages, each an asynchronous collective and what to do
+when it completes: [intra-node reduce-scatter ->] encode + all-to-all -> decode-accumulate (+ owner
+re-encode + all-gather) -> decode [+ intra-node all-gather]. ``progress()`` runs whenever a bucket is
+handed over (during backward with --overlap-grad-reduce) and starts the next stage of every bucket
+whose collective has completed, so the second phase of a bucket overlaps the rest of backward instead
+of waiting for ``wait()``. The all-gathers run on a duplicate process group of the one the
+all-to-alls use (and the intra-node all-gather on a duplicate of the intra-node group), and a bucket
+takes a stage only after every bucket handed over before it took it: every group sees its operations
+in the same order on every rank, whatever completes first where.
+
 Non-finite gradients. Every row on the wire is ``[nonfinite flag byte | 6-bit payload]``. The flag is
 computed on the device (the OR over the sender's rows) and never read by the host here: a receiver
 fills its result with NaN through a device-side ``masked_fill_`` when any sender's flag is set. The
@@ -43,8 +53,10 @@ Stream discipline (accelerators; on CPU everything runs on the host and gloo's o
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+import torch.distributed as dist
 
 from .. import device as device_mod
 from .. import parallel_state as ps
@@ -54,6 +66,8 @@ from .grad_buffer import Bucket
 from .reducers import GradReducer
 
 _NULL = contextlib.nullcontext()
+_INF = float("inf")
+_SECOND_GROUPS: dict[tuple, object] = {}  # (world, ranks) -> duplicate process group for the all-gathers
 
 
 class SquinchReducer(GradReducer):
@@ -73,6 +87,10 @@ class SquinchReducer(GradReducer):
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._comm_stream = None
         self._recorded: set[int] = set()
+        self._fifo: list[_Handle] = []  # buckets handed over and not yet complete, in hand-over order
+        self._gather_group = self._intra_gather_group = None
+        # MEGATRON_CAI_SQUINCH_EARLY_STAGES=0 leaves every later stage to wait() (the bench's "before")
+        self.early_stages = os.environ.get("MEGATRON_CAI_SQUINCH_EARLY_STAGES", "1") != "0"
         self.hierarchical = hierarchical and dp_size > 1
         if self.hierarchical:
             self.local_size = ps.get_data_parallel_intra_node_world_size()
@@ -167,11 +185,63 @@ class SquinchReducer(GradReducer):
         if inter:
             self.inter_node_bytes_sent += nbytes
 
+    # ------------------------------------------------------------------------------- scheduling
+    def _second_group(self, group):
+        """A duplicate of `group` for the operations that progress() may start early (the all-gathers):
+        each group then sees its operations in the same order on every rank."""
+        if group is None or not dist.is_initialized():
+            return group
+        ranks = tuple(dist.get_process_group_ranks(group))
+        key = (id(dist.group.WORLD), ranks)
+        if key not in _SECOND_GROUPS:
+            _SECOND_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return _SECOND_GROUPS[key]
+
+    def _groups(self) -> None:
+        if self._gather_group is None:
+            if self.hierarchical:
+                self._gather_group = self._second_group(self.inter_group)
+                self._intra_gather_group = self._second_group(self.intra_group)
+            else:
+                self._gather_group = self._second_group(self.group)
+
+    def progress(self) -> None:
+        """Start the next stage of every bucket whose collective has completed, without blocking.
+
+        Called whenever a bucket is handed over (from backward with --overlap-grad-reduce), so the
+        decode-accumulate, the owner re-encode and the all-gather of a bucket start as soon as its
+        all-to-all is done, not in wait(). A bucket takes stage t -> t + 1 only after every earlier
+        bucket did, so each process group sees its operations in the same order on every rank."""
+        floor = _INF
+        for h in self._fifo:
+            while not h.done and h.stage < floor and _completed(h.work):
+                h.advance()
+            if not h.done:
+                floor = min(floor, h.stage)
+        self._fifo = [h for h in self._fifo if not h.done]
+
+    def _drive(self, target: _Handle) -> None:
+        """Block until `target` is complete, completing every earlier bucket first (FIFO)."""
+        for h in self._fifo:
+            while not h.done:
+                h.advance()
+            if h is target:
+                break
+        self._fifo = [h for h in self._fifo if not h.done]
+
+    def _start(self, bucket: Bucket, work, phase: str | None, then) -> _Handle:
+        h = _Handle(self, bucket, work, phase, then)
+        self._fifo.append(h)
+        return h
+
     # ---------------------------------------------------------------------------- the collective
     def reduce(self, bucket: Bucket):
         n = self.dp_size
         if n == 1:
-            return _Handle(self, bucket, None)
+            return _Handle(self, bucket, None, None, None, done=True)
+        self._groups()
+        if self.early_stages:
+            self.progress()
         stream = self._comm_stream
         if stream is not None:  # the bucket's gradients were accumulated on the compute stream
             stream.wait_stream(torch.accelerator.current_stream(self.device))
@@ -182,34 +252,50 @@ class SquinchReducer(GradReducer):
             bucket.grad_data.mul_(1.0 / n)
             if self.hierarchical:
                 return self._reduce_hierarchical(bucket)
-            t, b = self.timers, bucket.index
-            with t.phase(b, "encode"):
-                send = self._encode_rows(bucket.grad_data, n, f"b{b}")
-            recv = self._buf(("recv", f"b{b}"), tuple(send.shape), torch.uint8, send.device)
-            with t.phase(b, "all-to-all"):
-                work = device_mod.all_to_all_single(recv, send, group=self.group, async_op=True)
-            self._count(send.numel() * (n - 1) // n, inter=True)
-            return _Handle(self, bucket, work, "all-to-all", lambda: self._finish_flat(bucket, recv))
+            work, recv = self._encode_all_to_all(bucket, bucket.grad_data, n, self.group)
+            return self._start(bucket, work, "all-to-all", lambda: self._after_all_to_all(bucket, recv))
 
-    def _finish_flat(self, bucket: Bucket, recv: torch.Tensor) -> None:
+    def _encode_all_to_all(self, bucket: Bucket, x: torch.Tensor, rows: int, group):
+        t, b = self.timers, bucket.index
+        with t.phase(b, "encode"):
+            send = self._encode_rows(x, rows, f"b{b}")
+        recv = self._buf(("recv", f"b{b}"), tuple(send.shape), torch.uint8, send.device)
+        with t.phase(b, "all-to-all"):
+            work = device_mod.all_to_all_single(recv, send, group=group, async_op=True)
+        self._count(send.numel() * (rows - 1) // rows, inter=True)
+        return work, recv
+
+    def _after_all_to_all(self, bucket: Bucket, recv: torch.Tensor):
+        """Decode-accumulate this rank's shard; in all-reduce mode start the compressed all-gather."""
         shard = bucket.shard(bucket.grad_data)
         with self.timers.phase(bucket.index, "decode-accumulate"):
             self._decode_sum_into(recv, shard, f"b{bucket.index}")
-        if not self.shards:
-            self._all_gather_compressed(bucket.grad_data, shard, self.group, self.dp_size, bucket.index, inter=True)
+        if self.shards:
+            return None
+        if not self.hierarchical:
+            work, gathered = self._start_all_gather(bucket, shard, self._gather_group, self.dp_size)
+            return work, "all-gather", lambda: self._decode_gathered(bucket, bucket.grad_data, gathered)
+        slice_buf = torch.empty(self.num_nodes * bucket.shard_size, dtype=bucket.grad_data.dtype,
+                                device=shard.device)
+        work, gathered = self._start_all_gather(bucket, shard, self._gather_group, self.num_nodes)
+        return work, "all-gather", lambda: self._finish_hier(bucket, gathered, slice_buf)
 
-    def _all_gather_compressed(self, full: torch.Tensor, shard: torch.Tensor, group, size: int, index: int,
-                               inter: bool) -> None:
-        """Owner re-encodes its reduced shard (own error feedback); all ranks decode every shard."""
-        t, key = self.timers, f"o{index}"
-        with t.phase(index, "owner re-encode"):
+    def _start_all_gather(self, bucket: Bucket, shard: torch.Tensor, group, size: int):
+        """Owner re-encodes its reduced shard (own error feedback) and starts the all-gather."""
+        t, key = self.timers, f"o{bucket.index}"
+        with t.phase(bucket.index, "owner re-encode"):
             send = self._encode_rows(shard, 1, key)
         recv = self._buf(("gather", key), (size, send.numel()), torch.uint8, shard.device)
-        with t.phase(index, "all-gather"):
-            device_mod.all_gather_into_tensor(recv, send.view(-1), group=group)
-        self._count(send.numel() * (size - 1), inter=inter)
-        chunk = shard.numel()
-        with t.phase(index, "decode"):
+        with t.phase(bucket.index, "all-gather"):
+            work = _all_gather_async(recv, send, group)
+        self._count(send.numel() * (size - 1), inter=True)
+        return work, recv
+
+    def _decode_gathered(self, bucket: Bucket, full: torch.Tensor, recv: torch.Tensor) -> None:
+        """All ranks decode every owner's payload into `full` (NaN if any owner flagged)."""
+        size = recv.shape[0]
+        chunk = full.numel() // size
+        with self.timers.phase(bucket.index, "decode"):
             fp32 = full.dtype == torch.float32
             for r in range(size):
                 dst = full[r * chunk:(r + 1) * chunk]
@@ -218,6 +304,7 @@ class SquinchReducer(GradReducer):
                 else:
                     dst.copy_(decode(recv[r, 1:], chunk, backend=self.backend))
             full.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+        return None
 
     # ------------------------------------------------------------------------------ hierarchical
     def _reduce_hierarchical(self, bucket: Bucket):
@@ -229,49 +316,45 @@ class SquinchReducer(GradReducer):
             # cross-node all-to-all, node m's rank l then owns chunk m * L + l, its DP shard.
             permuted = g.view(M, L, c).transpose(0, 1).contiguous().view(-1)
             node_slice = torch.empty(M * c, dtype=g.dtype, device=g.device)
-            device_mod.reduce_scatter_tensor(node_slice, permuted, group=self.intra_group)
+            work = device_mod.reduce_scatter_tensor(node_slice, permuted, group=self.intra_group, async_op=True)
         self._count((L - 1) * node_slice.numel() * g.element_size(), inter=False)
-        if M == 1:
-            return _Handle(self, bucket, None, None, lambda: self._finish_hier_single_node(bucket, node_slice))
-        with t.phase(b, "encode"):
-            send = self._encode_rows(node_slice, M, f"b{b}")
-        recv = self._buf(("recv", f"b{b}"), tuple(send.shape), torch.uint8, send.device)
-        with t.phase(b, "all-to-all"):
-            work = device_mod.all_to_all_single(recv, send, group=self.inter_group, async_op=True)
-        self._count(send.numel() * (M - 1) // M, inter=True)
-        return _Handle(self, bucket, work, "all-to-all", lambda: self._finish_hier(bucket, recv))
 
-    def _finish_hier_single_node(self, bucket: Bucket, node_slice: torch.Tensor) -> None:
+        def after_reduce_scatter(permuted=permuted):  # keeps the scattered buffer alive until done
+            if M == 1:
+                return self._finish_hier_single_node(bucket, node_slice)
+            work2, recv = self._encode_all_to_all(bucket, node_slice, M, self.inter_group)
+            return work2, "all-to-all", lambda: self._after_all_to_all(bucket, recv)
+
+        return self._start(bucket, work, "intra reduce-scatter", after_reduce_scatter)
+
+    def _finish_hier_single_node(self, bucket: Bucket, node_slice: torch.Tensor):
         bucket.shard(bucket.grad_data).copy_(node_slice)
-        if not self.shards:
-            self._intra_all_gather(bucket)
+        return None if self.shards else self._start_intra_all_gather(bucket)
 
-    def _finish_hier(self, bucket: Bucket, recv: torch.Tensor) -> None:
-        shard = bucket.shard(bucket.grad_data)
-        with self.timers.phase(bucket.index, "decode-accumulate"):
-            self._decode_sum_into(recv, shard, f"b{bucket.index}")
-        if self.shards:
-            return
+    def _finish_hier(self, bucket: Bucket, gathered: torch.Tensor, slice_buf: torch.Tensor):
+        """Decode the M shards of this local rank's slice, then start the intra-node all-gather."""
+        self._decode_gathered(bucket, slice_buf, gathered)
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
-        # Across nodes: compressed all-gather of the M shards of this local rank's slice.
         local_rank = ps.get_data_parallel_rank() % L
-        slice_buf = torch.empty(M * c, dtype=bucket.grad_data.dtype, device=shard.device)
-        self._all_gather_compressed(slice_buf, shard, self.inter_group, M, bucket.index, inter=True)
-        full = bucket.grad_data.view(M, L, c)
-        full[:, local_rank, :] = slice_buf.view(M, c)
-        self._intra_all_gather(bucket)
+        bucket.grad_data.view(M, L, c)[:, local_rank, :] = slice_buf.view(M, c)
+        return self._start_intra_all_gather(bucket)
 
-    def _intra_all_gather(self, bucket: Bucket) -> None:
-        """Inside the node, uncompressed: every local rank contributes its M chunks."""
+    def _start_intra_all_gather(self, bucket: Bucket):
+        """Inside the node, uncompressed: every local rank contributes its M chunks (asynchronous)."""
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
         local_rank = ps.get_data_parallel_rank() % L
         g = bucket.grad_data.view(M, L, c)
         with self.timers.phase(bucket.index, "intra all-gather"):
             mine = g[:, local_rank, :].contiguous().view(-1)
             gathered = torch.empty(L, M * c, dtype=g.dtype, device=g.device)
-            device_mod.all_gather_into_tensor(gathered, mine, group=self.intra_group)
-            g.copy_(gathered.view(L, M, c).transpose(0, 1))
+            work = _all_gather_async(gathered, mine, self._intra_gather_group)
         self._count((L - 1) * mine.numel() * g.element_size(), inter=False)
+
+        def place(mine=mine):  # keeps the sent buffer alive until the gather is done
+            g.copy_(gathered.view(L, M, c).transpose(0, 1))
+            return None
+
+        return work, "intra all-gather", place
 
     # ------------------------------------------------------------------------------------ state
     def step_skipped(self) -> None:
@@ -302,23 +385,49 @@ class SquinchReducer(GradReducer):
                 self._gen(self.device)
 
 
+def _all_gather_async(out: torch.Tensor, inp: torch.Tensor, group):
+    """Asynchronous all-gather of `inp` into the rows of `out` ([world, numel]). gloo has no
+    all_gather_into_tensor (core.device falls back to a blocking one), so it gets the list form."""
+    if dist.get_backend(group) == "gloo":
+        return dist.all_gather(list(out.unbind(0)), inp.reshape(-1), group=group, async_op=True)
+    return dist.all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=group, async_op=True)
+
+
+def _completed(work) -> bool:
+    """Whether an asynchronous collective has finished (without waiting for it)."""
+    if work is None:
+        return True
+    inner = getattr(work, "work", work)  # core.device's gloo reduce-scatter wraps the all-to-all's work
+    return inner is None or inner.is_completed()
+
+
 class _Handle:
-    """Completes one bucket's reduction: waits for its collective, finishes it on the communication
-    stream, then makes the compute stream wait for the communication stream."""
+    """One bucket's reduction as a chain of stages: (asynchronous collective in flight, what to do when
+    it completes). ``advance()`` waits for the current collective and runs the next stage on the
+    communication stream; ``wait()`` completes the bucket (and every bucket handed over before it),
+    then makes the compute stream wait for the communication stream."""
 
-    def __init__(self, reducer: SquinchReducer, bucket: Bucket, work, phase: str | None = None,
-                 finish=None) -> None:
-        self.reducer, self.bucket, self.work, self.phase, self.finish = reducer, bucket, work, phase, finish
+    def __init__(self, reducer: SquinchReducer, bucket: Bucket, work, phase: str | None, then,
+                 done: bool = False) -> None:
+        self.reducer, self.bucket, self.work, self.phase, self.then = reducer, bucket, work, phase, then
+        self.stage, self.done = 0, done
 
-    def wait(self) -> None:
+    def advance(self) -> None:
         r = self.reducer
         with r._stream():
             if self.work is not None:
                 with r.timers.phase(self.bucket.index, self.phase):
                     self.work.wait()
-                self.work = None
-            if self.finish is not None:
-                finish, self.finish = self.finish, None
-                finish()
+            nxt = self.then() if self.then is not None else None
+        self.stage += 1
+        if nxt is None:
+            self.work, self.phase, self.then, self.done = None, None, None, True
+        else:
+            self.work, self.phase, self.then = nxt
+
+    def wait(self) -> None:
+        r = self.reducer
+        if not self.done:
+            r._drive(self)
         if r._comm_stream is not None:
             torch.accelerator.current_stream(r.device).wait_stream(r._comm_stream)
