@@ -8,17 +8,17 @@ re-encode with its own error feedback and the decode of every owner's payload. E
 bit-identical (torch.equal) to the oracle. Covered: flat DP = 2 and 4, hierarchical (2 nodes x 2),
 TP2 x DP2 and PP2 x DP2, each in reduce-scatter and all-reduce mode, and a skipped non-finite step.
 
-Mutations tried (each, applied alone to core/distributed/squinch_reducer.py, made a test here fail):
-  1. sender-side error feedback off in the flat path (``reduce`` encodes without its residual):
-     every flat, TP2xDP2 and PP2xDP2 case fails at step 2.
-  2. owner-side error feedback off in the flat all-reduce's second phase (``_finish_flat`` re-encodes
-     without its residual): every flat/TP/PP ``ar`` case fails at step 2; ``rs`` cases stay green.
-  3. sender-side error feedback off in the hierarchical path (``_reduce_hierarchical``): both
-     hierarchical cases fail at step 2.
-  4. owner-side error feedback off in the hierarchical all-reduce (``_finish_hier``): ``hier_ar`` fails.
-  5. one residual shared by all buckets (key without the bucket index): every case fails.
-  6. ``step_skipped`` does not zero the residuals: test_skipped_nonfinite_step_resets_feedback fails.
-  7. the non-finite flag byte not set by the sender: test_skipped_nonfinite_step_resets_feedback fails.
+Mutations tried (each applied alone to core/distributed/squinch_reducer.py; each made a test here fail
+with an assertion, not a crash; residuals dropped by popping them before the encode that uses them):
+  1. sender-side error feedback off in the flat path (``reduce``): dp2_rs, tp2dp2_rs, pp2dp2_ar fail.
+  2. owner-side error feedback off in the flat all-reduce's second phase (``_after_all_to_all``,
+     flat branch): dp2_ar, dp4_ar, tp2dp2_ar, pp2dp2_ar fail; the ``rs`` cases stay green.
+  3. sender-side error feedback off in the hierarchical path (``_reduce_hierarchical``): hier_rs fails.
+  4. owner-side error feedback off in the hierarchical all-reduce (``_after_all_to_all``,
+     hierarchical branch): hier_ar fails.
+  5. one residual for all buckets (key without the bucket index): dp2_rs fails.
+  6. ``step_skipped`` keeps the residuals: test_skipped_nonfinite_step_resets_feedback fails.
+  7. the sender does not set the non-finite flag byte: test_skipped_nonfinite_step_resets_feedback fails.
   8. the receiver ignores the flag byte: test_skipped_nonfinite_step_resets_feedback[rs] fails.
 """
 import math
