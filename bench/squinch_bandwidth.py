@@ -37,6 +37,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
           "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1"]
@@ -325,6 +326,9 @@ def main() -> None:
     finally:
         teardown_link()
     res["load_after"] = load()
+    os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
+        json.dump(res, f, indent=1)  # raw measurements, whatever happens next
     lines = report(res, opts)
     print("\n".join(lines))
     noisy = too_noisy(res, opts.max_spread)
