@@ -130,7 +130,7 @@ def _plot(results: dict, variants: list[str], seeds: list[int], out: str) -> Non
     except ImportError:
         print("matplotlib not installed: no PNG")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     colors = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     styles = ["-", "--", ":", "-."]
     runs = [(n, s) for n in variants for s in seeds if f"{n}@{s}" in results]
@@ -143,12 +143,22 @@ def _plot(results: dict, variants: list[str], seeds: list[int], out: str) -> Non
         val = r["validation"]
         axes[1].plot([x["iteration"] for x in val], [x["lm loss"] for x in val], style, color=colors[n],
                      marker="o", ms=2, lw=1, label=f"{n} seed {s}")
+        base = results.get(f"bf16@{s}")
+        if base and n != "bf16":  # paired gap to bf16 at the same seed, at every evaluation
+            ref = {x["iteration"]: x["lm loss"] for x in base["validation"]}
+            pts = [(x["iteration"], 100 * (x["lm loss"] / ref[x["iteration"]] - 1)) for x in val
+                   if x["iteration"] in ref]
+            axes[2].plot([a for a, _ in pts], [b for _, b in pts], style, color=colors[n], marker="o", ms=2,
+                         lw=1, label=f"{n} seed {s}")
     axes[0].set(title="training loss (moving average of 25)", xlabel="iteration", ylabel="lm loss")
     axes[1].set(title="validation loss (fixed set)", xlabel="iteration", ylabel="lm loss")
+    axes[2].set(title="validation loss gap to bf16, same seed (%)", xlabel="iteration", ylabel="%")
+    axes[2].axhline(0, color="black", lw=0.8)
     if runs:
         lo = min(min(x["lm loss"] for x in results[f"{n}@{s}"]["validation"]) for n, s in runs)
         axes[1].set_ylim(lo - 0.05, lo + 1.0)
-        axes[0].set_ylim(lo - 0.4, lo + 2.5)
+        tr_lo = min(min(results[f"{n}@{s}"]["train"]) for n, s in runs)
+        axes[0].set_ylim(tr_lo - 0.1, lo + 2.5)
     for ax in axes:
         ax.legend(fontsize=6, ncol=2)
         ax.grid(alpha=0.3)
