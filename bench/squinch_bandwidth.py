@@ -1,23 +1,30 @@
-"""Step time where bandwidth is scarce: fp32 / bf16 / Squinch gradient reduction, with and without overlap.
+"""Step time where bandwidth is scarce: bf16 all-reduce vs Squinch, measured over a real shaped link.
 
-Part 1, projection from measurements. On this machine, for one data-parallel rank of a small GPT: the
-forward and backward time per token, the optimizer step and the Squinch codec time for the rank's
-buckets, and the exact bytes each rank sends per step at DP = 8 (one rank per node). A step processes
---tokens-per-node tokens per node (65,536 by default, the gradient-compression note's example).
-Cluster bandwidths B of 100, 400, 800 and 3,200 Gb/s per node are mapped to this machine by keeping the
-ratio of communication to compute: B_here = B * F_here / F_node, with F_here the FLOP/s measured here
-and F_node an 8-GPU node at 8 x 400 TFLOP/s (H100-class, ~40% of bf16 peak). Step time without overlap
-= fwd + bwd + codec + comm + opt; with overlap (buckets reduced during backward) = fwd + max(bwd,
-codec + comm) + opt. Reported relative to the compute-only step, which is what carries over to the
-cluster. The codec's share is the CPU's (its C kernel vs CPU matmuls), not a GPU's.
+Two network namespaces joined by a veth pair, shaped with ``tc tbf`` (burst 64kb) or left unshaped;
+pretrain_gpt.py runs with its ranks split over the two namespaces (gloo over the link), so the link is
+the "inter-host" network. Every configuration is run --repeats times (>= 3), bf16 and Squinch
+alternately (bf16, Squinch, bf16, Squinch, ...), each run --steps steady-state steps (>= 20) after
+--warmup discarded ones; a run's time is the median of its per-iteration times (the last rank's
+"elapsed time per iteration" log line). Reported: the median over repeats with its min-max, and the
+Squinch / bf16 ratio of the medians with the min-max of the per-repeat paired ratios.
 
-Part 2, measured for real. Two network namespaces joined by a veth pair shaped with ``tc tbf`` to a
-few rates; pretrain_gpt.py with DP = 2 (one rank per namespace, gloo over the shaped link) and bf16
-all-reduce vs Squinch all-reduce, with and without --overlap-grad-reduce; the mean step time from the
-log lines, side by side, against the byte ratio 6/16. Needs root and iproute2 (``ip netns``, ``tc``).
+Tables, in order:
+  0. phase breakdown of Squinch's reduction (``--timing-log-level 1``): where a step's communication
+     time goes (encode, all-to-all, decode-accumulate, owner re-encode, all-gather, decode);
+  1. DP = 2 (one rank per namespace) at --rates Mbit/s and unshaped veth, with and without
+     --overlap-grad-reduce, at two model sizes (--sizes small large; large has ~10x the parameters);
+  2. the quarter-bandwidth row: B = the rate at which bf16's communication equals its compute
+     (bytes per step / compute time), Squinch at B/4 against bf16 at B, with overlap;
+  3. DP = 4 as two hosts of two ranks each (two ranks per namespace), flat vs hierarchical Squinch
+     (--squinch-hierarchical --ranks-per-node 2), with the link shaped to --dp4-rates.
 
-    python bench/squinch_bandwidth.py                  # both parts; writes results/squinch_bandwidth.*
-    python bench/squinch_bandwidth.py --skip-link      # part 1 only
+The machine's load average is printed before and after. When any configuration's repeats spread by
+more than --max-spread (10%) of their median, the results are NOT written (exit code 3): a table whose
+answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
+written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
+
+    python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine
+    python bench/squinch_bandwidth.py --quick    # a few minutes; writes bench/.cache/squinch_bandwidth_quick.*
 """
 from __future__ import annotations
 
@@ -25,204 +32,318 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
-import time
-
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-         "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "4", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3"]
-NODE_FLOPS = 8 * 400e12
-CLUSTER_GBPS = [100, 400, 800, 3200]
-DP_PROJECTED = 8
-
-
-def _measure_compute(steps: int = 6) -> dict:
-    """fwd / bwd / opt times of one rank (single process), codec times and FLOPs per step."""
-    import pretrain_gpt
-    from megatron_cai.core.squinch import decode, decode_accumulate, encode_with_feedback
-    from megatron_cai.training.training import Trainer
-
-    config, tokenizer = pretrain_gpt.build_run(
-        MODEL + ["--global-batch-size", "4", "--train-iters", "100", "--log-interval", "1000"], world_size=1)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
-    model = config.model
-    ddp = trainer.model[0]
-    batch = trainer._next_microbatches(trainer.train_iter)[0]
-    t = {"fwd": [], "bwd": [], "opt": []}
-    for i in range(steps + 2):
-        ddp.zero_grad_buffer()
-        t0 = time.perf_counter()
-        loss = ddp(batch["tokens"], batch["position_ids"], labels=batch["labels"]).mean()
-        t1 = time.perf_counter()
-        loss.backward()
-        ddp.finish_grad_sync()
-        t2 = time.perf_counter()
-        trainer.optimizer.clip_and_check(1.0)
-        trainer.optimizer.step(1e-3)
-        t3 = time.perf_counter()
-        if i >= 2:
-            t["fwd"].append(t1 - t0)
-            t["bwd"].append(t2 - t1)
-            t["opt"].append(t3 - t2)
-    med = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
-    n_params = sum(p.numel() for p in ddp.module.parameters())
-    tokens = config.training.micro_batch_size * model.seq_length
-    flops = 6 * n_params * tokens + 12 * model.num_layers * model.hidden_size * model.seq_length * tokens
-    # Squinch codec on this rank's buckets at DP = 8: encode with feedback + decode-accumulate of 8
-    # chunks-worth (one shard), re-encode the shard, decode all 8 shards.
-    g = ddp.buffer.grad_data.clone().normal_()
-    res = torch.zeros_like(g)
-    n = g.numel() - g.numel() % (8 * DP_PROJECTED)
-    g, res = g[:n], res[:n]
-    shard = n // DP_PROJECTED
-    out = torch.zeros(shard)
-    times = []
-    for _ in range(5):
-        c0 = time.perf_counter()
-        payload, _ = encode_with_feedback(g, res)
-        decode_accumulate(payload.view(DP_PROJECTED, -1), out)
-        p2, _ = encode_with_feedback(out, torch.zeros_like(out))
-        full = torch.empty(n)
-        for r in range(DP_PROJECTED):
-            decode(p2, shard, out=full[r * shard:(r + 1) * shard])
-        times.append(time.perf_counter() - c0)
-    med["codec_allreduce"] = sorted(times)[2]
-    return {**med, "params": n_params, "grad_elements": ddp.buffer.numel, "flops": flops, "tokens": tokens}
+COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
+          "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
+          "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1"]
+SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
+    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+}
+REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]
+NS = (("mcaiA", "mcaiA0", "10.211.0.1"), ("mcaiB", "mcaiB0", "10.211.0.2"))
+STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+BYTES_RE = re.compile(r"grad comm bytes: ([0-9]+)")
+PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
 
 
-def projection(m: dict, tokens_per_node: int) -> list[dict]:
-    scale = tokens_per_node / m["tokens"]
-    fwd, bwd = m["fwd"] * scale, m["bwd"] * scale
-    compute = fwd + bwd + m["opt"]
-    f_here = m["flops"] / (m["fwd"] + m["bwd"])
-    n, elems = DP_PROJECTED, m["grad_elements"]
-    wire = {"fp32": 2 * (n - 1) / n * elems * 4, "bf16": 2 * (n - 1) / n * elems * 2,
-            "squinch": 2 * (n - 1) / n * (elems * 6 / 8 + 1)}
-    rows = []
-    for gbps in CLUSTER_GBPS:
-        bytes_per_s = gbps * 1e9 / 8 * f_here / NODE_FLOPS
-        row = {"cluster_gbps": gbps, "equivalent_here_mbps": bytes_per_s * 8 / 1e6}
-        for kind, nbytes in wire.items():
-            comm = nbytes / bytes_per_s
-            codec = m["codec_allreduce"] if kind == "squinch" else 0.0
-            row[f"{kind}_no_overlap"] = (fwd + bwd + codec + comm + m["opt"]) / compute
-            row[f"{kind}_overlap"] = (fwd + max(bwd, codec + comm) + m["opt"]) / compute
-        rows.append(row)
-    return rows
+def load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
 
 
-# ------------------------------------------------------------------------------------ real link
+# ----------------------------------------------------------------------------------------- the link
 def _sh(cmd: str) -> None:
-    subprocess.run(cmd, shell=True, check=True, capture_output=True)
-
-
-def setup_link(rate_mbit: float) -> None:
-    teardown_link()
-    for c in ("ip netns add mcaiA", "ip netns add mcaiB", "ip link add mcaiA0 type veth peer name mcaiB0",
-              "ip link set mcaiA0 netns mcaiA", "ip link set mcaiB0 netns mcaiB",
-              "ip -n mcaiA addr add 10.211.0.1/24 dev mcaiA0", "ip -n mcaiB addr add 10.211.0.2/24 dev mcaiB0",
-              "ip -n mcaiA link set mcaiA0 up", "ip -n mcaiB link set mcaiB0 up",
-              "ip -n mcaiA link set lo up", "ip -n mcaiB link set lo up"):
-        _sh(c)
-    for ns, dev in (("mcaiA", "mcaiA0"), ("mcaiB", "mcaiB0")):
-        _sh(f"ip netns exec {ns} tc qdisc add dev {dev} root tbf rate {rate_mbit}mbit burst 64kb latency 2000ms")
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"`{cmd}` failed: {r.stderr.strip()}")
 
 
 def teardown_link() -> None:
-    for ns in ("mcaiA", "mcaiB"):
+    for ns, _, _ in NS:
         subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
 
 
-def run_over_link(flags: list[str], iters: int, port: int) -> float:
-    """Mean step time (s) of a DP = 2 run whose two ranks talk over the shaped veth link."""
-    procs = []
-    for rank, (ns, dev) in enumerate((("mcaiA", "mcaiA0"), ("mcaiB", "mcaiB0"))):
+def setup_link(rate_mbit: float | None) -> None:
+    """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
+    teardown_link()
+    (a, da, ipa), (b, db, ipb) = NS
+    for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
+              f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
+              f"ip -n {a} addr add {ipa}/24 dev {da}", f"ip -n {b} addr add {ipb}/24 dev {db}",
+              f"ip -n {a} link set {da} up", f"ip -n {b} link set {db} up",
+              f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"):
+        _sh(c)
+    if rate_mbit is not None:
+        for ns, dev, _ in NS:
+            _sh(f"ip netns exec {ns} tc qdisc add dev {dev} root tbf rate {rate_mbit}mbit burst 64kb latency 2000ms")
+
+
+class _Ports:
+    def __init__(self) -> None:
+        self.port = 29800
+
+    def next(self) -> int:
+        self.port += 1
+        return self.port
+
+
+PORTS = _Ports()
+
+
+def run_job(flags: list[str], per_ns: int, steps: int, warmup: int, extra_env: dict | None = None) -> dict:
+    """One pretrain_gpt run, `per_ns` ranks in each namespace. Returns the median steady step time (s),
+    the per-iteration times, the gradient bytes per step and the parsed phase lines (if any)."""
+    world, port, procs = 2 * per_ns, PORTS.next(), []
+    for rank in range(world):
+        ns, dev, _ = NS[rank // per_ns]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "10.211.0.1", "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev,
-                    "OMP_NUM_THREADS": "1"})
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "pretrain_gpt.py", *MODEL, *flags,
-               "--global-batch-size", "8", "--train-iters", str(iters), "--log-interval", "1"]
+        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
+                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2], "MASTER_PORT": str(port),
+                    "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})})
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "pretrain_gpt.py", *COMMON, *flags,
+               "--train-iters", str(warmup + steps)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError("run over the shaped link failed:\n" + outs[1][-3000:])
-    ms = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", outs[1])]
-    steady = ms[2:] or ms
-    return sum(steady) / len(steady) / 1000.0
+        bad = next(i for i, p in enumerate(procs) if p.returncode)
+        raise RuntimeError(f"rank {bad} of {' '.join(flags)} failed:\n{outs[bad][-3000:]}")
+    log = outs[-1]
+    ms = [float(x) for x in STEP_RE.findall(log)][warmup:]
+    if len(ms) < steps:
+        raise RuntimeError(f"expected {steps} steady iterations, parsed {len(ms)}:\n{log[-2000:]}")
+    phases: dict[str, list[float]] = {}
+    for block in log.split("gradient reduction phases")[1 + warmup:]:
+        for name, v in PHASE_RE.findall(block.split("\n iteration")[0]):
+            phases.setdefault(name, []).append(float(v))
+    nbytes = [int(x) for x in BYTES_RE.findall(log)]
+    return {"step_s": statistics.median(ms) / 1000.0, "steps_ms": ms, "bytes": nbytes[-1] if nbytes else 0,
+            "phases_ms": {k: statistics.median(v) for k, v in phases.items()}}
 
 
-def measure_link(rates: list[float], iters: int) -> list[dict]:
+WAIT_ENV = {"MEGATRON_CAI_SQUINCH_EARLY_STAGES": "0"}  # "before": later stages only in wait()
+
+
+def alternate(configs: dict[str, list[str]], per_ns: int, opts) -> dict:
+    """Run every configuration opts.repeats times, alternating between them; summarise each.
+    A label ending in "_wait" runs with the reducer's early stages switched off."""
+    runs: dict[str, list[dict]] = {k: [] for k in configs}
+    for _ in range(opts.repeats):
+        for label, flags in configs.items():
+            env = WAIT_ENV if label.endswith("_wait") else None
+            runs[label].append(run_job(flags, per_ns, opts.steps, opts.warmup, env))
+    return {label: _summary(rs) for label, rs in runs.items()}
+
+
+def _summary(rs: list[dict]) -> dict:
+    t = [r["step_s"] for r in rs]
+    med = statistics.median(t)
+    return {"median_s": med, "min_s": min(t), "max_s": max(t), "spread": (max(t) - min(t)) / med, "runs_s": t,
+            "bytes": rs[-1]["bytes"], "phases_ms": rs[len(rs) // 2]["phases_ms"]}
+
+
+def paired_ratio(res: dict, num: str, den: str) -> dict:
+    pairs = [a / b for a, b in zip(res[num]["runs_s"], res[den]["runs_s"])]
+    return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
+
+
+# ---------------------------------------------------------------------------------------- the parts
+def phase_breakdown(opts, size: str) -> list[dict]:
     rows = []
-    port = 29711
-    try:
-        for rate in rates:
-            setup_link(rate)
-            row = {"rate_mbit": rate}
-            for label, flags in (("bf16", ["--grad-reduce-in-bf16"]), ("squinch", ["--squinch"])):
-                for ov in (False, True):
-                    port += 1
-                    extra = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"] if ov else []
-                    row[f"{label}{'_overlap' if ov else ''}_s"] = run_over_link(flags + extra, iters, port)
-            row["ratio"] = row["squinch_s"] / row["bf16_s"]
-            row["ratio_overlap"] = row["squinch_overlap_s"] / row["bf16_overlap_s"]
-            rows.append(row)
-            print(f"  {rate} Mbit/s: bf16 {row['bf16_s']:.3f} s, squinch {row['squinch_s']:.3f} s "
-                  f"(ratio {row['ratio']:.3f}); overlapped: {row['bf16_overlap_s']:.3f} / "
-                  f"{row['squinch_overlap_s']:.3f} s (ratio {row['ratio_overlap']:.3f})", flush=True)
-    finally:
-        teardown_link()
+    for rate in (None, min(opts.rates)):
+        setup_link(rate)
+        for ov in (False, True):
+            flags = SIZES[size] + REDUCERS["squinch"] + (OVERLAP if ov else []) + ["--timing-log-level", "1"]
+            r = run_job(flags, 1, opts.steps, opts.warmup)
+            rows.append({"link": _link_name(rate), "overlap": ov, "step_ms": 1000 * r["step_s"],
+                         "phases_ms": r["phases_ms"]})
     return rows
+
+
+def dp2_table(opts) -> list[dict]:
+    rows = []
+    for size in opts.sizes:
+        for rate in [None] + sorted(opts.rates, reverse=True):
+            setup_link(rate)
+            for ov in (False, True):
+                cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
+                if ov:  # before/after: the second phase started in wait() vs as soon as possible
+                    cfg["squinch_wait"] = cfg["squinch"]
+                res = alternate(cfg, 1, opts)
+                rows.append({"size": size, "link": _link_name(rate), "rate": rate, "overlap": ov, **res,
+                             "squinch/bf16": paired_ratio(res, "squinch", "bf16")})
+                if ov:
+                    rows[-1]["early/wait"] = paired_ratio(res, "squinch", "squinch_wait")
+                _print_row(rows[-1])
+    return rows
+
+
+def quarter_row(opts, dp2: list[dict]) -> list[dict]:
+    """Squinch at B/4 vs bf16 at B, with overlap; B from the unshaped bf16 run (compute ~ step time)."""
+    rows = []
+    for size in opts.sizes:
+        base = next(r for r in dp2 if r["size"] == size and r["rate"] is None and not r["overlap"])
+        compute_s, nbytes = base["bf16"]["median_s"], base["bf16"]["bytes"]
+        b_mbit = nbytes * 8 / compute_s / 1e6
+        runs: dict[str, list[dict]] = {"bf16": [], "squinch": []}
+        for _ in range(opts.repeats):  # alternate the two links run by run
+            for label, rate in (("bf16", b_mbit), ("squinch", b_mbit / 4)):
+                setup_link(rate)
+                runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps, opts.warmup))
+        res = {label: _summary(rs) for label, rs in runs.items()}
+        row = {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
+               "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
+        rows.append(row)
+        print(f"  quarter bandwidth ({size}): B = {b_mbit:.1f} Mbit/s; Squinch at B/4 / bf16 at B = "
+              f"{row['squinch/bf16']['ratio']:.3f}", flush=True)
+    return rows
+
+
+def dp4_table(opts) -> list[dict]:
+    rows = []
+    size = opts.sizes[0]
+    for rate in opts.dp4_rates:
+        setup_link(rate)
+        dp4 = ["--global-batch-size", "16"]  # micro-batch 4 x DP 4
+        cfg = {"flat": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4,
+               "hierarchical": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4
+               + ["--squinch-hierarchical", "--ranks-per-node", "2"]}
+        res = alternate(cfg, 2, opts)
+        rows.append({"size": size, "link": _link_name(rate), **res,
+                     "hierarchical/flat": paired_ratio(res, "hierarchical", "flat")})
+        print(f"  DP=4 {_link_name(rate)}: hierarchical / flat = {rows[-1]['hierarchical/flat']['ratio']:.3f}",
+              flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ report
+def _link_name(rate) -> str:
+    return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
+
+
+def _cell(r: dict) -> str:
+    return f"{1000 * r['median_s']:.1f} [{1000 * r['min_s']:.1f}-{1000 * r['max_s']:.1f}]"
+
+
+def _ratio(r: dict) -> str:
+    return f"{r['ratio']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"
+
+
+def _print_row(r: dict) -> None:
+    print(f"  {r['size']} {r['link']} overlap={r['overlap']}: bf16 {_cell(r['bf16'])} ms, squinch "
+          f"{_cell(r['squinch'])} ms, ratio {_ratio(r['squinch/bf16'])}", flush=True)
+
+
+def report(res: dict, opts) -> list[str]:
+    from megatron_cai.core.distributed.comm_timing import PHASES
+
+    L = ["# Squinch where bandwidth is scarce (measured over a tc-shaped veth link)", "",
+         f"{opts.repeats} alternated repeats per configuration, {opts.steps} steady-state steps each (after "
+         f"{opts.warmup} discarded); step time = median of the run's per-iteration times; cells: median over "
+         "repeats [min-max], ms. Ratios: of the medians [min-max of the per-repeat paired ratios]. "
+         f"Machine before: {res['load_before']}; after: {res['load_after']}.", "",
+         "## 0. Where Squinch's reduction time goes (ms per step, --timing-log-level 1, DP = 2)", "",
+         "| link | overlap | step | " + " | ".join(PHASES) + " |", "|---|---|---|" + "---|" * len(PHASES)]
+    for r in res["phases"]:
+        L.append(f"| {r['link']} | {'yes' if r['overlap'] else 'no'} | {r['step_ms']:.1f} | "
+                 + " | ".join(f"{r['phases_ms'][p]:.2f}" if p in r["phases_ms"] else "-" for p in PHASES) + " |")
+    L += ["", "## 1. DP = 2, one rank per namespace", "",
+          "Overlap rows also run Squinch with its later stages left to wait() (MEGATRON_CAI_SQUINCH_EARLY_STAGES=0, "
+          "the code before this bench): 'early / wait' is the after / before ratio.", "",
+          "| model | link | overlap | bf16 ms/step | Squinch ms/step | Squinch / bf16 | Squinch, stages in wait() "
+          "| early / wait |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["dp2"]:
+        wait = (f"{_cell(r['squinch_wait'])} | {_ratio(r['early/wait'])}" if "squinch_wait" in r else "- | -")
+        L.append(f"| {r['size']} | {r['link']} | {'yes' if r['overlap'] else 'no'} | {_cell(r['bf16'])} | "
+                 f"{_cell(r['squinch'])} | {_ratio(r['squinch/bf16'])} | {wait} |")
+    L += ["", "## 2. Quarter bandwidth: Squinch at B/4 vs bf16 at B, with overlap", "",
+          "| model | B (bf16 comm = compute) | bf16 at B | Squinch at B/4 | ratio |", "|---|---|---|---|---|"]
+    for r in res["quarter"]:
+        L.append(f"| {r['size']} | {r['B_mbit']:.1f} Mbit/s | {_cell(r['bf16'])} | {_cell(r['squinch'])} | "
+                 f"{_ratio(r['squinch/bf16'])} |")
+    L += ["", "## 3. DP = 4 as two hosts of two ranks, Squinch with overlap: flat vs hierarchical", "",
+          "| model | inter-host link | flat | hierarchical | hierarchical / flat |", "|---|---|---|---|---|"]
+    for r in res["dp4"]:
+        L.append(f"| {r['size']} | {r['link']} | {_cell(r['flat'])} | {_cell(r['hierarchical'])} | "
+                 f"{_ratio(r['hierarchical/flat'])} |")
+    return L
+
+
+def too_noisy(res: dict, limit: float) -> list[str]:
+    bad = []
+    for part in ("dp2", "quarter", "dp4"):
+        for r in res[part]:
+            for k, v in r.items():
+                if isinstance(v, dict) and "spread" in v and v["spread"] > limit:
+                    bad.append(f"{part} {r.get('size')} {r.get('link', '')} {k}: spread {100 * v['spread']:.1f}%")
+    return bad
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", type=float, nargs="*", default=[4, 16, 64, 1000])
-    p.add_argument("--iters", type=int, default=8)
-    p.add_argument("--skip-link", action="store_true")
-    p.add_argument("--tokens-per-node", type=int, default=65536)
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_bandwidth"))
+    p.add_argument("--rates", type=float, nargs="*", default=[1000, 256, 64, 16, 4], help="DP = 2 links, Mbit/s")
+    p.add_argument("--dp4-rates", type=float, nargs="*", default=[16, 64, 256])
+    p.add_argument("--sizes", nargs="*", default=["small", "large"], choices=list(SIZES))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--max-spread", type=float, default=0.10)
+    p.add_argument("--parts", nargs="*", default=["phases", "dp2", "quarter", "dp4"],
+                   choices=["phases", "dp2", "quarter", "dp4"], help="a subset never writes bench/results")
+    p.add_argument("--quick", action="store_true", help="toy model, 2 links, 6 steps: checks the bench itself")
+    p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
+                                                "(--quick: bench/.cache/squinch_bandwidth_quick)")
     opts = p.parse_args()
-    torch.set_num_threads(1)
-    m = _measure_compute()
-    proj = projection(m, opts.tokens_per_node)
-    link = [] if opts.skip_link else measure_link(opts.rates, opts.iters)
-    f_here = m["flops"] / (m["fwd"] + m["bwd"])
-    lines = ["# Squinch where bandwidth is scarce", "",
-             "## 1. Projected step time (relative to compute only), DP = 8 nodes", "",
-             f"Measured here (1 thread): forward {m['fwd'] * 1e3:.1f} ms, backward {m['bwd'] * 1e3:.1f} ms, optimizer "
-             f"{m['opt'] * 1e3:.1f} ms, Squinch codec for a compressed all-reduce of the rank's "
-             f"{m['grad_elements']:,} gradient elements {m['codec_allreduce'] * 1e3:.1f} ms; "
-             f"{f_here / 1e9:.1f} GFLOP/s. {opts.tokens_per_node:,} tokens per node per step. Cluster bandwidth "
-             "is mapped to this machine by B_here = B x F_here / (8 x 400 TFLOP/s).", "",
-             "| Gb/s per node | fp32 | bf16 | Squinch | fp32 overlap | bf16 overlap | Squinch overlap | "
-             "Squinch / bf16 | Squinch / bf16 overlap |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in proj:
-        lines.append(f"| {r['cluster_gbps']} | {r['fp32_no_overlap']:.2f} | {r['bf16_no_overlap']:.2f} | "
-                     f"{r['squinch_no_overlap']:.2f} | {r['fp32_overlap']:.2f} | {r['bf16_overlap']:.2f} | "
-                     f"{r['squinch_overlap']:.2f} | {r['squinch_no_overlap'] / r['bf16_no_overlap']:.3f} | "
-                     f"{r['squinch_overlap'] / r['bf16_overlap']:.3f} |")
-    if link:
-        lines += ["", "## 2. Measured: DP = 2 over a tc-shaped veth link (two network namespaces)", "",
-                  "Mean step time of pretrain_gpt.py (steady state), bf16 all-reduce vs Squinch all-reduce; "
-                  "byte ratio 6/16 = 0.375.", "",
-                  "| link Mbit/s | bf16 s/step | Squinch s/step | ratio | bf16 overlap | Squinch overlap | "
-                  "ratio overlap |", "|---|---|---|---|---|---|---|"]
-        for r in link:
-            lines.append(f"| {r['rate_mbit']:g} | {r['bf16_s']:.3f} | {r['squinch_s']:.3f} | {r['ratio']:.3f} | "
-                         f"{r['bf16_overlap_s']:.3f} | {r['squinch_overlap_s']:.3f} | {r['ratio_overlap']:.3f} |")
+    if opts.quick:
+        opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
+        opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
+    elif opts.repeats < 3 or opts.steps < 20:
+        p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
+    opts.out = opts.out or os.path.join(ROOT, "bench", "results", "squinch_bandwidth")
+    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items() if k != "out"}}
+    print(res["load_before"], flush=True)
+    full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
+    if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
+        opts.out = os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_partial")
+    res.update({"phases": [], "dp2": [], "quarter": [], "dp4": []})
+    try:
+        if "phases" in opts.parts:
+            res["phases"] = phase_breakdown(opts, opts.sizes[0])
+        if "dp2" in opts.parts:
+            res["dp2"] = dp2_table(opts)
+        if "quarter" in opts.parts and res["dp2"]:
+            res["quarter"] = quarter_row(opts, res["dp2"])
+        if "dp4" in opts.parts:
+            res["dp4"] = dp4_table(opts)
+    finally:
+        teardown_link()
+    res["load_after"] = load()
+    os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
+    with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
+        json.dump(res, f, indent=1)  # raw measurements, whatever happens next
+    lines = report(res, opts)
+    print("\n".join(lines))
+    noisy = too_noisy(res, opts.max_spread)
+    if noisy:
+        print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than "
+              f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
+        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
+        with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_refused.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        sys.exit(3)
+    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out + ".json", "w") as f:
-        json.dump({"measured": m, "projection": proj, "link": link}, f, indent=1)
+        json.dump(res, f, indent=1)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
 """Does a GPT trained with 6-bit Squinch gradients converge like one trained with bf16 gradients?
 
 A small GPT on the demo corpus, DP = 4 on this CPU (gloo), trained for --iters iterations with a
-cosine schedule (so the curve flattens), once per gradient reducer:
+cosine schedule (so the curve flattens), once per gradient reducer and seed:
 
     fp32 all-reduce | bf16 all-reduce | Squinch + error feedback | Squinch, no error feedback |
     Squinch + stochastic rounding (no EF) | Squinch hierarchical (2 simulated nodes of 2) + EF
 
-Same seed, initialisation and data order in every run; only the reduction differs. Reports the
-validation loss curve and the final validation loss of each variant, and its ratio to bf16.
+Within a seed every variant has the same initialisation and data order; only the reduction differs.
+The validation set is fixed: the same --eval-iters x global-batch held-out sequences (built with one
+fixed shuffle seed, whatever --seeds says) at every evaluation of every run. The report gives, per
+seed, the paired gap of each variant's final validation loss to bf16 at that seed, then the mean and
+standard deviation of the paired gap over seeds, and bf16's own seed-to-seed spread.
 
-    python bench/squinch_convergence.py             # ~1 h on 2 cores; results/squinch_convergence.*
-    python bench/squinch_convergence.py --iters 200 # a quicker look
+    python bench/squinch_convergence.py --seeds 1 2 3 --iters 400   # results/squinch_convergence.*
+    python bench/squinch_convergence.py --quick                       # a 20-iteration smoke run
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +32,7 @@ from _demo_data import ensure_demo_data  # noqa: E402
 
 from megatron_cai.testing.distributed import run_distributed  # noqa: E402
 
+VALIDATION_SEED = 4242  # shuffle seed of the fixed validation set, independent of the training seed
 VARIANTS = {
     "fp32": [],
     "bf16": ["--grad-reduce-in-bf16"],
@@ -38,12 +43,34 @@ VARIANTS = {
 }
 
 
-def _worker(rank, world, argv):
+def _fixed_validation_provider(provider, eval_samples: int):
+    """Wrap a datasets provider so that the validation split is shuffled with VALIDATION_SEED."""
+    import dataclasses
+
+    def build(config, tokenizer, num_samples):
+        train, _, test = provider(config, tokenizer, num_samples)
+        val_config = dataclasses.replace(config, training=dataclasses.replace(config.training, seed=VALIDATION_SEED))
+        _, valid, _ = provider(val_config, tokenizer, (num_samples[0], eval_samples, num_samples[2]))
+        return train, valid, test
+
+    return build
+
+
+def _worker(rank, world, argv, eval_samples):
     import pretrain_gpt
     from megatron_cai.training.training import Trainer
 
     config, tokenizer = pretrain_gpt.build_run(argv, world_size=world)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    trainer = Trainer(config, _fixed_validation_provider(pretrain_gpt.train_valid_test_datasets_provider,
+                                                         eval_samples),
+                      pretrain_gpt.forward_step, tokenizer)
+    evaluate = trainer.evaluate
+
+    def evaluate_from_start():  # the same sequences at every evaluation
+        trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
+        return evaluate()
+
+    trainer.evaluate = evaluate_from_start
     t0 = time.time()
     state = trainer.train()
     reducer = trainer.model[0].reducer
@@ -53,77 +80,146 @@ def _worker(rank, world, argv):
             "bytes_per_iter": state.extra["history"][-1]["grad comm bytes"], "inter_node_bytes_per_iter": inter}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=1200)
-    p.add_argument("--eval-interval", type=int, default=100)
-    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    p.add_argument("--replot", action="store_true", help="redraw table and figure from the saved JSON")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_convergence"))
-    opts = p.parse_args()
-    data, tok = ensure_demo_data()
-    base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
-            "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
-            "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3", "--min-lr", "2e-4",
-            "--lr-warmup-iters", str(max(opts.iters // 50, 1)), "--weight-decay", "0.1",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000",
-            "--eval-interval", str(opts.eval_interval), "--eval-iters", "8", "--seed", "1234"]
-    partial = os.path.join(ROOT, "bench", ".cache", "squinch_convergence.partial.json")
-    os.makedirs(os.path.dirname(partial), exist_ok=True)
-    results = json.load(open(partial)) if os.path.exists(partial) else {}
-    if opts.replot:
-        results = json.load(open(opts.out + ".json"))
-    for name in opts.variants:
-        if name in results and results[name].get("iters") == opts.iters:
-            continue
-        print(f"== {name}", flush=True)
-        r = run_distributed(_worker, 4, (base + VARIANTS[name],), env={"OMP_NUM_THREADS": "1"},
-                            timeout=6 * 3600)[-1]
-        r["iters"] = opts.iters
-        results[name] = r
-        json.dump(results, open(partial, "w"))
-        print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s", flush=True)
-    bf16 = results["bf16"]["validation"][-1]["lm loss"]
-    lines = ["# Squinch convergence: DP = 4 on CPU, small GPT on the demo corpus", "",
+def _final(results: dict, name: str, seed: int) -> float | None:
+    r = results.get(f"{name}@{seed}")
+    return r["validation"][-1]["lm loss"] if r and r["validation"] else None
+
+
+def _summary(results: dict, variants: list[str], seeds: list[int], opts) -> list[str]:
+    """Markdown: per-seed final losses and paired gaps to bf16, their mean/std, and bf16's spread."""
+    lines = ["# Squinch convergence: DP = 4 on CPU, small GPT on the demo corpus, three seeds", "",
              f"2 layers, hidden 128, seq 128, global batch 16 (2,048 tokens per step), {opts.iters} iterations, "
-             "cosine LR 2e-3 -> 2e-4; validation loss on 8 x 16 held-out sequences.", "",
-             "| reducer | final validation loss | ratio to bf16 | (ratio - 1) in % | grad bytes / iteration / rank "
-             "| of which inter-node |", "|---|---|---|---|---|---|"]
-    for name in opts.variants:
-        v = results[name]["validation"][-1]["lm loss"]
-        lines.append(f"| {name} | {v:.5f} | {v / bf16:.5f} | {100 * (v / bf16 - 1):+.3f}% | "
-                     f"{results[name]['bytes_per_iter']:,} | {results[name]['inter_node_bytes_per_iter']:,.0f} |")
-    with open(opts.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(opts.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n\n![validation loss](squinch_convergence.png)\n")
+             f"cosine LR 2e-3 -> 2e-4. Validation: the same {opts.eval_iters * 16} held-out sequences "
+             f"(fixed shuffle seed {VALIDATION_SEED}) at every evaluation of every run; the final one is "
+             "compared. Paired gap = final loss / bf16's final loss at the same seed - 1.", "",
+             "| reducer | " + " | ".join(f"seed {s}: loss (gap)" for s in seeds)
+             + " | mean gap | std of gap | grad bytes / iter / rank | of which inter-node |",
+             "|---|" + "---|" * (len(seeds) + 4)]
+    for name in variants:
+        cells, gaps = [], []
+        for s in seeds:
+            v, b = _final(results, name, s), _final(results, "bf16", s)
+            if v is None or b is None:
+                cells.append("not run")
+                continue
+            gaps.append(100 * (v / b - 1))
+            cells.append(f"{v:.4f} ({gaps[-1]:+.3f}%)")
+        mean = f"{statistics.mean(gaps):+.3f}%" if gaps else "-"
+        std = f"{statistics.stdev(gaps):.3f}%" if len(gaps) > 1 else "-"
+        any_run = next((results[f"{name}@{s}"] for s in seeds if f"{name}@{s}" in results), None)
+        by = f"{any_run['bytes_per_iter']:,}" if any_run else "-"
+        inter = f"{any_run['inter_node_bytes_per_iter']:,.0f}" if any_run else "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {mean} | {std} | {by} | {inter} |")
+    bf = [v for v in (_final(results, "bf16", s) for s in seeds) if v is not None]
+    if len(bf) > 1:
+        mean_bf = statistics.mean(bf)
+        lines += ["", f"bf16's own seed-to-seed spread of the final validation loss: std {statistics.stdev(bf):.4f} "
+                  f"({100 * statistics.stdev(bf) / mean_bf:.3f}% of its mean {mean_bf:.4f}), "
+                  f"max - min {max(bf) - min(bf):.4f} ({100 * (max(bf) - min(bf)) / mean_bf:.3f}%)."]
+    return lines
+
+
+def _plot(results: dict, variants: list[str], seeds: list[int], out: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name in opts.variants:
-            tr = results[name]["train"]
-            k = 25
-            smooth = [sum(tr[max(0, i - k):i + 1]) / len(tr[max(0, i - k):i + 1]) for i in range(len(tr))]
-            axes[0].plot(range(1, len(tr) + 1), smooth, label=name, lw=1)
-            val = results[name]["validation"]
-            axes[1].plot([x["iteration"] for x in val], [x["lm loss"] for x in val], marker="o", ms=3, label=name)
-        axes[0].set(title="training loss (moving average of 25)", xlabel="iteration", ylabel="lm loss")
-        axes[1].set(title="validation loss", xlabel="iteration", ylabel="lm loss")
-        lo = min(min(x["lm loss"] for x in results[n]["validation"]) for n in opts.variants)
-        axes[1].set_ylim(lo - 0.05, lo + 1.0)
-        tr_lo = min(min(results[n]["train"]) for n in opts.variants)
-        axes[0].set_ylim(tr_lo - 0.1, lo + 2.5)
-        for ax in axes:
-            ax.legend(fontsize=8)
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(opts.out + ".png", dpi=110)
     except ImportError:
         print("matplotlib not installed: no PNG")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
+    colors = dict(zip(variants, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    styles = ["-", "--", ":", "-."]
+    runs = [(n, s) for n in variants for s in seeds if f"{n}@{s}" in results]
+    for n, s in runs:
+        r = results[f"{n}@{s}"]
+        tr, k = r["train"], 25
+        smooth = [sum(tr[max(0, i - k):i + 1]) / len(tr[max(0, i - k):i + 1]) for i in range(len(tr))]
+        style = styles[seeds.index(s) % len(styles)]
+        axes[0].plot(range(1, len(tr) + 1), smooth, style, color=colors[n], lw=1, label=f"{n} seed {s}")
+        val = r["validation"]
+        axes[1].plot([x["iteration"] for x in val], [x["lm loss"] for x in val], style, color=colors[n],
+                     marker="o", ms=2, lw=1, label=f"{n} seed {s}")
+        base = results.get(f"bf16@{s}")
+        if base and n != "bf16":  # paired gap to bf16 at the same seed, at every evaluation
+            ref = {x["iteration"]: x["lm loss"] for x in base["validation"]}
+            pts = [(x["iteration"], 100 * (x["lm loss"] / ref[x["iteration"]] - 1)) for x in val
+                   if x["iteration"] in ref]
+            axes[2].plot([a for a, _ in pts], [b for _, b in pts], style, color=colors[n], marker="o", ms=2,
+                         lw=1, label=f"{n} seed {s}")
+    axes[0].set(title="training loss (moving average of 25)", xlabel="iteration", ylabel="lm loss")
+    axes[1].set(title="validation loss (fixed set)", xlabel="iteration", ylabel="lm loss")
+    axes[2].set(title="validation loss gap to bf16, same seed (%)", xlabel="iteration", ylabel="%")
+    axes[2].axhline(0, color="black", lw=0.8)
+    if runs:
+        lo = min(min(x["lm loss"] for x in results[f"{n}@{s}"]["validation"]) for n, s in runs)
+        axes[1].set_ylim(lo - 0.05, lo + 1.0)
+        tr_lo = min(min(results[f"{n}@{s}"]["train"]) for n, s in runs)
+        axes[0].set_ylim(tr_lo - 0.1, lo + 2.5)
+    for ax in axes:
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=400)
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-iters", type=int, default=8, help="validation set = eval-iters x 16 sequences (>= 4)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--variants", nargs="*", default=["bf16", "squinch+EF", "squinch no-EF",
+                                                     "squinch hierarchical+EF"], choices=list(VARIANTS))
+    p.add_argument("--runs", nargs="*", default=None, metavar="VARIANT@SEED",
+                   help="run only these, in this order (e.g. to split the work over two processes with "
+                        "different --out, then merge their .partial.json files)")
+    p.add_argument("--quick", action="store_true", help="20 iterations, one seed: a smoke run")
+    p.add_argument("--replot", action="store_true", help="redraw table and figure from the saved JSON")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_convergence"))
+    opts = p.parse_args()
+    if opts.eval_iters < 4:
+        p.error("--eval-iters must be >= 4 (a validation set of at least 64 sequences)")
+    if opts.quick:
+        opts.iters, opts.eval_interval, opts.seeds, opts.eval_iters = 20, 10, opts.seeds[:1], 4
+    if "bf16" not in opts.variants:
+        opts.variants = ["bf16"] + opts.variants
+    partial = opts.out + ".partial.json"
+    results = json.load(open(partial)) if os.path.exists(partial) else {}
+    if opts.replot:
+        results = json.load(open(opts.out + ".json"))["runs"]
+    else:
+        data, tok = ensure_demo_data()
+        order = [(n, s) for s in opts.seeds for n in opts.variants]  # seed-major: complete paired gaps first
+        if opts.runs is not None:
+            order = [(k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])) for k in opts.runs]
+        for name, seed in order:
+            key = f"{name}@{seed}"
+            if key in results and results[key].get("iters") == opts.iters:
+                continue
+            base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
+                    "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
+                    "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3",
+                    "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
+                    "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
+                    "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
+                    "--eval-iters", str(opts.eval_iters), "--seed", str(seed)]
+            print(f"== {key}", flush=True)
+            r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
+                                env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]
+            r["iters"] = opts.iters
+            results[key] = r
+            json.dump(results, open(partial, "w"))
+            print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s",
+                  flush=True)
+    lines = _summary(results, opts.variants, opts.seeds, opts)
+    with open(opts.out + ".json", "w") as f:
+        json.dump({"iters": opts.iters, "seeds": opts.seeds, "validation_sequences": opts.eval_iters * 16,
+                   "validation_seed": VALIDATION_SEED, "runs": results}, f, indent=1)
+    with open(opts.out + ".md", "w") as f:
+        f.write("\n".join(lines) + f"\n\n![validation loss]({os.path.basename(opts.out)}.png)\n")
+    _plot(results, opts.variants, opts.seeds, opts.out)
     print("\n".join(lines))
 
 

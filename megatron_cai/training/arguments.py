@@ -178,6 +178,11 @@ def _logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
+    # gradient-reduction phase timers (core/distributed/comm_timing.py)
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="1: per-phase time of the Squinch gradient reduction every --log-interval; "
+                        "2: also per bucket")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--no-exit-signal-handler", dest="exit_signal_handler", action="store_false", default=True,
@@ -407,6 +412,8 @@ def _logging_config(args: argparse.Namespace) -> LoggingConfig:
         tensorboard_dir=args.tensorboard_dir,
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters,
+        timing_log_level=args.timing_log_level,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
     )
 
 

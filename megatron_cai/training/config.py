@@ -116,6 +116,8 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     eval_interval: int = 1000
     eval_iters: int = 10
+    timing_log_level: int = 0                 # --timing-log-level: Squinch reduction phase timers (1, 2: per bucket)
+    log_timers_to_tensorboard: bool = False
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
+from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
@@ -106,7 +107,8 @@ class Trainer:
         self.model = []
         for m in chunks:
             m.to(self.device)
-            reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank())
+            reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
+                                    timing_level=config.logging.timing_log_level)
             self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
         self.optimizer = DistributedAdamW(self.model, config.optimizer)
         sched = config.scheduler
@@ -297,6 +299,12 @@ class Trainer:
                 self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
                                  "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
+                if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
+                    timings = [m.reducer.timers.collect() for m in self.model if hasattr(m.reducer, "timers")]
+                    for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window_iters):
+                        print_rank_last(line)
+                    if log.log_timers_to_tensorboard:
+                        self.tb.scalars(timing_scalars(timings, window_iters), st.iteration)
                 window_time, window_iters, window_losses = time.time(), 0, {}
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()

@@ -27,7 +27,7 @@ def _worker(rank, world, tp, pp, mode, steps, rpn):
         g = _grad(rank, numel, step)
         bucket = Bucket(0, 0, numel, [], g.clone(), torch.zeros(numel), dp, dp_rank)
         reducer.reduce(bucket).wait()
-        outs.append(bucket.grad_data.clone())
+        outs.append(bucket.grad_data.clone().numpy())  # by value: a tensor would travel as a file descriptor
     return {"dp_ranks": ps.get_data_parallel_global_ranks(), "dp_rank": dp_rank, "outs": outs,
             "bytes": reducer.bytes_sent, "numel": numel}
 
@@ -68,7 +68,7 @@ def test_matches_independent_encode_decode(world, tp, pp, mode):
     expected = _expected_first_step(results, mode, world)
     for res in results:
         kind, exp = expected[res["dp_rank"], tuple(res["dp_ranks"])]
-        got = res["outs"][0]
+        got = torch.from_numpy(res["outs"][0])
         n = len(res["dp_ranks"])
         if kind == "shard":
             c = got.numel() // n
@@ -79,7 +79,7 @@ def test_matches_independent_encode_decode(world, tp, pp, mode):
         for step in range(2):
             groups = {}
             for res in results:
-                groups.setdefault(tuple(res["dp_ranks"]), []).append(res["outs"][step])
+                groups.setdefault(tuple(res["dp_ranks"]), []).append(torch.from_numpy(res["outs"][step]))
             for outs in groups.values():
                 assert all(torch.equal(o, outs[0]) for o in outs)
 
@@ -97,7 +97,7 @@ def test_error_feedback_second_step():
         contribs.append(_grad(gr, numel, 1) * (1.0 / n) + e1)
     for res in results:
         r = res["dp_rank"]
-        assert torch.equal(res["outs"][1][r * c:(r + 1) * c], _rs_expected(contribs, r, n))
+        assert torch.equal(torch.from_numpy(res["outs"][1][r * c:(r + 1) * c]), _rs_expected(contribs, r, n))
 
 
 @pytest.mark.parametrize("mode", ["hier_rs", "hier_ar"])
@@ -118,7 +118,7 @@ def test_hierarchical_two_nodes_of_two(mode):
             shards[k] = torch.zeros(c) + s
     for res in results:
         r = res["dp_rank"]
-        got = res["outs"][0]
+        got = torch.from_numpy(res["outs"][0])
         if mode == "hier_rs":
             assert torch.equal(got[r * c:(r + 1) * c], shards[r])
         else:

@@ -30,6 +30,10 @@ class GradReducer:
     def reduce(self, bucket: Bucket):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def attach(self, device) -> None:
+        """Called by DistributedDataParallel with the device of the gradient buckets."""
+        return None
+
     def step_skipped(self) -> None:
         """Called when the optimizer step was skipped (non-finite gradients somewhere)."""
         return None

@@ -64,9 +64,10 @@ class _CopyBack:
             self.work = None
 
 
-def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0) -> GradReducer:
+def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0, timing_level: int = 0) -> GradReducer:
     """The reducer ``config.reducer`` names: `allreduce`, `reducescatter`, or `squinch` (see
-    core.distributed.squinch_reducer; ``seed`` seeds its stochastic rounding)."""
+    core.distributed.squinch_reducer; ``seed`` seeds its stochastic rounding, ``timing_level`` > 0 records
+    its per-phase timers, as --timing-log-level)."""
     if config.reducer == "allreduce":
         return AllReduceReducer(dp_group, dp_size)
     if config.reducer == "reducescatter":
@@ -76,5 +77,6 @@ def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0) -
 
         sq = config.squinch
         return SquinchReducer(dp_group, dp_size, error_feedback=sq.error_feedback, stochastic=sq.stochastic_rounding,
-                              hierarchical=sq.hierarchical, shard_only=config.use_distributed_optimizer, seed=seed)
+                              hierarchical=sq.hierarchical, shard_only=config.use_distributed_optimizer, seed=seed,
+                              timing_level=timing_level)
     raise ValueError(f"unknown gradient reducer {config.reducer!r}")
