@@ -12,8 +12,10 @@ from dist_utils import run_distributed
 from torch import nn
 
 from megatron_cai.core import parallel_state as ps
+from megatron_cai.core.distributed.config import DDPConfig
 from megatron_cai.core.distributed.ddp import DistributedDataParallel
 from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
+from megatron_cai.core.optimizer.config import OptimizerConfig
 from megatron_cai.core.optimizer.optimizer import DistributedAdamW
 
 HOST_SYNCS = ("__bool__", "item", "tolist")
@@ -45,9 +47,11 @@ def _worker(rank, world, mode, hierarchical, bucket_size):
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     reducer = SquinchReducer(ps.get_data_parallel_group(), world, error_feedback=True, shard_only=mode == "rs",
                              hierarchical=hierarchical, backend="cpu")
-    ddp = DistributedDataParallel(model, reducer, device=torch.device("cpu"), bucket_size=bucket_size,
-                                  overlap_grad_reduce=True)
-    opt = DistributedAdamW([ddp], lr=1e-3, distributed=mode == "rs")
+    ddp = DistributedDataParallel(model, reducer, DDPConfig(reducer="squinch", bucket_size=bucket_size,
+                                                            overlap_grad_reduce=True,
+                                                            use_distributed_optimizer=mode == "rs"),
+                                  device=torch.device("cpu"))
+    opt = DistributedAdamW([ddp], OptimizerConfig(lr=1e-3, use_distributed_optimizer=mode == "rs"))
     counter = _Counter()
     counter.install()
     counts = []

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_cai.core.distributed.config import DDPConfig
 from megatron_cai.core.distributed.ddp import DistributedDataParallel
 from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
 
@@ -39,7 +40,8 @@ def _saved_state() -> dict:
 
 def _model_on(device: str) -> DistributedDataParallel:
     reducer = SquinchReducer(None, 2, error_feedback=True, stochastic=True)
-    return DistributedDataParallel(nn.Linear(16, 16, device=device), reducer, device=torch.device(device))
+    return DistributedDataParallel(nn.Linear(16, 16, device=device), reducer, DDPConfig(reducer="squinch"),
+                                   device=torch.device(device))
 
 
 @pytest.mark.parametrize("load_first", [False, True], ids=["attach_then_load", "load_then_attach"])
@@ -50,7 +52,8 @@ def test_resumed_residuals_and_generator_land_on_bucket_device(monkeypatch, load
     if load_first:
         reducer = SquinchReducer(None, 2, error_feedback=True, stochastic=True)
         reducer.load_state_dict(saved)
-        ddp = DistributedDataParallel(nn.Linear(16, 16, device="meta"), reducer, device=torch.device("meta"))
+        ddp = DistributedDataParallel(nn.Linear(16, 16, device="meta"), reducer, DDPConfig(reducer="squinch"),
+                                      device=torch.device("meta"))
     else:
         ddp = _model_on("meta")
         ddp.reducer.load_state_dict(saved)
