@@ -84,35 +84,37 @@ class Tiles:
 
 
 ATTENTION_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
+# Table roles: the forward and dQ kernels share one row (dQ walks the forward's key-block lists, so both
+# need the same tiles); the dK/dV kernel has its own (it walks query blocks per key block).
+ATTENTION_ROLES = {"fwd": "fwd+dq", "bwd_dq": "fwd+dq", "bwd_dkdv": "dkdv"}
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # BLOCK_D buckets: head dims <= 64 use the 64 row, etc.
 INTERPRETER_TILES = Tiles(16, 16, 4, 1)
 
-# (kernel, "fp32" | "16bit", BLOCK_D bucket) -> ((max shared bytes, Tiles), ...), largest first.
-# The fwd and dq kernels share one tile map (dq reads the forward's key-block lists), so their rows must
-# name the same block_m/block_n for each candidate position.
+# (role, "fp32" | "16bit", head-dim bucket) -> ((shared bytes it may use at most, Tiles), ...), largest
+# first. Chosen with tools/compile_kernels.py so that nothing at head dim <= 128 spills on sm_80..sm_100
+# (ptxas -v) and every row fits the targets that select it (bench/results/compile_kernels.md):
+# - 16-bit, d128: dK/dV at 64 x 64 with 4 warps and 3 stages used 107,520 B on sm_89 (over its 101,376 B)
+#   and spilled (255 registers); 8 warps and 1 stage: 73,728 B, no spill. fwd/dQ at 64 x 64 with 4 warps
+#   spilled in dQ on sm_80/sm_89; 8 warps do not.
+# - fp32 (ieee dots on FMA units) needs 8 warps at 32 x 32 (4 warps spilled ~2-15 KB).
+# - d256 may spill (not a failure) but must fit: the 64 x 32 rows need ~131 KB, so sm_86/sm_89 take 32 x 32.
 _T = Tiles
 ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple[int, Tiles], ...]] = {
-    # ---- 16-bit inputs
-    ("fwd", "16bit", 64): ((40_000, _T(64, 64, 4, 3)),),
-    ("bwd_dq", "16bit", 64): ((40_000, _T(64, 64, 4, 3)),),
-    ("bwd_dkdv", "16bit", 64): ((60_000, _T(64, 64, 4, 2)),),
-    ("fwd", "16bit", 128): ((80_000, _T(64, 64, 4, 3)),),
-    ("bwd_dq", "16bit", 128): ((80_000, _T(64, 64, 4, 3)),),
-    ("bwd_dkdv", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
-    ("fwd", "16bit", 256): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dq", "16bit", 256): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dkdv", "16bit", 256): ((100_000, _T(32, 32, 4, 1)),),
+    # ---- bf16 / fp16 inputs
+    ("fwd+dq", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
+    ("dkdv", "16bit", 64): ((56_000, _T(64, 64, 8, 1)),),
+    ("fwd+dq", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
+    ("dkdv", "16bit", 128): ((80_000, _T(64, 64, 8, 1)),),
+    ("fwd+dq", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
+    ("dkdv", "16bit", 256): ((136_000, _T(32, 64, 8, 1)), (72_000, _T(32, 32, 4, 1))),
     # ---- fp32 (and fp64 computed in fp32)
-    ("fwd", "fp32", 64): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dq", "fp32", 64): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dkdv", "fp32", 64): ((100_000, _T(32, 32, 4, 2)),),
-    ("fwd", "fp32", 128): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dq", "fp32", 128): ((100_000, _T(32, 32, 4, 2)),),
-    ("bwd_dkdv", "fp32", 128): ((100_000, _T(16, 32, 4, 1)),),
-    ("fwd", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
-    ("bwd_dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
-    ("bwd_dkdv", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
+    ("fwd+dq", "fp32", 64): ((60_000, _T(32, 32, 4, 2)),),
+    ("dkdv", "fp32", 64): ((60_000, _T(32, 32, 8, 1)),),
+    ("fwd+dq", "fp32", 128): ((76_000, _T(32, 32, 8, 2)),),
+    ("dkdv", "fp32", 128): ((60_000, _T(16, 32, 8, 1)),),
+    ("fwd+dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
+    ("dkdv", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
 }
 
 
@@ -131,15 +133,16 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 def attention_candidates(kernel: str, dtype: torch.dtype, head_dim: int) -> tuple[tuple[int, Tiles], ...]:
-    return ATTENTION_TABLE[(kernel, dtype_kind(dtype), head_dim_bucket(head_dim))]
+    """The table row of one attention kernel ("fwd", "bwd_dq" or "bwd_dkdv")."""
+    return ATTENTION_TABLE[(ATTENTION_ROLES[kernel], dtype_kind(dtype), head_dim_bucket(head_dim))]
 
 
 def attention_tiles(kernel: str, dtype: torch.dtype, head_dim: int, target: Target | None) -> Tiles:
-    """The configuration a launch of `kernel` uses on `target` (None: the CPU interpreter's 16 x 16)."""
+    """The configuration a launch of `kernel` uses on `target` (None: the CPU interpreter's 16 x 16):
+    the first candidate of its table row whose shared memory fits the target."""
     if target is None:
         return INTERPRETER_TILES
-    candidates = attention_candidates(kernel, dtype, head_dim)
-    for need, tiles in candidates:
+    for need, tiles in attention_candidates(kernel, dtype, head_dim):
         if need <= target.smem_limit:
             return tiles
     raise RuntimeError(

@@ -266,8 +266,8 @@ def _config_of(kernel) -> tuple[str, str, int | None, int | None]:
         tiles = kc.Tiles(consts["BLOCK_M"], consts["BLOCK_N"], meta.num_warps, meta.num_stages)
         role = {"_fwd_kernel": "fwd", "_bwd_dq_kernel": "bwd_dq", "_bwd_dkdv_kernel": "bwd_dkdv"}[name]
         kind = "fp32" if dtype == "fp32" else "16bit"
-        declared = next((need for need, t in kc.ATTENTION_TABLE.get((role, kind, consts["BLOCK_D"]), ())
-                         if t == tiles), None)
+        row = kc.ATTENTION_TABLE.get((kc.ATTENTION_ROLES[role], kind, consts["BLOCK_D"]), ())
+        declared = next((need for need, t in row if t == tiles), None)
         window = " window" if consts["HAS_WINDOW"] else ""
         return name, f"{dtype} d{consts['HEAD_DIM']} {tiles}{window}", consts["HEAD_DIM"], declared
     flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(consts.items()))
@@ -345,8 +345,9 @@ def unexercised_candidates(records: list[KernelRecord]) -> list[str]:
     used = {r.config for r in records}
     missing = []
     for (role, kind, dim), cands in kc.ATTENTION_TABLE.items():
+        dtypes = ("fp32",) if kind == "fp32" else ("bf16", "fp16")
         for _, tiles in cands:
-            if not any(f"d{dim} {tiles}" in c for c in used):
+            if not any(c.startswith(f"{dt} d{dim} {tiles}") for c in used for dt in dtypes):
                 missing.append(f"{role} {kind} d{dim} {tiles}")
     return missing
 
