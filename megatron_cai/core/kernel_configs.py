@@ -91,16 +91,18 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # BLOCK_D buckets: head dims <= 64 use the 64 row, etc.
 INTERPRETER_TILES = Tiles(16, 16, 4, 1)
 
-# (role, "fp32" | "16bit", head-dim bucket) -> ((shared bytes it may use at most, Tiles), ...), largest
-# first. Chosen with tools/compile_kernels.py so that nothing at head dim <= 128 spills on sm_80..sm_100
-# (ptxas -v) and every row fits the targets that select it (bench/results/compile_kernels.md):
+# (role, "fp32" | "16bit", head-dim bucket) -> ((shared bytes it may use at most, Tiles[, lowest compute
+# capability]), ...), largest first. Chosen with tools/compile_kernels.py so that nothing at head dim
+# <= 128 spills on sm_80..sm_100 (ptxas -v) and every row fits the targets that select it
+# (bench/results/compile_kernels.md):
 # - 16-bit, d128: dK/dV at 64 x 64 with 4 warps and 3 stages used 107,520 B on sm_89 (over its 101,376 B)
 #   and spilled (255 registers); 8 warps and 1 stage: 73,728 B, no spill. fwd/dQ at 64 x 64 with 4 warps
 #   spilled in dQ on sm_80/sm_89; 8 warps do not.
-# - fp32 (ieee dots on FMA units) needs 8 warps at 32 x 32 (4 warps spilled ~2-15 KB).
+# - fp32 (ieee dots on FMA units) needs 8 warps at 32 x 32 (4 warps spilled ~2-15 KB); its d128 dK/dV
+#   spills at 32 x 32 on sm_90 (320 B) and at 16 x 32 on sm_80 (64 B), so sm_90+ has its own candidate.
 # - d256 may spill (not a failure) but must fit: the 64 x 32 rows need ~131 KB, so sm_86/sm_89 take 32 x 32.
 _T = Tiles
-ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple[int, Tiles], ...]] = {
+ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple, ...]] = {
     # ---- bf16 / fp16 inputs
     ("fwd+dq", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
     ("dkdv", "16bit", 64): ((56_000, _T(64, 64, 8, 1)),),
@@ -112,7 +114,7 @@ ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple[int, Tiles], ...]] = {
     ("fwd+dq", "fp32", 64): ((60_000, _T(32, 32, 4, 2)),),
     ("dkdv", "fp32", 64): ((60_000, _T(32, 32, 8, 1)),),
     ("fwd+dq", "fp32", 128): ((76_000, _T(32, 32, 8, 2)),),
-    ("dkdv", "fp32", 128): ((60_000, _T(16, 32, 8, 1)),),
+    ("dkdv", "fp32", 128): ((60_000, _T(16, 32, 8, 1), 90), (76_000, _T(32, 32, 8, 1))),
     ("fwd+dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
     ("dkdv", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
 }
@@ -132,9 +134,17 @@ def head_dim_bucket(head_dim: int) -> int:
                      "configuration in kernel_configs.ATTENTION_TABLE")
 
 
-def attention_candidates(kernel: str, dtype: torch.dtype, head_dim: int) -> tuple[tuple[int, Tiles], ...]:
-    """The table row of one attention kernel ("fwd", "bwd_dq" or "bwd_dkdv")."""
-    return ATTENTION_TABLE[(ATTENTION_ROLES[kernel], dtype_kind(dtype), head_dim_bucket(head_dim))]
+def attention_candidates(kernel: str, dtype: torch.dtype, head_dim: int) -> tuple[tuple[int, Tiles, int], ...]:
+    """The table row of one attention kernel ("fwd", "bwd_dq" or "bwd_dkdv"): (shared bytes, tiles,
+    lowest compute capability) per candidate."""
+    row = ATTENTION_TABLE[(ATTENTION_ROLES[kernel], dtype_kind(dtype), head_dim_bucket(head_dim))]
+    return tuple((c[0], c[1], c[2] if len(c) > 2 else 0) for c in row)
+
+
+def fits(candidate: tuple[int, Tiles, int], target: Target) -> bool:
+    """Whether a candidate may run on `target` (shared memory and lowest capability)."""
+    need, _, min_capability = candidate
+    return need <= target.smem_limit and target.capability >= min_capability
 
 
 def attention_tiles(kernel: str, dtype: torch.dtype, head_dim: int, target: Target | None) -> Tiles:
@@ -142,9 +152,9 @@ def attention_tiles(kernel: str, dtype: torch.dtype, head_dim: int, target: Targ
     the first candidate of its table row whose shared memory fits the target."""
     if target is None:
         return INTERPRETER_TILES
-    for need, tiles in attention_candidates(kernel, dtype, head_dim):
-        if need <= target.smem_limit:
-            return tiles
+    for candidate in attention_candidates(kernel, dtype, head_dim):
+        if fits(candidate, target):
+            return candidate[1]
     raise RuntimeError(
         f"triton attention: no {kernel} configuration for {dtype}, head_dim {head_dim} fits {target.name}'s "
         f"{target.smem_limit} B of shared memory per block (kernel_configs.ATTENTION_TABLE)")

@@ -267,7 +267,7 @@ def _config_of(kernel) -> tuple[str, str, int | None, int | None]:
         role = {"_fwd_kernel": "fwd", "_bwd_dq_kernel": "bwd_dq", "_bwd_dkdv_kernel": "bwd_dkdv"}[name]
         kind = "fp32" if dtype == "fp32" else "16bit"
         row = kc.ATTENTION_TABLE.get((kc.ATTENTION_ROLES[role], kind, consts["BLOCK_D"]), ())
-        declared = next((need for need, t in row if t == tiles), None)
+        declared = next((c[0] for c in row if c[1] == tiles), None)
         window = " window" if consts["HAS_WINDOW"] else ""
         return name, f"{dtype} d{consts['HEAD_DIM']} {tiles}{window}", consts["HEAD_DIM"], declared
     flags = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted(consts.items()))
@@ -346,7 +346,8 @@ def unexercised_candidates(records: list[KernelRecord]) -> list[str]:
     missing = []
     for (role, kind, dim), cands in kc.ATTENTION_TABLE.items():
         dtypes = ("fp32",) if kind == "fp32" else ("bf16", "fp16")
-        for _, tiles in cands:
+        for cand in cands:
+            tiles = cand[1]
             if not any(c.startswith(f"{dt} d{dim} {tiles}") for c in used for dt in dtypes):
                 missing.append(f"{role} {kind} d{dim} {tiles}")
     return missing
