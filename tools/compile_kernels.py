@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,34 +50,54 @@ def main(argv: list[str] | None = None) -> int:
               f"(known: {','.join(known)})", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    rows: list[dict] = []
+    done: list[str] = []
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            rows = [r for part in pool.map(_one_target, targets, [args.subset] * len(targets)) for r in part]
+            futures = {pool.submit(_one_target, t, args.subset): t for t in targets}
+            for fut in as_completed(futures):
+                rows += fut.result()
+                done.append(futures[fut])
+                if len(done) < len(targets):  # partial results survive an interrupted run
+                    _write(args, done, rows, t0, partial=True)
     else:
-        rows = [r for t in targets for r in _one_target(t, args.subset)]
+        for t in targets:
+            rows += _one_target(t, args.subset)
+            done.append(t)
+            if len(done) < len(targets):
+                _write(args, done, rows, t0, partial=True)
+    return _write(args, targets, rows, t0, partial=False)
+
+
+def _write(args, targets: list[str], rows: list[dict], t0: float, partial: bool) -> int:
+    """Print the table (final only), write PREFIX.json/.md; 1 if any kernel failed the check."""
     records = [triton_aot.KernelRecord(**{k: v for k, v in r.items() if k != "problems"}) for r in rows]
     table = triton_aot.to_markdown(records)
-    print(table)
+    if not partial:
+        print(table)
     failed = [r for r in records if r.problems()]
-    unexercised = triton_aot.unexercised_candidates(records) if args.subset == "full" else []
+    unexercised = triton_aot.unexercised_candidates(records) if args.subset == "full" and not partial else []
     import triton
 
     summary = {
         "targets": targets, "subset": args.subset, "kernels_compiled": len(records), "failures": len(failed),
         "max_registers": max((r.registers or 0) for r in records),
         "wall_s": round(time.perf_counter() - t0, 1), "triton": triton.__version__,
-        "unexercised_table_candidates": unexercised,
+        "unexercised_table_candidates": unexercised, "partial": partial,
     }
-    print(json.dumps(summary))
+    print(json.dumps(summary), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump({"summary": summary, "kernels": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
-            f.write(f"# Ahead-of-time Triton kernel check\n\n`python tools/compile_kernels.py --targets "
+            note = " PARTIAL (interrupted before every target finished)" if partial else ""
+            f.write(f"# Ahead-of-time Triton kernel check{note}\n\n`python tools/compile_kernels.py --targets "
                     f"{','.join(targets)}` (subset {args.subset}, triton {triton.__version__}): "
                     f"{len(records)} compiled kernels, {len(failed)} failures, {summary['wall_s']} s.\n\n"
                     f"{table}\n")
+    if partial:
+        return 1
     for r in failed:
         print(f"FAIL {r.kernel} {r.config} {r.target}: {'; '.join(r.problems())}", file=sys.stderr)
     return 1 if failed else 0
