@@ -62,7 +62,7 @@ run() {
 }
 
 # Limits: 100 + 60 + 120 + 150 + 45 = 475 s < 8 minutes.
-run "pytest -m gpu" 100 "$PY" -m pytest -m gpu -q -x -p no:cacheprovider $PYTEST_TARGETS
+run "pytest -m gpu" 100 "$PY" -m pytest -m gpu -q -p no:cacheprovider $PYTEST_TARGETS
 run "squinch codec" 60 "$PY" bench/gpu/codec.py $STEP_ARGS --budget-s $(( 45 * SCALE )) --out "$OUT_DIR/gpu_codec"
 run "attention" 120 "$PY" bench/gpu/attention.py $STEP_ARGS --budget-s $(( 105 * SCALE )) --out "$OUT_DIR/gpu_attention"
 run "training throughput" 150 "$PY" bench/gpu/train.py $STEP_ARGS --budget-s $(( 135 * SCALE )) --out "$OUT_DIR/gpu_train"
