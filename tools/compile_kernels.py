@@ -30,11 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ci: bf16/fp32 at head dims 64/128, plain and tree layouts, all Squinch kernels")
     p.add_argument("--jobs", type=int, default=1, help="targets compiled in parallel processes")
     p.add_argument("--out", default="bench/results/compile_kernels", help="output prefix (.json, .md)")
+    p.add_argument("--progress", default=None,
+                   help="prefix of per-target JSON files rewritten after every case (for long runs)")
     return p
 
 
-def _one_target(name: str, subset: str) -> list[dict]:
-    return triton_aot.to_json(triton_aot.run_check([name], subset))
+def _one_target(name: str, subset: str, progress_prefix: str | None = None) -> list[dict]:
+    return triton_aot.to_json(triton_aot.run_check([name], subset, progress_prefix=progress_prefix))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     done: list[str] = []
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(_one_target, t, args.subset): t for t in targets}
+            futures = {pool.submit(_one_target, t, args.subset, args.progress): t for t in targets}
             for fut in as_completed(futures):
                 rows += fut.result()
                 done.append(futures[fut])
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                     _write(args, done, rows, t0, partial=True)
     else:
         for t in targets:
-            rows += _one_target(t, args.subset)
+            rows += _one_target(t, args.subset, args.progress)
             done.append(t)
             if len(done) < len(targets):
                 _write(args, done, rows, t0, partial=True)

@@ -276,8 +276,10 @@ def _config_of(kernel) -> tuple[str, str, int | None, int | None]:
     return name, f"{ptrs} {flags} w{meta.num_warps} s{meta.num_stages}{align}".strip(), None, None
 
 
-def check_target(target: kc.Target, cases, log: Callable[[str], None] = print) -> list[KernelRecord]:
-    """Compile every case for `target`; one record per distinct compiled kernel."""
+def check_target(target: kc.Target, cases, log: Callable[[str], None] = print,
+                 progress: str | None = None) -> list[KernelRecord]:
+    """Compile every case for `target`; one record per distinct compiled kernel. ``progress``: a JSON
+    file rewritten after every case with the records so far (survives an interrupted run)."""
     records: dict[tuple[str, str], KernelRecord] = {}
     current: dict[str, object] = {}
 
@@ -307,6 +309,10 @@ def check_target(target: kc.Target, cases, log: Callable[[str], None] = print) -
                 rec.errors.append(msg)
                 records[("(launch)", label)] = rec
                 log(f"  FAIL {target.name} {label}: {msg}")
+            if progress:
+                with open(progress + ".tmp", "w") as f:
+                    json.dump(to_json(list(records.values())), f)
+                os.replace(progress + ".tmp", progress)
     return list(records.values())
 
 
@@ -327,14 +333,16 @@ def all_cases(subset: str = "full"):
         raise ValueError(f"subset must be 'full' or 'ci', got {subset!r}")
 
 
-def run_check(targets: list[str], subset: str = "full", log: Callable[[str], None] = print) -> list[KernelRecord]:
+def run_check(targets: list[str], subset: str = "full", log: Callable[[str], None] = print,
+              progress_prefix: str | None = None) -> list[KernelRecord]:
     """Compile the cases for each named target ("sm_80", ...); returns every record."""
     out: list[KernelRecord] = []
     for name in targets:
         if name not in kc.AOT_TARGETS:
             raise ValueError(f"unknown target {name!r}: expected one of {sorted(kc.AOT_TARGETS)}")
         t0 = time.perf_counter()
-        recs = check_target(kc.Target.for_capability(kc.AOT_TARGETS[name]), all_cases(subset), log)
+        progress = f"{progress_prefix}.{name}.progress.json" if progress_prefix else None
+        recs = check_target(kc.Target.for_capability(kc.AOT_TARGETS[name]), all_cases(subset), log, progress)
         log(f"{name}: {len(recs)} kernels in {time.perf_counter() - t0:.1f} s")
         out.extend(recs)
     return out
