@@ -34,7 +34,7 @@ def test_selection_follows_shared_memory_and_capability() -> None:
     assert (big.block_m, big.block_n) == (64, 32) and (small.block_m, small.block_n) == (32, 32)
     assert kc.attention_tiles("fwd", torch.bfloat16, 256, SM86) == small
     assert kc.attention_tiles("fwd", torch.bfloat16, 256, SM80) == big
-    # fp32 d128 dK/dV: sm_90+ has its own candidate
+    # fp32 d128 dK/dV: sm_89+ has its own candidate
     assert kc.attention_tiles("bwd_dkdv", torch.float32, 128, SM90) != kc.attention_tiles("bwd_dkdv", torch.float32,
                                                                                           128, SM80)
     # fwd and dq always share tiles (dq walks the forward's key-block lists)
