@@ -17,8 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
+from megatron_cai.core import device as device_mod  # noqa: E402
 from megatron_cai.inference.branches import decode_branches  # noqa: E402
 from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
 from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
@@ -68,7 +67,7 @@ def _print_branches(args, model, tokenizer, ids: list[int], eos: int | None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or device_mod.default_device_name()
     try:
         model, ck = load_model(args.load, args.ckpt_step, device)
         tokenizer = checkpoint_tokenizer(ck, args.tokenizer_model, args.tokenizer_type)

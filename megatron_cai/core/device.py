@@ -51,6 +51,46 @@ def max_memory_allocated(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def cuda_available() -> bool:
+    """Whether a CUDA device can be used by this process."""
+    return torch.cuda.is_available()
+
+
+def default_device_name() -> str:
+    """"cuda" when a GPU is available, else "cpu" (the default of --device flags)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_capability(device: torch.device) -> int:
+    """Compute capability as major * 10 + minor (0 for non-CUDA devices)."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def device_name(device: torch.device) -> str:
+    """Human-readable device name (the GPU model on CUDA)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def kernel_limits(device: torch.device) -> tuple[int, int]:
+    """(compute capability, per-block opt-in shared memory in bytes) of a CUDA device, for kernel launchers."""
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    capability = props.major * 10 + props.minor
+    if not smem:  # older torch: fall back to the documented table
+        from megatron_cai.core.kernel_configs import SMEM_OPTIN
+
+        smem = SMEM_OPTIN.get(capability, 101376)
+    return capability, int(smem)
+
+
+def new_timing_event(device: torch.device):
+    """A CUDA timing event (None on CPU, where callers use wall-clock time)."""
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+
+
 # ----------------------------------------------------------------------------------------------- RNG
 def get_rng_state() -> dict[str, Any]:
     """All generator states of this process (python, numpy, torch CPU and the current CUDA device)."""
@@ -82,6 +122,15 @@ def set_device_rng_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def seed_device(device: torch.device, seed: int) -> None:
+    """Seed only the generator that dropout uses on `device` (the current CUDA device, or the CPU one)."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
 
 
 def manual_seed(seed: int) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
@@ -189,7 +190,7 @@ def inference_config(config: GPTConfig) -> GPTConfig:
     cfg.sequence_parallel = False
     cfg.hidden_dropout = cfg.attention_dropout = 0.0
     cfg.attention_zreg_coeff = cfg.output_zreg_coeff = 0.0  # gradients only: the forward is the same
-    if cfg.attention_backend == "triton" and not torch.cuda.is_available():
+    if cfg.attention_backend == "triton" and not device_mod.cuda_available():
         cfg.attention_backend = None
     return cfg
 

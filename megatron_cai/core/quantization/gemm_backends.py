@@ -28,6 +28,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from .. import device as device_mod
 from .dynamic_clamp import BLOCK_SIZE, to_groups
 from .fake_quant import FP8_DTYPES, quantize_codes
 
@@ -55,7 +56,7 @@ def real_gemm_available(fmt: str, device: torch.device | str, *, require_gpu: bo
     if fmt not in _MIN_CAPABILITY:
         return False
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= _MIN_CAPABILITY[fmt]
+        return divmod(device_mod.device_capability(device), 10) >= _MIN_CAPABILITY[fmt]
     if device.type == "cpu" and not require_gpu:
         return _cpu_op_works(fmt)
     return False

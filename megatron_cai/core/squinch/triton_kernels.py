@@ -15,12 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_configs import squinch_launch
 from . import format as fmt
 
-BLOCKS_PER_PROGRAM = 128  # 8-element blocks per program (1024 elements)
+BLOCKS_PER_PROGRAM = squinch_launch("encode").blocks  # 8-element blocks per program (1024 elements)
+# Sizes are never specialised on their value, so one compiled kernel per table configuration serves
+# every bucket size (and tools/compile_kernels.py compiles exactly what runs).
+_ENCODE_INTS = ["n", "nb"]
+_DECODE_INTS = ["n", "nb", "W", "stride_w"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ENCODE_INTS)
 def _encode_kernel(g_ptr, r_ptr, out_ptr, flag_ptr, seed_ptr, S_ptr, B_ptr, L_ptr, QT_ptr, SB_ptr,
                    n, nb, HAS_RES: tl.constexpr, RES_BF16: tl.constexpr, STOCH: tl.constexpr,
                    BLOCKS: tl.constexpr):
@@ -76,7 +81,7 @@ def _encode_kernel(g_ptr, r_ptr, out_ptr, flag_ptr, seed_ptr, S_ptr, B_ptr, L_pt
     tl.store(flag_ptr + pid, tl.max(mb, axis=0))  # per-program max |y| bits, reduced by one amax
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_DECODE_INTS)
 def _decode_kernel(p_ptr, out_ptr, S_ptr, L_ptr, n, nb, W, stride_w, ACC: tl.constexpr, BLOCKS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * BLOCKS + tl.arange(0, BLOCKS)
@@ -113,8 +118,8 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, ...]:
     return _TABLES[key]
 
 
-def _grid(nb: int) -> tuple[int]:
-    return (max(1, triton.cdiv(nb, BLOCKS_PER_PROGRAM)),)
+def _grid(nb: int, blocks: int) -> tuple[int]:
+    return (max(1, triton.cdiv(nb, blocks)),)
 
 
 def encode_into(
@@ -133,7 +138,8 @@ def encode_into(
     nb = fmt.n_blocks(n)
     if n == 0:
         return torch.zeros((), dtype=torch.bool, device=x.device)
-    grid = _grid(nb)
+    cfg = squinch_launch("encode")
+    grid = _grid(nb, cfg.blocks)
     flags = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     S, B, L, qt, sbits = _tables(x.device)
     if seed is None:
@@ -143,7 +149,7 @@ def encode_into(
     _encode_kernel[grid](
         x, r if r is not None else x, out, flags, seed, S, B, L, qt, sbits, n, nb,
         HAS_RES=residual is not None, RES_BF16=res_bf16, STOCH=bool(stochastic),
-        BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4, enable_fp_fusion=False,
+        BLOCKS=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )
     # one int per program instead of an atomic on one address (no contention); NaN/Inf bits >= 0x7F800000
     return flags.amax() >= 0x7F800000
@@ -157,7 +163,8 @@ def decode_into(payloads: torch.Tensor, n: int, out: torch.Tensor, accumulate: b
         return
     nb = fmt.n_blocks(n)
     S, _, L, _, _ = _tables(out.device)
-    _decode_kernel[_grid(nb)](
+    cfg = squinch_launch("decode")
+    _decode_kernel[_grid(nb, cfg.blocks)](
         p2, out, S, L, n, nb, W, p2.stride(0), ACC=bool(accumulate),
-        BLOCKS=BLOCKS_PER_PROGRAM, num_warps=4, enable_fp_fusion=False,
+        BLOCKS=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
     )

@@ -29,10 +29,7 @@ class RNGStatesTracker:
 
     def add(self, name: str, seed: int) -> None:
         saved = device_mod.device_rng_state(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
+        device_mod.seed_device(self.device, seed)
         self.states[name] = device_mod.device_rng_state(self.device)
         device_mod.set_device_rng_state(self.device, saved)
 

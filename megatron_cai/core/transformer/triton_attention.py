@@ -19,17 +19,23 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_cai.core import kernel_configs
 from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["triton_attention"]
 
 LOG2E = 1.4426950408889634
+# Integer arguments that are never specialised on their value (divisibility by 16, == 1): one compiled
+# kernel per table configuration, whatever the sequence length, head count or window, so the
+# ahead-of-time check (core/triton_aot.py) compiles exactly what runs. Strides stay specialised: the
+# launcher makes every tensor contiguous with a head dim that is a multiple of 16 or pads nothing else.
+_RUNTIME_INTS = ["seq_q", "seq_k", "heads", "kv_heads", "group", "n_kb", "n_qb", "window", "sib"]
 
 
 @triton.jit
 def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale,
-                 kmask_d, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                 kmask_d, window, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """Scores (log2 units) of one [BLOCK_M, BLOCK_N] tile with masked pairs at -inf, plus the K tile.
 
     ``abs_m``: absolute query positions of the tile rows (local row + offset past a KV cache)."""
@@ -39,19 +45,19 @@ def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, abs_m, offs_n, pos_m,
     ks = tl.load(start_ptr + offs_n, mask=n_ok, other=seq_k + 1)
     kl = tl.load(limit_ptr + offs_n, mask=n_ok, other=0)
     vis = (ks[None, :] <= abs_m[:, None]) & (abs_m[:, None] < kl[None, :])
-    if WINDOW > 0:
+    if HAS_WINDOW:
         pos_n = tl.load(pos_ptr + offs_n, mask=n_ok, other=0)
         diff = pos_m[:, None] - pos_n[None, :]
-        vis = vis & (diff < WINDOW) & (diff > -WINDOW)
+        vis = vis & (diff < window) & (diff > -window)
     return tl.where(vis, s, float("-inf")), k
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
-                seq_q, seq_k, heads, group, n_kb, qk_scale,
+                seq_q, seq_k, heads, group, n_kb, window, qk_scale,
                 sqb, sqh, sqt, skb, skh, skt, sib,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -70,7 +76,7 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     limit_ptr = LIMIT + b * sib
     pos_ptr = POS + b * sib
     pos_m = abs_m
-    if WINDOW > 0:
+    if HAS_WINDOW:
         pos_m = tl.load(pos_ptr + abs_m, mask=m_ok, other=0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * skb + hk * skh
@@ -83,7 +89,8 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, _k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
-                             pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, WINDOW, PRECISION)
+                             pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, window, HAS_WINDOW,
+                             PRECISION)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -102,12 +109,12 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     tl.store(LSE + (b * heads + h) * seq_q + offs_m, lse, mask=m_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_IDX,
-                   seq_q, seq_k, heads, group, n_kb, qk_scale, sm_scale,
+                   seq_q, seq_k, heads, group, n_kb, window, qk_scale, sm_scale,
                    sqb, sqh, sqt, skb, skh, skt, sib,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // heads
@@ -131,7 +138,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
     limit_ptr = LIMIT + b * sib
     pos_ptr = POS + b * sib
     pos_m = abs_m
-    if WINDOW > 0:
+    if HAS_WINDOW:
         pos_m = tl.load(pos_ptr + abs_m, mask=m_ok, other=0)
     k_base = K + b * skb + hk * skh
     v_base = V + b * skb + hk * skh
@@ -142,7 +149,8 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
-                            pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, WINDOW, PRECISION)
+                            pos_ptr, abs_m, offs_n, pos_m, seq_k, qk_scale, d_ok, window, HAS_WINDOW,
+                             PRECISION)
         p = tl.exp2(s - lse2[:, None])
         v = tl.load(v_base + offs_n[:, None] * skt + offs_d[None, :],
                     mask=(offs_n < seq_k)[:, None] & d_ok[None, :], other=0.0)
@@ -152,12 +160,12 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
     tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, Q_IDX,
-                     seq_q, seq_k, heads, kv_heads, group, n_qb, qk_scale, sm_scale,
+                     seq_q, seq_k, heads, kv_heads, group, n_qb, window, qk_scale, sm_scale,
                      sqb, sqh, sqt, skb, skh, skt, sib,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     kb = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // kv_heads
@@ -174,7 +182,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
     ks = tl.load(START + b * sib + offs_n, mask=n_ok, other=seq_k + 1)
     kl = tl.load(LIMIT + b * sib + offs_n, mask=n_ok, other=0)
     pos_n = offs_n
-    if WINDOW > 0:
+    if HAS_WINDOW:
         pos_n = tl.load(POS + b * sib + offs_n, mask=n_ok, other=0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -197,10 +205,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
             delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             vis = (ks[None, :] <= abs_m[:, None]) & (abs_m[:, None] < kl[None, :])
-            if WINDOW > 0:
+            if HAS_WINDOW:
                 pos_m = tl.load(POS + b * sib + abs_m, mask=m_ok, other=0)
                 diff = pos_m[:, None] - pos_n[None, :]
-                vis = vis & (diff < WINDOW) & (diff > -WINDOW)
+                vis = vis & (diff < window) & (diff > -window)
             p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -210,16 +218,38 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
     tl.store(DV + k_off, dv.to(DV.dtype.element_ty), mask=kd_mask)
 
 
-def _launch_args(q, k, start, window, block):
-    bsz, heads, seq, dim = q.shape
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned, so every launch matches the pointer specialisation the check compiles."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _meta(dtype: torch.dtype, dim: int, tiles: kernel_configs.Tiles, has_window: bool) -> dict:
     return dict(
         HEAD_DIM=dim,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_M=block,
-        BLOCK_N=block,
-        WINDOW=int(window or 0),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        HAS_WINDOW=has_window,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
+
+
+def launch_tiles(q: torch.Tensor, block: int | None) -> dict[str, kernel_configs.Tiles]:
+    """The tiles of the three kernels for q's dtype, head dim and device (kernel_configs.ATTENTION_TABLE).
+
+    ``block`` forces square ``block x block`` tiles everywhere (tests and experiments only: such a launch
+    is outside what tools/compile_kernels.py checks)."""
+    if block is not None:
+        forced = kernel_configs.Tiles(block, block, 4, 1 if not q.is_cuda else 2)
+        return {name: forced for name in kernel_configs.ATTENTION_KERNELS}
+    target = kernel_configs.launch_target(q.device)
+    cd = torch.float32 if q.dtype == torch.float64 else q.dtype
+    tiles = {name: kernel_configs.attention_tiles(name, cd, q.shape[-1], target)
+             for name in kernel_configs.ATTENTION_KERNELS}
+    return tiles
 
 
 class _TritonAttention(torch.autograd.Function):
@@ -228,29 +258,36 @@ class _TritonAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         in_dtype = q.dtype
         cd = torch.float32 if in_dtype == torch.float64 else in_dtype
-        q, k, v = (x.to(cd).contiguous() for x in (q, k, v))
+        q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
         bsz, heads, seq_q, dim = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
         # Same semantics, int32-safe: positions are in [0, seq_k).
-        start32 = start.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
-        limit32 = limit.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
+        start32 = _aligned(start.clamp(-1, seq_k + 1).to(torch.int32))
+        limit32 = _aligned(limit.clamp(-1, seq_k + 1).to(torch.int32))
         pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
-        pos32 = pos.to(torch.int32).contiguous()
-        tiles, _ = attention_tiling.block_map(start, limit, block, block, window, position_ids, seq_q)
-        kv_num, kv_idx = attention_tiling.block_indices(tiles)
-        q_num, q_idx = attention_tiling.block_indices(tiles.transpose(-1, -2).contiguous())
-        n_qb, n_kb = tiles.shape[-2], tiles.shape[-1]
+        pos32 = _aligned(pos.to(torch.int32))
+        tiles = launch_tiles(q, block)
+        fwd, dkdv = tiles["fwd"], tiles["bwd_dkdv"]
+        fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
+        kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
+        if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
+            bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids, seq_q)
+        else:
+            bwd_map = fwd_map
+        q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))
+        n_kb = fwd_map.shape[-1]
         out = torch.empty_like(q)
         lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
         scale = 1.0 / math.sqrt(dim)
-        meta = _launch_args(q, k, start, window, block)
+        win = int(window or 0)
         strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
-        _fwd_kernel[(n_qb, bsz * heads)](
-            q, k, v, out, lse, start32, limit32, pos32, kv_num.contiguous(), kv_idx.contiguous(),
-            seq_q, seq_k, heads, heads // kv_heads, n_kb, scale * LOG2E, *strides, **meta,
+        _fwd_kernel[(fwd_map.shape[-2], bsz * heads)](
+            q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
+            seq_q, seq_k, heads, heads // kv_heads, n_kb, win, scale * LOG2E, *strides,
+            **_meta(cd, dim, fwd, win > 0),
         )
         ctx.save_for_backward(q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx)
-        ctx.meta, ctx.strides, ctx.coeff, ctx.in_dtype = meta, strides, coeff, in_dtype
+        ctx.tiles, ctx.win, ctx.strides, ctx.coeff, ctx.in_dtype = tiles, win, strides, coeff, in_dtype
         return out.to(in_dtype), lse
 
     @staticmethod
@@ -258,23 +295,25 @@ class _TritonAttention(torch.autograd.Function):
         q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx = ctx.saved_tensors
         bsz, heads, seq_q, dim = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
-        n_qb, n_kb = kv_idx.shape[-2], kv_idx.shape[-1]
-        do = torch.zeros_like(out) if grad_out is None else grad_out.to(q.dtype).contiguous()
+        do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(q.dtype))
         delta = (do.float() * out.float()).sum(-1)
         dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
         if dlse is not None:
             delta = delta - dlse.float()
-        delta = delta.contiguous()
+        delta = _aligned(delta)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         scale = 1.0 / math.sqrt(dim)
         group = heads // kv_heads
-        _bwd_dq_kernel[(n_qb, bsz * heads)](
+        win = ctx.win
+        _bwd_dq_kernel[(kv_idx.shape[-2], bsz * heads)](
             q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, group, n_kb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
+            seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
+            **_meta(q.dtype, dim, ctx.tiles["bwd_dq"], win > 0),
         )
-        _bwd_dkdv_kernel[(n_kb, bsz * kv_heads)](
+        _bwd_dkdv_kernel[(q_idx.shape[-2], bsz * kv_heads)](
             q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
-            seq_q, seq_k, heads, kv_heads, group, n_qb, scale * LOG2E, scale, *ctx.strides, **ctx.meta,
+            seq_q, seq_k, heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
+            **_meta(q.dtype, dim, ctx.tiles["bwd_dkdv"], win > 0),
         )
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
@@ -294,13 +333,9 @@ def triton_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Triton attention; returns ``(out [B, H, T, D] in q.dtype, lse [B, H, T] fp32)``.
 
-    Semantics as :func:`megatron_cai.core.transformer.attention.attend`. ``block`` is the square tile
-    size (default on CUDA: 64 for 16-bit inputs with head_dim <= 128, else 32; 16 under the
-    interpreter).
+    Semantics as :func:`megatron_cai.core.transformer.attention.attend`. Tiles, warps and stages come
+    from :data:`kernel_configs.ATTENTION_TABLE` for the device's shared memory (16 x 16 under the
+    interpreter); ``block`` forces square tiles (tests only).
     """
-    if block is None:
-        # 64 x 64 tiles fit every recent GPU's shared memory for 16-bit inputs and head_dim <= 128;
-        # fp32 (or wider heads) take 32 x 32 (fp32, head_dim 128 at 64 x 64 needs ~210 KB in dK/dV).
-        small = q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 128
-        block = (64 if small else 32) if q.is_cuda else 16
-    return _TritonAttention.apply(q, k, v, start, limit, position_ids, window, float(zreg_coeff), int(block))
+    return _TritonAttention.apply(q, k, v, start, limit, position_ids, window, float(zreg_coeff),
+                                  None if block is None else int(block))

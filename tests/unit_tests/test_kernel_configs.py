@@ -1,0 +1,92 @@
+"""The one launch table of the Triton kernels (core/kernel_configs.py): launchers pick from it by the
+device's shared memory and capability (CUDA limits come from core/device.py), and nothing else."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cai.core import device as dev
+from megatron_cai.core import kernel_configs as kc
+
+SM80, SM86, SM89, SM90 = (kc.Target.for_capability(c) for c in (80, 86, 89, 90))
+
+
+def test_target_limits_are_the_cuda_opt_in_limits() -> None:
+    assert (SM80.smem_limit, SM86.smem_limit, SM89.smem_limit, SM90.smem_limit) == (166912, 101376, 101376, 232448)
+    assert kc.Target.for_capability(100).smem_limit == 232448
+    with pytest.raises(ValueError, match="sm_75"):
+        kc.Target.for_capability(75)
+
+
+def test_sm89_bf16_d128_dkdv_fits_its_shared_memory() -> None:
+    """The defect: 64 x 64 tiles, 4 warps, 3 stages used 107,520 B on sm_89 (limit 101,376)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        tiles = kc.attention_tiles("bwd_dkdv", dtype, 128, SM89)
+        need = next(c[0] for c in kc.attention_candidates("bwd_dkdv", dtype, 128) if c[1] == tiles)
+        assert need <= SM89.smem_limit
+        assert tiles != kc.Tiles(64, 64, 4, 3)
+
+
+def test_selection_follows_shared_memory_and_capability() -> None:
+    # d256 16-bit: the 64 x 32 row needs ~131 KB, so sm_86/sm_89 fall back to 32 x 32
+    big, small = kc.attention_tiles("fwd", torch.bfloat16, 256, SM90), kc.attention_tiles("fwd", torch.bfloat16, 256,
+                                                                                            SM89)
+    assert (big.block_m, big.block_n) == (64, 32) and (small.block_m, small.block_n) == (32, 32)
+    assert kc.attention_tiles("fwd", torch.bfloat16, 256, SM86) == small
+    assert kc.attention_tiles("fwd", torch.bfloat16, 256, SM80) == big
+    # fp32 d128 dK/dV: sm_89+ has its own candidate
+    assert kc.attention_tiles("bwd_dkdv", torch.float32, 128, SM90) != kc.attention_tiles("bwd_dkdv", torch.float32,
+                                                                                          128, SM80)
+    # fwd and dq always share tiles (dq walks the forward's key-block lists)
+    for dtype in kc.ATTENTION_DTYPES:
+        for dim in (16, 64, 80, 128, 200, 256):
+            for t in (SM80, SM86, SM89, SM90):
+                assert kc.attention_tiles("fwd", dtype, dim, t) == kc.attention_tiles("bwd_dq", dtype, dim, t)
+
+
+def test_no_candidate_or_too_wide_head_is_one_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="shared memory"):
+        kc.attention_tiles("fwd", torch.bfloat16, 128, kc.Target(80, 1000))
+    with pytest.raises(ValueError, match="head_dim 512"):
+        kc.attention_tiles("fwd", torch.bfloat16, 512, SM90)
+
+
+def test_interpreter_and_cuda_targets(monkeypatch) -> None:
+    assert kc.launch_target(torch.device("cpu")) is None
+    assert kc.attention_tiles("fwd", torch.float32, 64, None) == kc.INTERPRETER_TILES
+    calls = []
+
+    def fake_limits(device):
+        calls.append(device)
+        return 89, 101376
+
+    monkeypatch.setattr(dev, "kernel_limits", fake_limits)
+    assert kc.launch_target(torch.device("cuda", 0)) == SM89 and calls == [torch.device("cuda", 0)]
+    with kc.override_target(SM90):
+        assert kc.launch_target(torch.device("cuda", 0)) == SM90
+    assert kc.launch_target(torch.device("cpu")) is None
+
+
+def test_attention_launcher_reads_the_table(monkeypatch) -> None:
+    from megatron_cai.core.transformer import triton_attention as ta
+
+    q = torch.zeros(1, 2, 8, 128, dtype=torch.bfloat16)
+    with kc.override_target(SM89):
+        tiles = ta.launch_tiles(q, None)
+        assert tiles == {k: kc.attention_tiles(k, torch.bfloat16, 128, SM89) for k in kc.ATTENTION_KERNELS}
+        monkeypatch.setitem(kc.ATTENTION_TABLE, ("dkdv", "16bit", 128), ((0, kc.Tiles(16, 32, 2, 1)),))
+        assert ta.launch_tiles(q, None)["bwd_dkdv"] == kc.Tiles(16, 32, 2, 1)
+    assert ta.launch_tiles(q, None)["fwd"] == kc.INTERPRETER_TILES  # CPU without override: the interpreter
+
+
+def test_every_table_row_is_enumerated_by_the_check() -> None:
+    """The check's cases come from the table's own dtype and head-dim lists."""
+    from megatron_cai.core import triton_aot
+
+    labels = [label for label, _, _ in triton_aot.attention_cases(layouts=("plain",), windows=(None,), zregs=(0.0,))]
+    for role, kind, dim in kc.ATTENTION_TABLE:
+        names = ("float32",) if kind == "fp32" else ("bfloat16", "float16")
+        assert any(label.startswith(f"{n} d{dim} ") for n in names for label in labels), (role, kind, dim)
+    squinch = [label for label, _, _ in triton_aot.squinch_cases()]
+    assert sum(label.startswith("encode") for label in squinch) == 2 * 3 * 3 * 2
+    assert sum(label.startswith("decode") for label in squinch) == 4
