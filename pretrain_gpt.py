@@ -14,6 +14,8 @@ import torch
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import ArgumentError, parse_args
 from megatron_cai.training.distill import get_distiller
+from megatron_cai.training.errors import run_cli
+from megatron_cai.training.known_errors import KNOWN_ERRORS
 from megatron_cai.training.training import pretrain
 
 
@@ -64,7 +66,8 @@ def train_valid_test_datasets_provider(args, tokenizer, num_samples):
                                path_to_cache=args.data_cache_path, reset_position_ids=args.reset_position_ids,
                                reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                                eod_token_id=_eod_or_none(tokenizer), data_format=args.data_format,
-                               tree_loss_weighting=args.tree_loss_weighting)
+                               tree_loss_weighting=args.tree_loss_weighting,
+                               vocab_size=tokenizer.vocab_size if tokenizer is not None else args.vocab_size)
     datasets = build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
     trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
     if trees and (args.distill_samples or args.distill_teacher_load):
@@ -84,12 +87,17 @@ def _eod_or_none(tokenizer):
 
 
 def main(argv=None):
+    """Parse, train, shut down; a known error (bad flags, data, checkpoint, layout, divergence) prints one
+    ``error:`` line (rank 0, or the rank that found it) and returns 2, without a traceback."""
+    return run_cli(functools.partial(_main, argv), KNOWN_ERRORS + (FileNotFoundError,))
+
+
+def _main(argv=None) -> int:
     try:
         args = parse_args(argv)
         tokenizer = build_tokenizer_from_args(args)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a bad flag value or tokenizer file
+        raise ArgumentError(str(e)) from None
     pretrain(args, train_valid_test_datasets_provider, forward_step, tokenizer)
     if torch.distributed.is_initialized():  # a clean shutdown: no process-group teardown at exit
         torch.distributed.barrier()

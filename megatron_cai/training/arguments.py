@@ -5,6 +5,7 @@ import argparse
 import math
 
 from ..core.parallel_state import ParallelLayoutError, check_layout
+from . import divergence, startup_checks
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -163,7 +164,7 @@ def _logging(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging):
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, divergence.add_arguments):
         add(p)
     return p
 
@@ -221,6 +222,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    for problem in (startup_checks.position_limit(args.seq_length, args.max_position_embeddings),
+                    _divergence_problem(args)):
+        if problem:
+            raise ArgumentError(problem)
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
     if args.data_path is None and not args.mock_data:
@@ -251,6 +256,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         except ValueError as e:
             raise ArgumentError(str(e)) from None
     return args
+
+
+def _divergence_problem(args: argparse.Namespace) -> str | None:
+    try:
+        divergence.DivergenceConfig.from_args(args)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -23,7 +23,7 @@ from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.self_attention import SelfAttention
-from . import checkpointing
+from . import checkpointing, divergence, run_dirs, startup_checks
 from .arguments import ArgumentError, padded_vocab_size
 from .distill import setup_distillation
 from .initialize import initialize_distributed
@@ -102,6 +102,7 @@ class Trainer:
     def __init__(self, args, datasets_provider, forward_step_func, tokenizer=None) -> None:
         self.args = args
         self.env, self.device = initialize_distributed(args)
+        run_dirs.check_run_dirs(args.load, args.save, args.ckpt_step)  # never start fresh over a run
         if getattr(args, "transformer_impl", "local") == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
                                 f"{self.device.type}")
@@ -129,6 +130,7 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                                  args.lr_decay_style)
         self.state = TrainState()
+        self.divergence = divergence.DivergenceMonitor(divergence.DivergenceConfig.from_args(args), self.device)
         if args.load:
             counters = checkpointing.load_checkpoint(
                 args.load, self.model, self.optimizer, self.scheduler, self.config,
@@ -141,9 +143,12 @@ class Trainer:
                 self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
                 print_rank_0(f" loaded checkpoint from {args.load} at iteration {self.state.iteration}")
+                self.divergence.last_good_checkpoint = checkpointing.iteration_dir(args.load, self.state.iteration)
             elif not args.finetune:
                 print_rank_0(f" no checkpoint found in {args.load}: starting from scratch")
         train_ds, valid_ds, test_ds = datasets_provider(args, self.tokenizer, self._num_samples())
+        startup_checks.raise_if(startup_checks.empty_train_split(train_ds, args.train_iters, args.data_path,
+                                                                 args.split))
         train_ds = setup_distillation(args, self.config, self.device, train_ds)  # teacher samples / teacher
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
@@ -233,6 +238,8 @@ class Trainer:
         for m in self.model:
             m.finish_grad_sync()
         grad_norm, finite = self.optimizer.clip_and_check(self.args.clip_grad)
+        if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
+            finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
         if finite:
             self.optimizer.step(self.scheduler.get_lr())
             self.scheduler.step()
@@ -274,11 +281,17 @@ class Trainer:
         a = self.args
         if not a.save:
             return
+        refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
+        if refused:
+            print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
+                         f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
+            return
         tok_files = [a.tokenizer_model] if a.tokenizer_model else []
-        checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
+        path = checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
                                       self.config, {k: v for k, v in vars(a).items()}, self.state.to_dict(),
                                       reducer_states=[m.reducer.state_dict() for m in self.model],
                                       save_optim=not a.no_save_optim, tokenizer_files=tok_files)
+        self.divergence.last_good_checkpoint = path
         print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {a.save}")
 
     def train(self) -> TrainState:
@@ -295,8 +308,12 @@ class Trainer:
             st.consumed_train_samples += a.global_batch_size
             if not finite:
                 st.skipped_iterations += 1
-                print_rank_last(f" iteration {st.iteration}: non-finite gradient (grad norm {grad_norm}) on some "
-                                f"rank; skipped the optimizer step on every rank")
+                print_rank_last(f" iteration {st.iteration}: non-finite loss or gradient (grad norm {grad_norm}) on "
+                                f"some rank; skipped the optimizer step on every rank")
+            spike = self.divergence.observe(st.iteration, losses, skipped=not finite)  # raises when diverged
+            if spike:
+                print_rank_last(spike)
+                st.extra["loss_spikes"] = self.divergence.spikes
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
             for k, v in losses.items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
@@ -331,8 +348,8 @@ class Trainer:
             if a.save_interval and st.iteration % a.save_interval == 0:
                 self.save()
             if self.exit_signal.any_rank(self.device):
-                print_rank_0(f" exit signal received at iteration {st.iteration}: saving and exiting")
-                self.save()
+                self.save()  # the checkpoint first: a failing log write must not lose it
+                print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")
                 break
             if a.exit_interval and st.iteration % a.exit_interval == 0:
                 self.save()
