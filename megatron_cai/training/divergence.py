@@ -149,6 +149,16 @@ class DivergenceMonitor:
                 f"with a non-finite loss or gradient (--max-consecutive-skipped-iterations "
                 f"{self.cfg.max_consecutive_skipped_iterations}); {last_txt}; last good checkpoint: {ckpt}")
 
+    def state_dict(self) -> dict:
+        """Saved with the checkpoint's counters: the last finite loss survives a resume."""
+        return {"last_finite_loss": list(self.last_finite) if self.last_finite is not None else None,
+                "loss_spikes": self.spikes}
+
+    def load_state_dict(self, counters: dict) -> None:
+        last = counters.get("last_finite_loss")
+        self.last_finite = (int(last[0]), float(last[1])) if last else None
+        self.spikes = int(counters.get("loss_spikes") or 0)
+
     def refuse_save(self, model_chunks, optimizer) -> str | None:
         """Collective: why the current state must not be saved, or None when it may be."""
         if self.consecutive_skipped > 0:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
+from .rendezvous import log_while_waiting
 
 
 @dataclass
@@ -100,8 +101,9 @@ def initialize_distributed(args) -> tuple[DistEnv, torch.device]:
     device = device_mod.resolve_device(args.device, env.local_rank)
     if env.world_size > 1 and not dist.is_initialized():
         backend = args.distributed_backend or device_mod.backend_for(device)
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        with log_while_waiting(env.rank, env.world_size):  # a rank waiting for its peers says so
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     rpn = args.ranks_per_node
     if rpn is None and env.local_world_size < env.world_size:
         rpn = env.local_world_size

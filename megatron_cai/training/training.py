@@ -144,6 +144,7 @@ class Trainer:
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
                 print_rank_0(f" loaded checkpoint from {args.load} at iteration {self.state.iteration}")
                 self.divergence.last_good_checkpoint = checkpointing.iteration_dir(args.load, self.state.iteration)
+                self.divergence.load_state_dict(counters)
             elif not args.finetune:
                 print_rank_0(f" no checkpoint found in {args.load}: starting from scratch")
         train_ds, valid_ds, test_ds = datasets_provider(args, self.tokenizer, self._num_samples())
@@ -288,7 +289,8 @@ class Trainer:
             return
         tok_files = [a.tokenizer_model] if a.tokenizer_model else []
         path = checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
-                                      self.config, {k: v for k, v in vars(a).items()}, self.state.to_dict(),
+                                      self.config, {k: v for k, v in vars(a).items()},
+                                             {**self.state.to_dict(), **self.divergence.state_dict()},
                                       reducer_states=[m.reducer.state_dict() for m in self.model],
                                       save_optim=not a.no_save_optim, tokenizer_files=tok_files)
         self.divergence.last_good_checkpoint = path
