@@ -93,16 +93,19 @@ def test_divergence_state_round_trips():
 
 
 def test_divergence_flags_have_megatron_defaults():
-    from megatron_cai.training.arguments import ArgumentError, parse_args
+    from megatron_cai.training.arguments import parse_config
+    from megatron_cai.training.config import ArgumentError
 
     base = ["--mock-data", "--vocab-size", "64", "--train-iters", "1"]
-    args = parse_args(base, world_size=1)
-    assert args.check_for_nan_in_loss_and_grad and args.max_consecutive_skipped_iterations == 10
-    assert not parse_args(base + ["--no-check-for-nan-in-loss-and-grad"], world_size=1).check_for_nan_in_loss_and_grad
+    div = parse_config(base, world_size=1).training.divergence
+    assert div == DivergenceConfig() and div.check_for_nan_in_loss_and_grad
+    assert div.max_consecutive_skipped_iterations == 10
+    off = parse_config(base + ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"], world_size=1)
+    assert not off.training.divergence.check_for_nan_in_loss_and_grad and off.training.divergence.check_for_spiky_loss
     with pytest.raises(ArgumentError, match="max-consecutive-skipped-iterations"):
-        parse_args(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
+        parse_config(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
     with pytest.raises(ArgumentError, match="--seq-length 64 is larger than --max-position-embeddings 32"):
-        parse_args(base + ["--seq-length", "64", "--max-position-embeddings", "32"], world_size=1)
+        parse_config(base + ["--seq-length", "64", "--max-position-embeddings", "32"], world_size=1)
 
 
 # ------------------------------------------------------------------------------------ run dirs
