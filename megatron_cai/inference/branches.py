@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.models.gpt.model import GPTModel
-from ..core.transformer import visibility as V
+from ..core.transformer import visibility_layouts as V
 from ..core.transformer.self_attention import KVCache
 from .generation import ensure_single_process, sample_step
 

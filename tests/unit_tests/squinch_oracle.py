@@ -1,4 +1,4 @@
-"""Plain per-block Python implementation of shared/squinch-format.md (the test oracle).
+"""Plain per-block Python implementation of docs/squinch-format.md (the test oracle).
 
 Written from the spec text only (math + struct, loops over blocks); it shares no code with
 megatron_cai.core.squinch. Non-finite blocks follow the package's documented convention:

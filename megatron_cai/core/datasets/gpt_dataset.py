@@ -29,7 +29,9 @@ never read because any input change changes the key.
 
 With ``reset_attention_mask`` documents end at (and include) EOD tokens; key j of the document
 ``[a, b)`` gets ``(visibility_start, visibility_limit) = (j, b)``: query i may attend key j iff
-``visibility_start[j] <= i < visibility_limit[j]`` (see DESIGN.md, "Visibility mask").
+``visibility_start[j] <= i < visibility_limit[j]`` (see docs/design.md, "Key decisions"). The
+intervals and position ids come from the layout builders of
+:mod:`megatron_cai.core.transformer.visibility_layouts`.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from megatron_cai.core.datasets.utils import (
     parse_and_normalize_split,
     to_json,
 )
+from megatron_cai.core.transformer.visibility_layouts import document_position_ids, from_document_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +101,8 @@ def get_ltor_masks_and_position_ids(
 ) -> dict[str, np.ndarray]:
     """Loss mask, position ids and (with ``reset_attention_mask``) visibility intervals of one sample.
 
-    Vectorized equivalent of Megatron's ``_get_ltor_masks_and_position_ids``: an EOD at position k
-    belongs to the document it ends, the next document starts at k + 1.
+    Equivalent of Megatron's ``_get_ltor_masks_and_position_ids``: an EOD at position k belongs to the
+    document it ends, the next document starts at k + 1 (an EOD in the last position starts nothing).
     """
     seq = tokens.shape[0]
     out: dict[str, np.ndarray] = {}
@@ -108,20 +111,18 @@ def get_ltor_masks_and_position_ids(
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
     out["loss_mask"] = loss_mask
-    arange = np.arange(seq, dtype=np.int64)
+    lengths = None
+    if reset_position_ids or reset_attention_mask:
+        bounds = np.concatenate([[0], np.flatnonzero(is_eod[:-1]) + 1, [seq]])
+        lengths = np.diff(bounds).tolist()  # the packed documents, each >= 1 token
     if reset_position_ids:
-        starts = np.zeros(seq, dtype=np.int64)
-        eod_pos = np.flatnonzero(is_eod[:-1])
-        starts[eod_pos + 1] = eod_pos + 1
-        out["position_ids"] = arange - np.maximum.accumulate(starts)
+        out["position_ids"] = document_position_ids(lengths).numpy()
     else:
-        out["position_ids"] = arange
+        out["position_ids"] = np.arange(seq, dtype=np.int64)
     if reset_attention_mask:
-        # limit[j] = 1 + (first EOD at or after j), or seq when no EOD follows.
-        nxt = np.where(is_eod, arange + 1, seq)
-        limit = np.minimum.accumulate(nxt[::-1])[::-1]
-        out["visibility_start"] = arange.astype(np.int32)
-        out["visibility_limit"] = limit.astype(np.int32)
+        start, limit = from_document_lengths(lengths)  # causal documents: key j -> (j, document end)
+        out["visibility_start"] = start.numpy().astype(np.int32)
+        out["visibility_limit"] = limit.numpy().astype(np.int32)
     return out
 
 

@@ -52,7 +52,7 @@ from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron_cai.core.datasets.tree_format import TreeNodes, TreeSidecar, tree_path
 from megatron_cai.core.datasets.utils import description_hash, file_signature, load_or_build_indices, to_json
-from megatron_cai.core.transformer import visibility as V
+from megatron_cai.core.transformer import visibility_layouts as V
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Squinch v1: 6-bit block compression for data-parallel gradients (shared/squinch-format.md).
+"""Squinch v1: 6-bit block compression for data-parallel gradients (docs/squinch-format.md).
 
 API::
 

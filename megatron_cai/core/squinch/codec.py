@@ -134,7 +134,7 @@ def encode(
 ) -> torch.Tensor:
     """Encode x (fp32/bf16/fp16, any shape, contiguous or not) into a uint8 payload of
     6 * ceil(numel / 8) bytes (written into `out` if given). Deterministic mode is byte-exact per
-    shared/squinch-format.md on every backend; stochastic payloads are reproducible with `generator`
+    docs/squinch-format.md on every backend; stochastic payloads are reproducible with `generator`
     but not byte-specified across backends."""
     payload, _ = encode_with_feedback(x, None, stochastic=stochastic, generator=generator, backend=backend,
                                       out=out)

@@ -1,6 +1,6 @@
 """Squinch v1 wire-format constants: the ONE place the tables S, B and L are defined.
 
-See shared/squinch-format.md (normative). Every table is computed once in float64 (Python floats)
+See docs/squinch-format.md (normative). Every table is computed once in float64 (Python floats)
 and rounded to float32. Everything else in the package (torch reference, CPU kernel, Triton
 kernels) reads these tables from here; derived tables (bit patterns, the q_max bucket table) are
 computed from them below.

@@ -1,6 +1,6 @@
 """Vectorized torch reference of the Squinch v1 codec (the ground truth for the fast kernels).
 
-Readable first: every step maps to a line of shared/squinch-format.md. Works on any device.
+Readable first: every step maps to a line of docs/squinch-format.md. Works on any device.
 
 Conventions shared by all backends (documented in the package docstring):
 - A block holding NaN or +-Inf gets q_max = 255 (NaN counts as larger than every S); its NaN

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from megatron_cai.core.transformer import visibility
+from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.blocked_attention import blocked_attention
 from megatron_cai.core.transformer.zreg import inject_zreg
 
@@ -80,7 +80,7 @@ def attend(
             ``eager`` dense-mask path (O(T^2) memory) whatever ``backend`` says; Z-Reg composes with it
             (lse and its gradient are those of the undropped softmax).
 
-    Fully masked query rows (possible only with intervals that fail :func:`visibility.validate`)
+    Fully masked query rows (possible only with intervals that fail :func:`visibility_layouts.validate`)
     give output 0 and lse ``-inf``, are excluded from N and produce no NaN in forward or backward.
     """
     _check_shapes(q, k, v, start, limit, position_ids)
@@ -158,7 +158,7 @@ def eager_attention(
     s = torch.matmul(qf, kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     seq = k.shape[2]
     queries = torch.arange(seq - q.shape[2], seq, device=q.device)
-    mask = visibility.dense_mask(start, limit, window, position_ids, queries=queries).unsqueeze(1)
+    mask = attention_tiling.dense_mask(start, limit, window, position_ids, queries=queries).unsqueeze(1)
     s = s.masked_fill(~mask, float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -192,11 +192,11 @@ def flex_block_mask(
     seq = start.shape[-1]
     n_q = seq if num_queries is None else num_queries
     offset = seq - n_q
-    any_, full = visibility.block_map(start, limit, block_size, block_size, window, position_ids, n_q)
-    kv_num, kv_idx = visibility.block_indices(any_ & ~full)
-    full_num, full_idx = visibility.block_indices(full)
+    any_, full = attention_tiling.block_map(start, limit, block_size, block_size, window, position_ids, n_q)
+    kv_num, kv_idx = attention_tiling.block_indices(any_ & ~full)
+    full_num, full_idx = attention_tiling.block_indices(full)
     start_l, limit_l = start.long(), limit.long()
-    pos = visibility._positions(start, position_ids).long() if window is not None else None
+    pos = attention_tiling.key_positions(start, position_ids).long() if window is not None else None
 
     def mask_mod(b, h, q_idx, kv_idx):
         qa = q_idx + offset

@@ -1,7 +1,7 @@
 """Block-skipping attention over visibility intervals, in plain torch (the CPU default backend).
 
 Queries are processed in blocks of ``block_q`` rows. For each query block the key blocks that may
-hold a visible pair come from per-block min/max summaries (:func:`visibility.block_map`); only those
+hold a visible pair come from per-block min/max summaries (:func:`attention_tiling.block_map`); only those
 keys are gathered (a slice when they are contiguous), and the element mask is built only when a
 tile is partial. Memory is O(heads * block_q * visible_keys) per step, never a T x T mask. The
 backward is flash-style: it recomputes each block's probabilities from the saved lse and shifts
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from megatron_cai.core.transformer import visibility
+from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["blocked_attention"]
@@ -28,7 +28,7 @@ class _Plan:
     def __init__(self, start, limit, window, position_ids, block_q: int, block_k: int, seq_q: int):
         seq = start.shape[-1]
         self.offset = seq - seq_q
-        any_, full = visibility.block_map(start, limit, block_q, block_k, window, position_ids, seq_q)
+        any_, full = attention_tiling.block_map(start, limit, block_q, block_k, window, position_ids, seq_q)
         any_l, full_l = any_.cpu().tolist(), full.cpu().tolist()
         self.steps: list[list[tuple]] = []
         for b in range(start.shape[0]):
@@ -82,7 +82,7 @@ class _BlockedAttention(torch.autograd.Function):
         kv_heads = k.shape[1]
         group = heads // kv_heads
         scale = 1.0 / math.sqrt(dim)
-        pos = visibility._positions(start, position_ids) if window is not None else None
+        pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
         plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
         off = plan.offset
         out = torch.zeros(bsz, heads, seq_q, dim, dtype=cd, device=q.device)

@@ -1,7 +1,7 @@
 """Fused flash-attention forward and backward kernels (Triton) over visibility intervals.
 
 - Tiles: for each query block the kernel walks only the key blocks listed by
-  :func:`visibility.block_map` (per-block min/max summaries; fully masked tiles are never visited),
+  :func:`attention_tiling.block_map` (per-block min/max summaries; fully masked tiles are never visited),
   and applies the element mask ``start[j] <= i < limit[j]`` (and the window) inside a tile.
 - GQA/MQA: query head h reads kv head ``h // (heads / kv_heads)``; the dK/dV kernel owns one kv head
   and loops over the query heads of its group, so no atomics are needed.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_cai.core.transformer import visibility
+from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["triton_attention"]
@@ -234,11 +234,11 @@ class _TritonAttention(torch.autograd.Function):
         # Same semantics, int32-safe: positions are in [0, seq_k).
         start32 = start.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
         limit32 = limit.clamp(-1, seq_k + 1).to(torch.int32).contiguous()
-        pos = visibility._positions(start, position_ids) if window is not None else start
+        pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
         pos32 = pos.to(torch.int32).contiguous()
-        tiles, _ = visibility.block_map(start, limit, block, block, window, position_ids, seq_q)
-        kv_num, kv_idx = visibility.block_indices(tiles)
-        q_num, q_idx = visibility.block_indices(tiles.transpose(-1, -2).contiguous())
+        tiles, _ = attention_tiling.block_map(start, limit, block, block, window, position_ids, seq_q)
+        kv_num, kv_idx = attention_tiling.block_indices(tiles)
+        q_num, q_idx = attention_tiling.block_indices(tiles.transpose(-1, -2).contiguous())
         n_qb, n_kb = tiles.shape[-2], tiles.shape[-1]
         out = torch.empty_like(q)
         lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
