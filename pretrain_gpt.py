@@ -14,7 +14,9 @@ import torch
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
+from megatron_cai.training.errors import run_cli
 from megatron_cai.training.initialize import discover_env
+from megatron_cai.training.known_errors import KNOWN_ERRORS
 from megatron_cai.training.training import pretrain
 
 
@@ -79,7 +81,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer, num_sampl
                                   path_to_cache=data.data_cache_path, reset_position_ids=data.reset_position_ids,
                                   reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
                                   eod_token_id=_eod_or_none(tokenizer), data_format=data.data_format,
-                                  tree_loss_weighting=data.tree_loss_weighting)
+                                  tree_loss_weighting=data.tree_loss_weighting,
+                                  vocab_size=config.model.vocab_size)  # token ids checked once per .bin
     datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples, ds_config)
     trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
     if trees and config.distill.enabled:
@@ -99,11 +102,16 @@ def _eod_or_none(tokenizer):
 
 
 def main(argv=None):
+    """Parse, train, shut down; a known error (bad flags, data, checkpoint, layout, divergence) prints one
+    ``error:`` line (rank 0, or the rank that found it) and returns 2, without a traceback."""
+    return run_cli(functools.partial(_main, argv), KNOWN_ERRORS + (FileNotFoundError,))
+
+
+def _main(argv=None) -> int:
     try:
         config, tokenizer = build_run(argv)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # a bad flag value or tokenizer file
+        raise ArgumentError(str(e)) from None
     pretrain(config, train_valid_test_datasets_provider, forward_step, tokenizer)
     if torch.distributed.is_initialized():  # a clean shutdown: no process-group teardown at exit
         torch.distributed.barrier()

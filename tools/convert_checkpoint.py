@@ -28,14 +28,18 @@ from megatron_cai.training.checkpoint_conversion import (  # noqa: E402
     read_tracker,
     reshard_checkpoint,
 )
-from megatron_cai.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_cai.training.errors import run_cli  # noqa: E402
+from megatron_cai.training.known_errors import KNOWN_ERRORS  # noqa: E402
+from megatron_cai.training.run_dirs import check_conversion_target  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--load", required=True, help="source checkpoint directory (or Hugging Face directory)")
-    p.add_argument("--save", required=True, help="output directory")
+    p.add_argument("--save", required=True, help="output directory (new or empty; must differ from --load)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --save directory (files of the same iteration are replaced)")
     direction = p.add_mutually_exclusive_group()
     direction.add_argument("--to", choices=["hf"], default=None, help="export to a Hugging Face model directory")
     direction.add_argument("--from", dest="from_", choices=["hf"], default=None,
@@ -62,34 +66,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_SIZE_FLAGS = ("target_tensor_parallel_size", "target_pipeline_model_parallel_size",
+               "target_num_layers_per_virtual_pipeline_stage", "target_data_parallel_size")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    try:
-        if a.to == "hf":
-            from megatron_cai.interop.hf import export_to_hf
+    return run_cli(lambda: _convert(a), KNOWN_ERRORS + (FileNotFoundError, ValueError, OSError))
 
-            export_to_hf(a.load, a.save, step=a.ckpt_step, architecture=a.hf_architecture, dtype=a.dtype,
-                         tokenizer_model=a.tokenizer_model, tokenizer_type=a.tokenizer_type)
-        elif a.from_ == "hf":
-            from megatron_cai.interop.hf import import_from_hf
 
-            import_from_hf(a.load, a.save, tp=a.target_tensor_parallel_size or 1,
-                           pp=a.target_pipeline_model_parallel_size or 1,
-                           vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
-                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by or 128)
-        else:
-            tp, pp = a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size
-            if tp is None or pp is None:
-                step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
-                meta = read_metadata(a.load, step) if step is not None else {}
-                tp = tp or meta.get("tensor_model_parallel_size", 1)
-                pp = pp or meta.get("pipeline_model_parallel_size", 1)
-            reshard_checkpoint(a.load, a.save, tp, pp, a.target_num_layers_per_virtual_pipeline_stage,
-                               dp=a.target_data_parallel_size, step=a.ckpt_step, with_optimizer=not a.no_optimizer,
-                               make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
-    except (ConversionError, CheckpointError, FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _convert(a: argparse.Namespace) -> int:
+    for name in _SIZE_FLAGS:
+        value = vars(a)[name]
+        if value is not None and value < 1:
+            raise ConversionError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_conversion_target(a.load, a.save, a.overwrite)  # never replace the source or another run
+    if a.to == "hf":
+        from megatron_cai.interop.hf import export_to_hf
+
+        export_to_hf(a.load, a.save, step=a.ckpt_step, architecture=a.hf_architecture, dtype=a.dtype,
+                     tokenizer_model=a.tokenizer_model, tokenizer_type=a.tokenizer_type)
+    elif a.from_ == "hf":
+        from megatron_cai.interop.hf import import_from_hf
+
+        import_from_hf(a.load, a.save, tp=a.target_tensor_parallel_size or 1,
+                       pp=a.target_pipeline_model_parallel_size or 1,
+                       vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
+                       make_vocab_size_divisible_by=a.make_vocab_size_divisible_by or 128)
+    else:
+        tp, pp = a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size
+        if tp is None or pp is None:
+            step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
+            meta = read_metadata(a.load, step) if step is not None else {}
+            tp = tp if tp is not None else meta.get("tensor_model_parallel_size", 1)
+            pp = pp if pp is not None else meta.get("pipeline_model_parallel_size", 1)
+        reshard_checkpoint(a.load, a.save, tp, pp, a.target_num_layers_per_virtual_pipeline_stage,
+                           dp=a.target_data_parallel_size, step=a.ckpt_step, with_optimizer=not a.no_optimizer,
+                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     return 0
 
 

@@ -193,6 +193,10 @@ def dump(args) -> list[int]:
                         f"with {vocab}: the student, the teacher and the corpus must share one tokenizer")
     if args.k > vocab:
         raise DumpError(f"--k {args.k} exceeds the teacher's vocabulary ({vocab} tokens)")
+    positions = ck.config.max_position_embeddings
+    if positions is not None and args.seq_length > positions:  # as pretrain_gpt.py's start-up check
+        raise DumpError(f"--seq-length {args.seq_length} exceeds the {positions} max-position-embeddings of the "
+                        f"teacher {args.load}; lower --seq-length")
     dataset = build_train_dataset(args, tokenizer, num_samples, vocab)
     prefix = args.data_path[0]
     order = sample_order_fingerprint(dataset)

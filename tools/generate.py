@@ -22,6 +22,7 @@ from megatron_cai.inference.branches import decode_branches  # noqa: E402
 from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
 from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
 from megatron_cai.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_cai.training.startup_checks import generation_length  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +68,9 @@ def _print_branches(args, model, tokenizer, ids: list[int], eos: int | None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 0:
+        print(f"error: --max-new-tokens must be >= 0, got {args.max_new_tokens}", file=sys.stderr)
+        return 2
     device = args.device or device_mod.default_device_name()
     try:
         model, ck = load_model(args.load, args.ckpt_step, device)
@@ -78,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             if start is None or start >= model.config.vocab_size:
                 raise ValueError("the prompt is empty and the tokenizer has no BOS/EOD token in the model's vocabulary")
             ids = [start]
+        cfg = model.config
+        error, warning = generation_length(len(ids), args.max_new_tokens, cfg.seq_length, cfg.max_position_embeddings,
+                                           cfg.position_embedding_type == "learned_absolute")
+        if error:
+            raise ValueError(error)
+        if warning:
+            print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         eos = None if args.ignore_eod else _eod(tokenizer)
         if args.branches is not None:
             _print_branches(args, model, tokenizer, ids, eos)

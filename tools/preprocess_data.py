@@ -64,6 +64,17 @@ class PreprocessError(RuntimeError):
     """Preprocessing stopped; the message names the file and line."""
 
 
+class OutOfVocabulary(ValueError):
+    """The tokenizer produced an id outside its own vocabulary: never written, never skipped."""
+
+
+def check_ids_in_vocabulary(ids, vocab_size: int, what: str) -> None:
+    """Raise OutOfVocabulary when an id of ``ids`` is outside ``[0, vocab_size)`` (the same rule as training)."""
+    if len(ids) and (max(ids) >= vocab_size or min(ids) < 0):
+        bad = max(ids) if max(ids) >= vocab_size else min(ids)
+        raise OutOfVocabulary(f"{what}: token id {bad} is outside the tokenizer's vocabulary of {vocab_size} ids")
+
+
 def _json_object(raw: bytes) -> dict | None:
     """One JSONL line as a dict; ``None`` for a blank line; ``BadLine`` otherwise."""
     try:
@@ -140,6 +151,7 @@ class Encoder:
             tokens, nodes = encode_tree(flatten_tree(obj, self.keys[0]), self.tokenizer.tokenize, self.eod)
         except (TreeFormatError, ValueError) as e:
             raise BadLine(str(e)) from None
+        check_ids_in_vocabulary(tokens, self.tokenizer.vocab_size, f"key {self.keys[0]!r}")
         return {self.keys[0]: (np.asarray(tokens, dtype=self.dtype), nodes)}
 
     def encode_line(self, raw: bytes) -> dict[str, np.ndarray] | None:
@@ -157,6 +169,7 @@ class Encoder:
                 raise BadLine(f"key {key!r}: {e}") from None
             if ids and self.append_eod:
                 ids.append(self.eod)
+            check_ids_in_vocabulary(ids, self.tokenizer.vocab_size, f"key {key!r}")
             out[key] = np.asarray(ids, dtype=self.dtype)
         return out
 
@@ -168,6 +181,9 @@ class Encoder:
                 tokens = self.encode_line(raw)
             except BadLine as e:
                 results.append((line_no, len(raw) + 1, "bad", str(e)))
+                continue
+            except OutOfVocabulary as e:
+                results.append((line_no, len(raw) + 1, "vocab", str(e)))
                 continue
             results.append((line_no, len(raw) + 1, "blank" if tokens is None else "ok", tokens))
         return results
@@ -286,6 +302,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
         for line_no, nbytes, kind, payload in results:
             stats.lines += 1
             stats.bytes += nbytes
+            if kind == "vocab":  # a tokenizer/vocabulary mismatch: fatal even with --skip-bad-lines
+                raise PreprocessError(f"{input_path}:{line_no}: {payload}")
             if kind == "bad":
                 if not skip_bad_lines:
                     raise PreprocessError(f"{input_path}:{line_no}: {payload}")
@@ -390,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                            args.vocab_size, args.json_keys, args.append_eod, args.workers, args.log_interval,
                            args.skip_bad_lines, progress=False if args.no_progress else None, tree=args.tree)
     except PreprocessError as e:
-        print(f"preprocess_data.py: error: {e}\n  (no output written; use --skip-bad-lines to skip such "
-              f"lines)", file=sys.stderr)
+        hint = "" if "vocabulary" in str(e) else "; use --skip-bad-lines to skip such lines"
+        print(f"preprocess_data.py: error: {e}\n  (no output written{hint})", file=sys.stderr)
         return 1
     except (OSError, ValueError, ImportError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)

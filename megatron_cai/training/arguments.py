@@ -15,6 +15,7 @@ from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
+from . import divergence, startup_checks
 from .config import (
     ArgumentError,
     CheckpointConfig,
@@ -192,7 +193,7 @@ def _logging(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging):
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, divergence.add_arguments):
         add(p)
     return p
 
@@ -325,6 +326,7 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
+        divergence=divergence.DivergenceConfig.from_args(args),
     )
 
 
@@ -470,6 +472,9 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
         raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
+    problem = startup_checks.position_limit(args.seq_length, args.max_position_embeddings)
+    if problem:  # as Megatron: checked at start-up for every position embedding type
+        raise ArgumentError(problem)
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
     if args.data_path is None and not args.mock_data:

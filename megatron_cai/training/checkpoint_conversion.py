@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import json
 import os
 import shutil
 from collections import defaultdict
@@ -43,6 +42,7 @@ from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
 from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.tensor_parallel.utils import shard_tensor, unshard_tensor
+from .checkpoint_io import load_torch, save_torch, write_json, write_text
 from .checkpointing import (
     FORMAT_VERSION,
     TRACKER,
@@ -191,7 +191,7 @@ def load_canonical(root: str, step: int | None = None, *, load_optimizer: bool =
     has_optim = load_optimizer
     tied_copy: dict[int, torch.Tensor] = {}
     for (t, p), path in files.items():
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = load_torch(path)  # errors name the file
         layout_meta.update({k: {"tp_dim": v.get("tp_dim"), "tp_sections": v.get("tp_sections")}
                             for k, v in payload.get("tp_layout", {}).items()})
         for sd in payload["model"].values():
@@ -357,7 +357,7 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
                        **_rank_payload(work, config, target, t, p, optimizer is not None),
                        "opt_param_scheduler": copy.deepcopy(ck.scheduler) if ck.scheduler else None,
                        "rng_state": _rng_for(ck, config, target, t, p), "model_config": config.to_dict()}
-            torch.save(payload, os.path.join(rdir, "model_optim_rng.pt"))
+            save_torch(payload, os.path.join(rdir, "model_optim_rng.pt"))
             if same_mp and (target.dp is None or target.dp == ck.source.dp):
                 for src in ck.reducer_files.get((t, p), []):
                     shutil.copy2(src, rdir)
@@ -379,17 +379,13 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
                                "virtual_pipeline_model_parallel_size": ck.source.vpp,
                                "data_parallel_size": ck.source.dp, "optimizer_state": optimizer is not None,
                                "notes": list(ck.notes)}}
-    with open(os.path.join(tmp, "metadata.json"), "w") as f:
-        json.dump(meta, f, indent=1, default=str)
+    write_json(os.path.join(tmp, "metadata.json"), meta)
     if ck.tokenizer_dir:
         shutil.copytree(ck.tokenizer_dir, os.path.join(tmp, "tokenizer"))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    tracker_tmp = os.path.join(out_root, TRACKER + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(ck.iteration))
-    os.replace(tracker_tmp, os.path.join(out_root, TRACKER))
+    write_text(os.path.join(out_root, TRACKER), str(ck.iteration), fsync=True)
     return final
 
 

@@ -27,21 +27,29 @@ import os
 import shutil
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.tensor_parallel.random import get_rng_tracker
+from .checkpoint_io import (
+    CheckpointError,
+    load_torch,
+    read_json,
+    reducer_state_dropped,
+    save_torch,
+    write_json,
+    write_text,
+)
 from .config import TrainConfig, config_diff
+from .errors import safe_print
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used with this run; the message says why and what to do."""
+__all__ = ["CheckpointError", "load_checkpoint", "read_metadata", "read_tracker", "save_checkpoint"]
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -69,9 +77,7 @@ def _barrier() -> None:
 
 
 def _atomic_torch_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
 
 
 def param_names(model_chunks) -> list[dict[int, str]]:
@@ -141,8 +147,7 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                 "model_config": config.to_dict(),
                 "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
                 "args": train_config.flags}
-        with open(os.path.join(tmp, "metadata.json"), "w") as f:
-            json.dump(meta, f, indent=1, default=str)
+        write_json(os.path.join(tmp, "metadata.json"), meta)
         if tokenizer_files:
             tok_dir = os.path.join(tmp, "tokenizer")
             os.makedirs(tok_dir, exist_ok=True)
@@ -154,22 +159,19 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        tracker_tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(root, TRACKER))
+        write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
     _barrier()
     return final
 
 
 def read_metadata(root: str, iteration: int) -> dict:
-    path = os.path.join(iteration_dir(root, iteration), "metadata.json")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: not a megatron-cai checkpoint (or an interrupted save)")
-    with open(path) as f:
-        return json.load(f)
+    meta = read_json(os.path.join(iteration_dir(root, iteration), "metadata.json"))
+    missing = [k for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "model_config")
+               if k not in meta]
+    if missing:
+        raise CheckpointError(f"{os.path.join(iteration_dir(root, iteration), 'metadata.json')} is corrupt: it "
+                              f"lacks {missing}")
+    return meta
 
 
 def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
@@ -231,9 +233,7 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
                         rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                       ps.get_pipeline_model_parallel_world_size()))
     path = os.path.join(rdir, "model_optim_rng.pt")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path} is missing: incomplete checkpoint")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
+    payload = load_torch(path)  # a missing, truncated or foreign file is an error naming it and the rank
     merged = {}
     for sd in payload["model"].values():
         merged.update(sd)
@@ -264,8 +264,12 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
     if reducers:
         rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank():03d}.pt")
         same_dp = meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
-        if os.path.exists(rpath) and same_dp:
-            states = torch.load(rpath, map_location="cpu", weights_only=False)
+        dropped = reducer_state_dropped(rpath, same_dp, reducers, meta)
+        if dropped:
+            if ps.get_rank() == 0:
+                safe_print(f" WARNING: {dropped}")
+        elif os.path.exists(rpath):
+            states = load_torch(rpath)
             for r, s in zip(reducers, states):
                 r.load_state_dict(s)
     counters = {k: v for k, v in payload.items()

@@ -5,7 +5,7 @@
     TrainConfig
       model       GPTConfig        (core/models/gpt/config.py; its .qat is a QATConfig)
       parallel    ParallelConfig   world size, TP / PP / VPP / DP, backend, device
-      training    TrainingConfig   batch sizes, iterations, seed, precision, exit conditions
+      training    TrainingConfig   batch sizes, iterations, seed, precision, exit conditions, divergence
       ddp         DDPConfig        (core/distributed/config.py; its .squinch is a SquinchConfig)
       optimizer   OptimizerConfig  (core/optimizer/config.py)
       scheduler   SchedulerConfig  (core/optimizer/config.py)
@@ -31,6 +31,7 @@ from typing import Any
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
+from .divergence import DivergenceConfig
 
 __all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
            "TokenizerConfig", "TrainConfig", "TrainingConfig", "config_diff", "flatten", "format_config"]
@@ -71,6 +72,7 @@ class TrainingConfig:
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = True
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)  # non-finite steps, loss spikes
 
 
 @dataclass

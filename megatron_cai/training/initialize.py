@@ -15,6 +15,7 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
 from .config import ParallelConfig
+from .rendezvous import log_while_waiting
 
 
 @dataclass
@@ -103,8 +104,9 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
     device = device_mod.resolve_device(parallel.device, env.local_rank)
     if env.world_size > 1 and not dist.is_initialized():
         backend = parallel.distributed_backend or device_mod.backend_for(device)
-        dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                 timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+        with log_while_waiting(env.rank, env.world_size):  # a rank waiting for its peers says so
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
     tp, pp, vpp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                    parallel.virtual_pipeline_model_parallel_size)
     rpn = parallel.ranks_per_node

@@ -5,6 +5,7 @@ import math
 import sys
 
 from ..core import parallel_state as ps
+from .errors import safe_print
 
 
 def is_last_rank() -> bool:
@@ -13,12 +14,12 @@ def is_last_rank() -> bool:
 
 def print_rank_0(msg: str) -> None:
     if ps.get_rank() == 0:
-        print(msg, flush=True)
+        safe_print(msg)  # a closed stdout never aborts training or a checkpoint save
 
 
 def print_rank_last(msg: str) -> None:
     if is_last_rank():
-        print(msg, flush=True)
+        safe_print(msg)
 
 
 def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float, lr: float,

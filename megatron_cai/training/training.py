@@ -32,7 +32,7 @@ from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import checkpointing
+from . import checkpointing, divergence, run_dirs, startup_checks
 from .arguments import rebuild_for_world_size
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
@@ -95,6 +95,7 @@ class Trainer:
         self.config = config
         self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
         print_rank_0(format_config(config))
+        run_dirs.check_run_dirs(config.checkpoint.load, config.checkpoint.save, config.checkpoint.ckpt_step)
         model_cfg, run = config.model, config.training
         if model_cfg.qat.gemm_backend == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
@@ -115,6 +116,7 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(sched.lr, sched.min_lr, sched.lr_warmup_iters, sched.lr_decay_iters,
                                                  sched.lr_decay_style)
         self.state = TrainState()
+        self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
         if ckpt.load:
             counters = checkpointing.load_checkpoint(
@@ -128,10 +130,14 @@ class Trainer:
                 self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
                 print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
+                self.divergence.last_good_checkpoint = checkpointing.iteration_dir(ckpt.load, self.state.iteration)
+                self.divergence.load_state_dict(counters)
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
+        startup_checks.raise_if(startup_checks.empty_train_split(train_ds, run.train_iters, config.data.data_path,
+                                                                 config.data.split))
         self.distiller, train_ds = setup_distillation(config.distill, model_cfg, seed=run.seed,
                                                       num_train_samples=num_samples[0], device=self.device,
                                                       train_ds=train_ds)
@@ -209,6 +215,8 @@ class Trainer:
         for m in self.model:
             m.finish_grad_sync()
         grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
+        if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
+            finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
         if finite:
             self.optimizer.step(self.scheduler.get_lr())
             self.scheduler.step()
@@ -251,11 +259,19 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.save:
             return
+        refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
+        if refused:
+            print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
+                         f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
+            return
         tok_model = self.config.tokenizer.tokenizer_model
-        checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
-                                      self.config, self.state.to_dict(),
-                                      reducer_states=[m.reducer.state_dict() for m in self.model],
-                                      save_optim=ckpt.save_optim, tokenizer_files=[tok_model] if tok_model else [])
+        path = checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer,
+                                             self.scheduler, self.config,
+                                             {**self.state.to_dict(), **self.divergence.state_dict()},
+                                             reducer_states=[m.reducer.state_dict() for m in self.model],
+                                             save_optim=ckpt.save_optim,
+                                             tokenizer_files=[tok_model] if tok_model else [])
+        self.divergence.last_good_checkpoint = path
         print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {ckpt.save}")
 
     def train(self) -> TrainState:
@@ -273,8 +289,12 @@ class Trainer:
             st.consumed_train_samples += run.global_batch_size
             if not finite:
                 st.skipped_iterations += 1
-                print_rank_last(f" iteration {st.iteration}: non-finite gradient (grad norm {grad_norm}) on some "
-                                f"rank; skipped the optimizer step on every rank")
+                print_rank_last(f" iteration {st.iteration}: non-finite loss or gradient (grad norm {grad_norm}) on "
+                                f"some rank; skipped the optimizer step on every rank")
+            spike = self.divergence.observe(st.iteration, losses, skipped=not finite)  # raises when diverged
+            if spike:
+                print_rank_last(spike)
+                st.extra["loss_spikes"] = self.divergence.spikes
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
             for k, v in losses.items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
@@ -315,8 +335,8 @@ class Trainer:
             if save_interval and st.iteration % save_interval == 0:
                 self.save()
             if self.exit_signal.any_rank(self.device):
-                print_rank_0(f" exit signal received at iteration {st.iteration}: saving and exiting")
-                self.save()
+                self.save()  # the checkpoint first: a failing log write must not lose it
+                print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")
                 break
             if run.exit_interval and st.iteration % run.exit_interval == 0:
                 self.save()

@@ -11,6 +11,7 @@ import torch
 from megatron_cai.core.datasets.blended_dataset import BlendedDataset
 from megatron_cai.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetError, get_idx_path
+from megatron_cai.core.datasets.token_range import check_token_ids
 from megatron_cai.core.datasets.utils import SPLIT_NAMES, get_blend_from_list, split_ranges
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ def build_train_valid_test_datasets(
         keep = [i for i, w in enumerate(weights) if w > 0]
         prefixes, weights = [prefixes[i] for i in keep], [weights[i] for i in keep]
     indexed = [_open(p, config) for p in prefixes]
+    if config.vocab_size is not None:  # once per .bin, cached with the index cache
+        for ds in indexed:
+            check_token_ids(ds, config.vocab_size, config.path_to_cache)
     dataset_class = _dataset_class(prefixes, config)
     ranges = [split_ranges(split, len(ds)) for ds in indexed]
     out: list[Dataset | None] = []

@@ -79,6 +79,7 @@ class GPTDatasetConfig:
     eod_token_id: int | None = None
     mmap_bin_files: bool = True
     mid_level_dataset_surplus: float = 0.005
+    vocab_size: int | None = None  # token ids are checked against it once per .bin (None: no check)
 
     def __post_init__(self) -> None:
         if int(self.sequence_length) < 1:

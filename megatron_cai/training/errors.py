@@ -1,0 +1,110 @@
+"""Known errors print one ``error: ...`` line and exit 2; unknown errors keep their traceback.
+
+A *known* error is one the user can act on: bad flags, bad data, a bad or incompatible checkpoint, an
+impossible parallel layout, a diverged run (``known_errors.KNOWN_ERRORS`` lists the classes; this module
+imports nothing from the package). ``run_cli(main, KNOWN_ERRORS)`` wraps an entry point:
+
+- an error every rank finds alike (flags, layout, data, divergence) is printed once, by rank 0;
+- an error only some ranks find (their own checkpoint file: ``RankLocalError``) is printed by each such
+  rank, prefixed with ``[rank R]``;
+- either way the process exits with status 2 and no traceback. Anything else propagates unchanged.
+
+``safe_print`` is the log writer for paths that must not fail (checkpoint saves, preemption): a closed
+stdout (``BrokenPipeError``) silences further output instead of aborting the caller.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+EXIT_KNOWN_ERROR = 2
+
+
+class RankLocalError(RuntimeError):
+    """Mixin marker: raised by the rank that found the problem (e.g. its own checkpoint file)."""
+
+
+class DataError(ValueError):
+    """The training data cannot be used as given (empty corpus, token ids outside the vocabulary)."""
+
+
+def current_rank() -> int:
+    """This process's global rank (from torch.distributed, else the launcher's environment)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except Exception:  # noqa: BLE001 - best effort while reporting another error
+        pass
+    for var in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def world_size() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+    except Exception:  # noqa: BLE001
+        pass
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def format_known_error(exc: BaseException, rank: int, world: int) -> str | None:
+    """The line this rank prints for a known error, or None when another rank reports it."""
+    message = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, RankLocalError):
+        return f"error: [rank {rank}] {message}" if world > 1 else f"error: {message}"
+    return f"error: {message}" if rank == 0 else None
+
+
+def report_known_error(exc: BaseException) -> int:
+    line = format_known_error(exc, current_rank(), world_size())
+    if line is not None:
+        safe_print(line, file=sys.stderr)
+    return EXIT_KNOWN_ERROR
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...]) -> int:
+    """Run ``main``; a ``known`` error prints one line (see the module docstring) and returns 2.
+
+    A rank whose collective fails because a peer rank already exited (after printing its own error)
+    prints one line saying so instead of a traceback, and returns 1.
+    """
+    try:
+        return main()
+    except known + (RankLocalError, DataError) as e:
+        return report_known_error(e)
+    except RuntimeError as e:
+        if world_size() > 1 and _peer_lost(e):
+            safe_print(f"[rank {current_rank()}] stopping: a peer rank exited ({str(e).splitlines()[0][:200]})",
+                       file=sys.stderr)
+            return 1
+        raise
+
+
+def safe_print(msg: str, file=None) -> None:
+    """``print(msg, flush=True)`` that never raises: a closed stream is replaced by /dev/null."""
+    stream = file if file is not None else sys.stdout
+    try:
+        print(msg, file=stream, flush=True)
+    except (BrokenPipeError, ValueError, OSError):  # closed pipe / closed file / EIO on a dead terminal
+        for name in ("stdout", "stderr"):
+            if getattr(sys, name) is stream:
+                try:
+                    setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the process
+                except OSError:
+                    pass
