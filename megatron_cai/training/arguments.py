@@ -49,6 +49,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="fully sharded data parallel on PyTorch FSDP2 (parameters, gradients and optimizer "
+                        "state sharded over DP); composes with TP, SP, PP and --squinch")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default: max(40M, 1M x DP) with --overlap-grad-reduce)")
@@ -221,6 +224,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.use_torch_fsdp2:
+        from ..core.distributed.fsdp_args import validate_fsdp2_args
+
+        validate_fsdp2_args(args)
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
     if args.data_path is None and not args.mock_data:

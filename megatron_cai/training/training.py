@@ -119,13 +119,20 @@ class Trainer:
         self.model = []
         for m in chunks:
             m.to(self.device)
+            if args.use_torch_fsdp2:
+                continue
             reducer = build_reducer(kind, ps.get_data_parallel_group(), dp, **self._reducer_kwargs())
             self.model.append(DistributedDataParallel(m, reducer, device=self.device, grad_dtype=grad_dtype,
                                                       bucket_size=bucket_size,
                                                       overlap_grad_reduce=args.overlap_grad_reduce))
-        self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
-                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                          distributed=args.use_distributed_optimizer)
+        if args.use_torch_fsdp2:  # FSDP2: sharded chunks and AdamW over the shards (core/distributed/fsdp.py)
+            from ..core.distributed.fsdp import build_fsdp2
+
+            self.model, self.optimizer = build_fsdp2(chunks, self.device, args)
+        else:
+            self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
+                                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                              distributed=args.use_distributed_optimizer)
         self.scheduler = OptimizerParamScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                                  args.lr_decay_style)
         self.state = TrainState()
