@@ -13,7 +13,7 @@ from train_utils import last_stage_history, train
 from megatron_cai.core.distributed.squinch_collectives import padded_chunk
 from megatron_cai.core.distributed.squinch_fsdp import SquinchReduceScatter
 from megatron_cai.core.squinch import decode, encode_with_feedback
-from megatron_cai.training.arguments import ArgumentError, parse_args
+from megatron_cai.training.arguments import ArgumentError, parse_config
 
 FSDP = ["--use-torch-fsdp2"]
 
@@ -237,4 +237,4 @@ def test_bf16_compute_fp32_master_weights(reference):
 ])
 def test_unsupported_flags_refused(flag, message):
     with pytest.raises(ArgumentError, match=message):
-        parse_args(BASE + FSDP + flag, world_size=2)
+        parse_config(BASE + FSDP + flag, world_size=2)

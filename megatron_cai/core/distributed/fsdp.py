@@ -28,6 +28,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state as ps
+from ..optimizer.config import OptimizerConfig
+from .config import DDPConfig
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
@@ -257,14 +259,12 @@ __all__: list[str] = ["FSDPSettings", "FullyShardedAdamW", "FullyShardedChunk", 
                       "sharding_units", "wrap_model_chunks", "is_fsdp_chunk", "build_fsdp2"]
 
 
-def build_fsdp2(chunks: list[nn.Module], device: torch.device, args) -> tuple[list[FullyShardedChunk],
-                                                                             FullyShardedAdamW]:
-    """The trainer's hook: wrap this rank's chunks and build the optimizer from the run's flags."""
-    settings = FSDPSettings(bf16=args.bf16, reduce_in_bf16=args.grad_reduce_in_bf16, squinch=args.squinch,
-                            squinch_error_feedback=args.squinch_error_feedback,
-                            squinch_stochastic=args.squinch_stochastic_rounding,
-                            seed=args.seed + ps.get_rank())
+def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, optimizer: OptimizerConfig, *,
+                bf16: bool, seed: int) -> tuple[list[FullyShardedChunk], FullyShardedAdamW]:
+    """The trainer's hook: shard this rank's chunks as ``ddp`` says and build AdamW over the shards."""
+    settings = FSDPSettings(bf16=bf16, reduce_in_bf16=ddp.grad_reduce_in_bf16, squinch=ddp.reducer == "squinch",
+                            squinch_error_feedback=ddp.squinch.error_feedback,
+                            squinch_stochastic=ddp.squinch.stochastic_rounding, seed=seed)
     model = wrap_model_chunks(chunks, device, settings)
-    optimizer = FullyShardedAdamW(model, lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    return model, optimizer
+    return model, FullyShardedAdamW(model, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+                                    betas=optimizer.betas, eps=optimizer.adam_eps)
