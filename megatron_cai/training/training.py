@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.distributed.ddp import DistributedDataParallel
+from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
@@ -119,6 +120,7 @@ class Trainer:
         sched = config.scheduler
         self.scheduler = OptimizerParamScheduler(sched.lr, sched.min_lr, sched.lr_warmup_iters, sched.lr_decay_iters,
                                                  sched.lr_decay_style)
+        self._log_memory("at start-up")
         self.state = TrainState()
         ckpt = config.checkpoint
         if ckpt.load:
@@ -153,6 +155,12 @@ class Trainer:
         self._te_recipe = None
 
     # --------------------------------------------------------------------------------------- setup
+    def _log_memory(self, when: str) -> dict:
+        """Log the memory report (max over ranks, collective); return this rank's figures."""
+        mine = memory_report(self.model, self.optimizer, self.device)
+        print_rank_0(max_over_ranks(mine, self.device).line(f"max over ranks, {when}"))
+        return mine.to_dict()
+
     def _num_samples(self) -> tuple[int, int, int]:
         run, log = self.config.training, self.config.logging
         gbs = run.global_batch_size
@@ -286,6 +294,8 @@ class Trainer:
             window_iters += 1
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes})
+            if len(history) == 1:
+                st.extra["memory"] = self._log_memory("after the first iteration")
             if st.iteration % log.log_interval == 0:
                 device_mod.synchronize(self.device)
                 elapsed = (time.time() - window_time) / window_iters
