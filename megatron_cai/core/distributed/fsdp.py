@@ -245,18 +245,9 @@ class FullyShardedAdamW:
                 g["lr"] = lr
         self.optimizer.step()
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state held by this rank (its shards)."""
-        return sum(local(v).numel() * local(v).element_size() for s in self.optimizer.state.values()
-                   for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-
-
-def is_fsdp_chunk(model: object) -> bool:
-    return isinstance(model, FullyShardedChunk)
-
 
 __all__: list[str] = ["FSDPSettings", "FullyShardedAdamW", "FullyShardedChunk", "build_dp_mesh", "local",
-                      "sharding_units", "wrap_model_chunks", "is_fsdp_chunk", "build_fsdp2"]
+                      "sharding_units", "wrap_model_chunks", "build_fsdp2"]
 
 
 def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, optimizer: OptimizerConfig, *,
