@@ -166,9 +166,10 @@ def _recording_worker(rank, world, argv, nan_rank, nan_call):
 
 
 def test_squinch_fsdp2_shards_exact_at_steps_1_and_2():
-    """In training (DP=2, one micro-batch per rank), every unit's reduced shard equals the sum of the two
-    ranks' independently encoded + decoded contributions, with error feedback, at iterations 1 and 2."""
-    argv = BASE + FSDP + ["--squinch", "--global-batch-size", "4", "--train-iters", "2"]
+    """In training (DP=2, two micro-batches per rank), every unit's reduced shard equals the sum of the
+    two ranks' independently encoded + decoded contributions, with error feedback, at iterations 1 and 2;
+    one reduce-scatter per unit per iteration (none after the first micro-batch)."""
+    argv = BASE + FSDP + ["--squinch", "--train-iters", "2"]
     res = run_distributed(_recording_worker, 2, (argv, None, None))
     keys = res[0]["logs"].keys()
     assert len(keys) == 5  # 4 layers + the root (tied embedding and output layer on one stage)
