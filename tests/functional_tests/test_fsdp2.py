@@ -239,3 +239,23 @@ def test_bf16_compute_fp32_master_weights(reference):
 def test_unsupported_flags_refused(flag, message):
     with pytest.raises(ArgumentError, match=message):
         parse_config(BASE + FSDP + flag, world_size=2)
+
+
+def _memory_worker(rank, world, argv):
+    held = {}
+
+    def hook(trainer):
+        held["trainer"] = trainer
+    train(argv, world, trainer_hook=hook)
+    return held["trainer"].state.extra["memory"]
+
+
+def test_memory_report_shards_model_state_over_dp():
+    """The logged per-rank bytes: FSDP2 holds half of DDP's parameters, gradients and Adam state at DP=2."""
+    argv = BASE + ["--train-iters", "1"]
+    ddp = run_distributed(_memory_worker, 2, (argv,))[0]
+    fsdp = run_distributed(_memory_worker, 2, (argv + FSDP,))[0]
+    for key in ("params", "grads", "optimizer"):  # DDP's buckets and FSDP2's dim-0 shards pad differently
+        assert fsdp[key] == pytest.approx(ddp[key] / 2, rel=0.02), key
+    assert fsdp["optimizer"] == 2 * fsdp["params"] == 2 * fsdp["grads"]
+    assert ddp["peak"] > 0 and fsdp["peak"] > 0
