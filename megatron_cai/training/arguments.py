@@ -74,6 +74,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="fully sharded data parallel on PyTorch FSDP2 (parameters, gradients and optimizer "
+                        "state sharded over DP); composes with TP, SP, PP and --squinch")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default: max(40M, 1M x DP) with --overlap-grad-reduce)")
@@ -338,6 +341,7 @@ def _ddp_config(args: argparse.Namespace) -> DDPConfig:
         bucket_size=args.ddp_bucket_size,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        use_torch_fsdp2=args.use_torch_fsdp2,
         squinch=SquinchConfig(
             error_feedback=args.squinch_error_feedback,
             stochastic_rounding=args.squinch_stochastic_rounding,
@@ -486,6 +490,11 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
                             "or set --vocab-size")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    if args.use_torch_fsdp2 and (args.save or args.load):
+        raise ArgumentError(
+            f"--use-torch-fsdp2 cannot {'save' if args.save else 'load'} checkpoints yet: FSDP2 parameters are "
+            "DTensor shards, which need the distributed checkpoint format (torch_dist, not implemented yet); "
+            "the per-rank format is refused. Drop --save/--load, or train without --use-torch-fsdp2")
     if args.transformer_impl == "transformer_engine":
         from ..core.quantization.gemm_backends import transformer_engine_available
 

@@ -26,6 +26,7 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
+from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
@@ -108,13 +109,21 @@ class Trainer:
         self.model = []
         for m in chunks:
             m.to(self.device)
-            reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
-                                    timing_level=config.logging.timing_log_level)
-            self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
-        self.optimizer = DistributedAdamW(self.model, config.optimizer)
+            if not config.ddp.use_torch_fsdp2:
+                reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
+                                        timing_level=config.logging.timing_log_level)
+                self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
+        if config.ddp.use_torch_fsdp2:  # FSDP2 chunks and AdamW over the shards (core/distributed/fsdp.py)
+            from ..core.distributed.fsdp import build_fsdp2
+
+            self.model, self.optimizer = build_fsdp2(chunks, self.device, config.ddp, config.optimizer,
+                                                     bf16=run.bf16, seed=run.seed + ps.get_rank())
+        else:
+            self.optimizer = DistributedAdamW(self.model, config.optimizer)
         sched = config.scheduler
         self.scheduler = OptimizerParamScheduler(sched.lr, sched.min_lr, sched.lr_warmup_iters, sched.lr_decay_iters,
                                                  sched.lr_decay_style)
+        self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
@@ -154,6 +163,12 @@ class Trainer:
         self._te_recipe = None
 
     # --------------------------------------------------------------------------------------- setup
+    def _log_memory(self, when: str) -> dict:
+        """Log the memory report (max over ranks, collective); return this rank's figures."""
+        mine = memory_report(self.model, self.optimizer, self.device)
+        print_rank_0(max_over_ranks(mine, self.device).line(f"max over ranks, {when}"))
+        return mine.to_dict()
+
     def _num_samples(self) -> tuple[int, int, int]:
         run, log = self.config.training, self.config.logging
         gbs = run.global_batch_size
@@ -301,6 +316,8 @@ class Trainer:
             window_iters += 1
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes})
+            if len(history) == 1:
+                st.extra["memory"] = self._log_memory("after the first iteration")
             if st.iteration % log.log_interval == 0:
                 device_mod.synchronize(self.device)
                 elapsed = (time.time() - window_time) / window_iters
@@ -320,7 +337,8 @@ class Trainer:
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
                                  "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
                 if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
-                    timings = [m.reducer.timers.collect() for m in self.model if hasattr(m.reducer, "timers")]
+                    reducers = [getattr(m, "reducer", None) for m in self.model]
+                    timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
                     for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window_iters):
                         print_rank_last(line)
                     if log.log_timers_to_tensorboard:

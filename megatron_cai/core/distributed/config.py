@@ -36,6 +36,7 @@ class DDPConfig:
     bucket_size: int | None = None
     overlap_grad_reduce: bool = False
     use_distributed_optimizer: bool = False
+    use_torch_fsdp2: bool = False      # --use-torch-fsdp2: FSDP2 shards params, grads, Adam state (fsdp.py)
     squinch: SquinchConfig = field(default_factory=SquinchConfig)
 
     def __post_init__(self) -> None:
@@ -43,6 +44,11 @@ class DDPConfig:
             raise ValueError(f"DDPConfig: reducer {self.reducer!r} is not one of {', '.join(REDUCERS)}")
         if isinstance(self.squinch, dict):
             self.squinch = SquinchConfig(**self.squinch)
+        if self.use_torch_fsdp2 and self.use_distributed_optimizer:
+            raise ValueError("--use-torch-fsdp2 already shards the optimizer state: drop --use-distributed-optimizer")
+        if self.use_torch_fsdp2 and self.reducer == "squinch" and self.squinch.hierarchical:
+            raise ValueError("--squinch-hierarchical (HSDP with Squinch across nodes) is not supported with "
+                             "--use-torch-fsdp2 yet")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
 

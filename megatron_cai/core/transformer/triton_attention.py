@@ -271,7 +271,8 @@ class _TritonAttention(torch.autograd.Function):
         fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
         kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
         if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
-            bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids, seq_q)
+            bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids,
+                                                    seq_q)
         else:
             bwd_map = fwd_map
         q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))

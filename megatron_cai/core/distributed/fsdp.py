@@ -1,0 +1,261 @@
+"""Fully sharded data parallelism on PyTorch FSDP2 (``--use-torch-fsdp2``), composed with our TP and PP.
+
+Each model chunk is sharded over the DP dimension of a (PP, DP, TP) device mesh built from
+``parallel_state``'s groups: every transformer layer is one ``fully_shard`` unit, the embedding another
+(unless a single-stage model ties it to the output layer), and the chunk itself the root unit (final
+norm and output layer, which ``GPTModel._logits`` uses outside any submodule's forward). Parameters are
+the TP-local shards, so FSDP2 shards TP shards over DP.
+
+``FullyShardedChunk`` offers the interface the schedules and the trainer use on the DDP wrapper:
+``set_is_last_microbatch`` (FSDP2's ``set_requires_gradient_sync`` / ``set_is_last_backward``: no
+reduce-scatter before the last micro-batch's backward of the chunk), ``zero_grad_buffer``,
+``finish_grad_sync`` (sums over the embedding group for tied embeddings across stages and over TP for
+TP-partial gradients, on the local DP shards), ``reducer`` (the reduce-scatter hooks' state) and
+``grad_comm_bytes``. ``FullyShardedAdamW`` is ``torch.optim.AdamW`` over the DTensor shards with
+the DDP path's grad-norm clip and non-finite check.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .. import parallel_state as ps
+from ..optimizer.config import OptimizerConfig
+from .config import DDPConfig
+from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """How ``--use-torch-fsdp2`` shards and communicates."""
+
+    bf16: bool = False                  # bf16 compute (param_dtype); fp32 sharded master weights
+    reduce_in_bf16: bool = False        # reduce-scatter in bf16 (default fp32)
+    reshard_after_forward: bool = True  # free gathered layer weights after forward (ZeRO-3)
+    squinch: bool = False
+    squinch_error_feedback: bool = True
+    squinch_stochastic: bool = False
+    seed: int = 0
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None,
+                                    reduce_dtype=torch.bfloat16 if self.reduce_in_bf16 else torch.float32)
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    """What the DDP path reads from parameter attributes, recorded before FSDP2 replaces the params."""
+
+    shared_embedding: bool
+    tp_replicated: bool
+    allreduce_over_tp: bool
+    decay: bool
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def build_dp_mesh(device: torch.device) -> DeviceMesh:
+    """The DP dimension of a (PP, DP, TP) mesh over parallel_state's existing process groups."""
+    if not dist.is_initialized():
+        raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun (a world of one works)")
+    world = ps.get_world_size()
+    if world == 1:
+        return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
+    pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+                  ps.get_tensor_model_parallel_world_size())
+    groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(),
+              ps.get_tensor_model_parallel_group()]
+    mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.arange(world).view(pp, dp, tp),
+                                 mesh_dim_names=("pp", "dp", "tp"))
+    return mesh["dp"]
+
+
+def sharding_units(module: nn.Module) -> list[nn.Module]:
+    """Sub-modules that get their own ``fully_shard`` (the chunk itself is the root unit)."""
+    units = list(module.decoder.layers.values())
+    tied_here = module.pre_process and module.post_process and module.output_layer is None
+    if module.embedding is not None and not tied_here:
+        units.insert(0, module.embedding)
+    return units
+
+
+class FullyShardedChunk(nn.Module):
+    """One model chunk (``GPTModel``) under FSDP2 over the DP mesh dimension."""
+
+    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, settings: FSDPSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.meta = {name: ParamMeta(bool(getattr(p, "shared_embedding", False)),
+                                     getattr(p, "tp_dim", None) is None,
+                                     bool(getattr(p, "allreduce_over_tp", False)), p.dim() > 1)
+                     for name, p in module.named_parameters()}
+        policy = settings.mp_policy()
+        for unit in sharding_units(module):
+            fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
+        fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
+        self.module = module
+        self.comms: dict[str, CountingReduceScatter] = {}
+        for name, m in module.named_modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+                comm = self._make_comm(len(self.comms))
+                m.set_custom_reduce_scatter(comm)
+                self.comms[name or "root"] = comm
+        self.reducer = CommState(self.comms)
+        named = dict(module.named_parameters())
+        self.shared_params = [p for n, p in named.items() if self.meta[n].shared_embedding]
+        self.tp_partial_params = [p for n, p in named.items() if self.meta[n].allreduce_over_tp]
+
+    def _make_comm(self, index: int) -> CountingReduceScatter:
+        s = self.settings
+        if not s.squinch:
+            return CountingReduceScatter()
+        return SquinchReduceScatter(error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
+                                    seed=s.seed * 1000 + index)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_is_last_microbatch(self, last: bool) -> None:
+        """Only the last micro-batch's backward reduce-scatters; earlier ones accumulate unsharded grads."""
+        self.module.set_requires_gradient_sync(last)
+        self.module.set_is_last_backward(last)
+
+    def zero_grad_buffer(self) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: sum tied-embedding shards over the embedding group and TP-partial
+        gradient shards over TP (FSDP2 has already reduce-scattered over DP)."""
+        embd_group = ps.get_embedding_group()
+        if self.shared_params and embd_group is not None and len(ps.get_embedding_global_ranks()) > 1:
+            for p in self.shared_params:
+                dist.all_reduce(local(p.grad), group=embd_group)
+        grads = [local(p.grad) for p in self.tp_partial_params if p.grad is not None]
+        if grads and ps.get_tensor_model_parallel_world_size() > 1:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+    def counted_in_norm(self, name: str) -> bool:
+        """Each distinct gradient element once in the global norm (as in the DDP path): TP-replicated
+        tensors on TP rank 0 only, the last stage's copy of tied embeddings not at all."""
+        m = self.meta[name]
+        if m.shared_embedding and not self.module.pre_process:
+            return False
+        return not (m.tp_replicated and ps.get_tensor_model_parallel_rank() != 0)
+
+    @property
+    def grad_comm_bytes(self) -> int:
+        return self.reducer.bytes_sent
+
+
+class CommState:
+    """The reduce-scatter hooks of one chunk, seen as one reducer (bytes, skipped steps, state)."""
+
+    def __init__(self, comms: dict[str, CountingReduceScatter]) -> None:
+        self.comms = comms
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(c.bytes_sent for c in self.comms.values())
+
+    def step_skipped(self) -> None:
+        for c in self.comms.values():
+            c.step_skipped()
+
+    def state_dict(self) -> dict:
+        return {name: c.state_dict() for name, c in self.comms.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = sorted(set(self.comms) - set(state))
+        if missing:
+            raise KeyError(f"reduce-scatter state for FSDP units {missing} is missing from the checkpoint")
+        for name, c in self.comms.items():
+            c.load_state_dict(state[name])
+
+
+def wrap_model_chunks(chunks: list[nn.Module], device: torch.device,
+                      settings: FSDPSettings) -> list[FullyShardedChunk]:
+    """Shard every model chunk of this rank over DP (after ``chunk.to(device)``)."""
+    mesh = build_dp_mesh(device)
+    return [FullyShardedChunk(c, mesh, settings) for c in chunks]
+
+
+class FullyShardedAdamW:
+    """``torch.optim.AdamW`` over the FSDP2 shards, no weight decay on 1-D parameters (as Megatron), with
+    the DDP path's global grad norm, clipping and non-finite check."""
+
+    def __init__(self, chunks: list[FullyShardedChunk], *, lr: float, weight_decay: float = 0.01,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        self.model_chunks = chunks
+        decay, no_decay = [], []
+        self.norm_params: list[nn.Parameter] = []
+        for c in chunks:
+            for name, p in c.module.named_parameters():
+                (decay if c.meta[name].decay else no_decay).append(p)
+                if c.counted_in_norm(name):
+                    self.norm_params.append(p)
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                                           foreach=False)
+        self.all_params = decay + no_decay
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite)."""
+        device = local(self.all_params[0]).device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for p in self.norm_params:
+            if p.grad is not None:
+                g = local(p.grad).float().reshape(-1)
+                total += torch.dot(g, g).double()
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+
+    def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
+        """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, False
+        if max_norm > 0:
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                for p in self.all_params:
+                    if p.grad is not None:
+                        local(p.grad).mul_(coeff)
+        return norm, True
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.optimizer.step()
+
+
+__all__: list[str] = ["FSDPSettings", "FullyShardedAdamW", "FullyShardedChunk", "build_dp_mesh", "local",
+                      "sharding_units", "wrap_model_chunks", "build_fsdp2"]
+
+
+def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, optimizer: OptimizerConfig, *,
+                bf16: bool, seed: int) -> tuple[list[FullyShardedChunk], FullyShardedAdamW]:
+    """The trainer's hook: shard this rank's chunks as ``ddp`` says and build AdamW over the shards."""
+    settings = FSDPSettings(bf16=bf16, reduce_in_bf16=ddp.grad_reduce_in_bf16, squinch=ddp.reducer == "squinch",
+                            squinch_error_feedback=ddp.squinch.error_feedback,
+                            squinch_stochastic=ddp.squinch.stochastic_rounding, seed=seed)
+    model = wrap_model_chunks(chunks, device, settings)
+    return model, FullyShardedAdamW(model, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
+                                    betas=optimizer.betas, eps=optimizer.adam_eps)
