@@ -75,15 +75,11 @@ def device_name(device: torch.device) -> str:
 
 
 def kernel_limits(device: torch.device) -> tuple[int, int]:
-    """(compute capability, per-block opt-in shared memory in bytes) of a CUDA device, for kernel launchers."""
+    """(compute capability, per-block opt-in shared memory in bytes; 0 where this torch does not report it)
+    of a CUDA device, for kernel launchers (core/kernel_configs.py falls back to its table)."""
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", 0)
-    capability = props.major * 10 + props.minor
-    if not smem:  # older torch: fall back to the documented table
-        from megatron_cai.core.kernel_configs import SMEM_OPTIN
-
-        smem = SMEM_OPTIN.get(capability, 101376)
-    return capability, int(smem)
+    return props.major * 10 + props.minor, int(smem or 0)
 
 
 def new_timing_event(device: torch.device):

@@ -66,6 +66,8 @@ def launch_target(device: torch.device) -> Target | None:
     from megatron_cai.core import device as dev
 
     capability, smem = dev.kernel_limits(device)
+    if not smem:  # older torch: the documented per-block opt-in limit
+        smem = SMEM_OPTIN.get(capability, 101376)
     return Target(capability, smem)
 
 
