@@ -116,6 +116,13 @@ def _summary(results: dict, variants: list[str], seeds: list[int], opts) -> list
         lines += ["", f"bf16's own seed-to-seed spread of the final validation loss: std {statistics.stdev(bf):.4f} "
                   f"({100 * statistics.stdev(bf) / mean_bf:.3f}% of its mean {mean_bf:.4f}), "
                   f"max - min {max(bf) - min(bf):.4f} ({100 * (max(bf) - min(bf)) / mean_bf:.3f}%)."]
+        ef = [100 * (_final(results, "squinch+EF", s) / _final(results, "bf16", s) - 1) for s in seeds
+              if _final(results, "squinch+EF", s) is not None and _final(results, "bf16", s) is not None]
+        if ef:
+            spread = 100 * statistics.stdev(bf) / mean_bf
+            met = abs(statistics.mean(ef)) <= 0.2 and abs(statistics.mean(ef)) < spread
+            lines += ["", f"Goal (Squinch + EF mean paired gap <= 0.2% and smaller than bf16's seed-to-seed std "
+                      f"{spread:.3f}%): {'met' if met else 'NOT met'} ({statistics.mean(ef):+.3f}%)."]
     return lines
 
 
