@@ -6,6 +6,8 @@ path serves a single CPU process and TP x PP x DP runs on GPU clusters.
 from __future__ import annotations
 
 import contextlib
+import gc
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -27,7 +29,17 @@ from . import checkpointing
 from .arguments import ArgumentError, padded_vocab_size
 from .distill import setup_distillation
 from .initialize import initialize_distributed
-from .logging import TensorBoard, print_rank_0, print_rank_last, training_log_line, validation_log_lines
+from .logging import (
+    TensorBoard,
+    gpt_flops_per_iteration,
+    parameter_count_line,
+    print_rank_0,
+    print_rank_last,
+    training_log_line,
+    validation_log_lines,
+)
+from .megatron_compat import attention_backend_for, no_op_message
+from .train_extras import LogWindow, StepProfiler, WandbWriter, empty_device_cache, per_token_loss_step
 
 
 def config_from_args(args, vocab_size: int) -> GPTConfig:
@@ -39,12 +51,15 @@ def config_from_args(args, vocab_size: int) -> GPTConfig:
         ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, qk_layernorm=args.qk_layernorm, apply_layernorm_1p=args.apply_layernorm_1p,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, activation=args.activation,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
-        attention_backend=args.attention_backend, attention_zreg_coeff=args.attention_zreg_coeff,
+        attention_backend=attention_backend_for(args.attention_backend), attention_zreg_coeff=args.attention_zreg_coeff,
         output_zreg_coeff=args.output_zreg_coeff, window_size=args.window_size,
         qat=qat_settings(args))
 
@@ -125,7 +140,9 @@ class Trainer:
                                                       overlap_grad_reduce=args.overlap_grad_reduce))
         self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                          distributed=args.use_distributed_optimizer)
+                                          distributed=args.use_distributed_optimizer, kind=args.optimizer,
+                                          sgd_momentum=args.sgd_momentum,
+                                          overlap_param_gather=args.overlap_param_gather)
         self.scheduler = OptimizerParamScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                                                  args.lr_decay_style)
         self.state = TrainState()
@@ -148,7 +165,9 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
         self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
-        self.tb = TensorBoard(args.tensorboard_dir)
+        self.tb = TensorBoard(args.tensorboard_dir, args.tensorboard_queue_size)
+        self.wandb = WandbWriter(args)
+        self.profiler = StepProfiler(args, ps.get_rank())
         self.exit_signal = _ExitSignal(args.exit_signal_handler)
         self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size, vpp)
         seq = args.seq_length // args.tensor_model_parallel_size if self.config.sequence_parallel else args.seq_length
@@ -157,8 +176,6 @@ class Trainer:
     # --------------------------------------------------------------------------------------- setup
     def _apply_model_options(self, chunks) -> None:
         self._attention = [mod for m in chunks for mod in m.modules() if isinstance(mod, SelfAttention)]
-        for m in chunks:
-            m.decoder.recompute = self.args.recompute_granularity == "full"
         for mod in self._attention:
             mod.zreg_scale = 1.0 / self.args.num_microbatches
         if self.config.qat:
@@ -216,7 +233,11 @@ class Trainer:
 
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
-        return self.forward_backward(self.forward_step_func, iters, self.model, self.args.num_microbatches,
+        step_func = self.forward_step_func
+        if self.args.calculate_per_token_loss:
+            step_func, iters = per_token_loss_step(step_func, batches, self.model, self.args.num_microbatches,
+                                                   self.device)
+        return self.forward_backward(step_func, iters, self.model, self.args.num_microbatches,
                                      tensor_shape=self.tensor_shape, dtype=torch.float32,
                                      forward_only=forward_only, forward_context=self._forward_context)
 
@@ -232,6 +253,8 @@ class Trainer:
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
             m.finish_grad_sync()
+        if self.args.empty_unused_memory_level >= 2:
+            empty_device_cache(self.device)
         grad_norm, finite = self.optimizer.clip_and_check(self.args.clip_grad)
         if finite:
             self.optimizer.step(self.scheduler.get_lr())
@@ -239,6 +262,8 @@ class Trainer:
         else:
             for m in self.model:
                 m.reducer.step_skipped()
+        if self.args.empty_unused_memory_level >= 1:
+            empty_device_cache(self.device)
         return self._average_stats(stats), grad_norm, finite
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
@@ -257,6 +282,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.valid_iter is None:
             return {}
+        self.optimizer.finish_param_sync()
         for m in self.model:
             m.eval()
         totals: dict[str, float] = {}
@@ -265,6 +291,8 @@ class Trainer:
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / self.args.eval_iters
             self.state.consumed_valid_samples += self.args.global_batch_size
+            if self.args.empty_unused_memory_level >= 1:
+                empty_device_cache(self.device)
         for m in self.model:
             m.train()
         return totals
@@ -274,6 +302,7 @@ class Trainer:
         a = self.args
         if not a.save:
             return
+        self.optimizer.finish_param_sync()
         tok_files = [a.tokenizer_model] if a.tokenizer_model else []
         checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
                                       self.config, {k: v for k, v in vars(a).items()}, self.state.to_dict(),
@@ -284,50 +313,43 @@ class Trainer:
     def train(self) -> TrainState:
         a, st = self.args, self.state
         start_time = time.time()
-        window_time, window_iters = time.time(), 0
-        window_losses: dict[str, float] = {}
+        window = LogWindow()
         history = []
+        if a.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection; collect at fixed steps
+            gc.disable()
+            gc.collect()
         while st.iteration < a.train_iters:
+            self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()
+            step_start = time.time()
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
             st.consumed_train_samples += a.global_batch_size
+            self.profiler.after_step(st.iteration)
             if not finite:
                 st.skipped_iterations += 1
                 print_rank_last(f" iteration {st.iteration}: non-finite gradient (grad norm {grad_norm}) on some "
                                 f"rank; skipped the optimizer step on every rank")
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
-            for k, v in losses.items():
-                window_losses[k] = window_losses.get(k, 0.0) + v
-            window_iters += 1
+            window.add(losses, skipped=not finite)
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes})
+            if a.manual_gc and a.manual_gc_interval and st.iteration % a.manual_gc_interval == 0:
+                gc.collect()
+            if self.tb.writer is not None and st.iteration % a.tensorboard_log_interval == 0:
+                self._per_iteration_scalars(lr, grad_norm)
+            self.wandb.log({**losses, "learning-rate": lr, "grad-norm": grad_norm, "loss-scale": self._loss_scale(),
+                            "step-time": time.time() - step_start}, st.iteration)
             if st.iteration % a.log_interval == 0:
-                device_mod.synchronize(self.device)
-                elapsed = (time.time() - window_time) / window_iters
-                avg = {k: v / window_iters for k, v in window_losses.items()}
-                tps = a.global_batch_size * a.seq_length / max(elapsed, 1e-9)
-                extra = self._lse_stats()
-                line_extra = None
-                if extra:
-                    line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
-                                  / (len(extra) // 2),
-                                  "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
-                print_rank_last(training_log_line(
-                    st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
-                    a.global_batch_size, avg, grad_norm, st.skipped_iterations, tps,
-                    grad_comm_bytes=comm_bytes, extra=line_extra))
-                self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
-                                 "grad-norm": grad_norm, "tokens-per-second": tps,
-                                 "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
-                window_time, window_iters, window_losses = time.time(), 0, {}
+                self._log(window, lr, grad_norm, comm_bytes)
+                window = LogWindow()
             if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
                     st.extra.setdefault("validation", []).append({"iteration": st.iteration, **val})
                     print_rank_last(validation_log_lines(st.iteration, val))
-                    self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, st.iteration)
+                    self._validation_scalars(val)
             if a.save_interval and st.iteration % a.save_interval == 0:
                 self.save()
             if self.exit_signal.any_rank(self.device):
@@ -345,9 +367,70 @@ class Trainer:
         else:
             if a.save and not (a.save_interval and st.iteration % a.save_interval == 0):
                 self.save()
+        self.optimizer.finish_param_sync()
+        self.profiler.close()
+        if a.manual_gc:
+            gc.enable()
         st.extra["history"] = history
         self.tb.close()
+        self.wandb.close()
         return st
+
+    def _loss_scale(self) -> float:
+        """The fp16 loss scale (1.0 without a loss scaler, as Megatron-LM logs it for bf16 / fp32)."""
+        scaler = getattr(self.optimizer, "grad_scaler", None) or getattr(self, "grad_scaler", None)
+        return float(getattr(scaler, "scale", 1.0)) if scaler is not None else 1.0
+
+    def _log(self, window: LogWindow, lr: float, grad_norm: float, comm_bytes: int) -> None:
+        a, st = self.args, self.state
+        device_mod.synchronize(self.device)
+        elapsed = window.seconds_per_iteration()
+        tps = a.global_batch_size * a.seq_length / max(elapsed, 1e-9)
+        throughput = None
+        if a.log_throughput:
+            flops = gpt_flops_per_iteration(a, a.global_batch_size, self.config.padded_vocab_size)
+            throughput = flops / (elapsed * 1e12 * a.world_size)
+        extra = self._lse_stats()
+        line_extra = None
+        if extra:
+            line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
+                          / (len(extra) // 2),
+                          "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
+        avg = window.averages()
+        print_rank_last(training_log_line(
+            st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr, a.global_batch_size, avg,
+            grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes, extra=line_extra,
+            loss_scale=self._loss_scale(), nan_iters=window.nan, throughput_tflops=throughput))
+        scalars = {**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr, "grad-norm": grad_norm,
+                   "tokens-per-second": tps, "grad-comm-bytes": comm_bytes, **extra}
+        if a.log_timers_to_tensorboard:
+            scalars["iteration-time"] = elapsed
+            if throughput is not None:
+                scalars["throughput"] = throughput
+        self.tb.scalars(scalars, st.iteration)
+
+    def _per_iteration_scalars(self, lr: float, grad_norm: float) -> None:
+        """Megatron-LM's per-iteration TensorBoard scalars (every --tensorboard-log-interval iterations)."""
+        a, it = self.args, self.state.iteration
+        values = {"batch-size": a.global_batch_size}
+        if a.log_loss_scale_to_tensorboard:
+            values["loss-scale"] = self._loss_scale()
+        if a.log_world_size_to_tensorboard:
+            values["world-size"] = a.world_size
+        self.tb.scalars(values, it)
+
+    def _validation_scalars(self, val: dict[str, float]) -> None:
+        a, it = self.args, self.state.iteration
+        values = {f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}
+        for k, v in val.items():
+            values[f"{k} validation"] = v
+            if a.log_validation_ppl_to_tensorboard:
+                values[f"{k} validation ppl"] = math.exp(min(20.0, v))
+        self.tb.scalars(values, it)
+        if a.log_validation_ppl_to_tensorboard:
+            self.tb.scalars({f"{k} validation ppl vs samples": math.exp(min(20.0, v)) for k, v in val.items()},
+                            self.state.consumed_train_samples)
+        self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
     def _lse_stats(self) -> dict[str, float]:
         """Attention lse mean / max per layer in this iteration's last micro-batch (every rank calls it).
@@ -379,7 +462,14 @@ class Trainer:
 
 def pretrain(args, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
     """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
+    message = no_op_message(getattr(args, "megatron_no_op_flags", []))
+    if message:
+        print_rank_0(message)
     trainer = Trainer(args, datasets_provider, forward_step_func, tokenizer)
+    if ps.get_data_parallel_rank() == 0:
+        print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),
+                                   ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()),
+              flush=True)
     print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
                  f"on rank 0; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
                  f"DP={args.data_parallel_size}; {args.num_microbatches} micro-batches per iteration; "
