@@ -65,7 +65,14 @@ def train_valid_test_datasets_provider(args, tokenizer, num_samples):
                                reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                                eod_token_id=_eod_or_none(tokenizer), data_format=args.data_format,
                                tree_loss_weighting=args.tree_loss_weighting)
-    datasets = build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
+    if args.train_data_path is not None:  # Megatron's per-split blends: each split reads all of its prefixes
+        per_split = (args.train_data_path, args.valid_data_path, args.test_data_path)
+        whole = ("1,0,0", "0,1,0", "0,0,1")
+        datasets = tuple(
+            build_train_valid_test_datasets(paths, whole[i], [n if j == i else 0 for j in range(3)], config)[i]
+            if paths else None for i, (paths, n) in enumerate(zip(per_split, num_samples)))
+    else:
+        datasets = build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
     trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
     if trees and (args.distill_samples or args.distill_teacher_load):
         raise ArgumentError("distillation (--distill-*) does not support tree data; use plain documents")

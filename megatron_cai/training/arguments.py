@@ -116,6 +116,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true", help="bf16 autocast; fp32 master weights and grads")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the sum over all loss tokens of the global batch divided by their number "
+                        "(default: the mean over micro-batches of each micro-batch's token mean)")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
                    help="adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with momentum")
     g.add_argument("--sgd-momentum", type=float, default=0.9)

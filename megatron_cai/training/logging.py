@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from datetime import datetime
 
 from ..core import parallel_state as ps
@@ -85,3 +86,28 @@ def gpt_flops_per_iteration(args, batch_size: int, padded_vocab_size: int) -> fl
     logits = gemm * h * padded_vocab_size
     tokens = batch_size * s
     return tokens * (layers * (mlp + attn_linear) + logits) + batch_size * s * s * layers * attn_core
+
+
+class TensorBoard:
+    """A SummaryWriter on the last rank when --tensorboard-dir is set (a no-op otherwise)."""
+
+    def __init__(self, log_dir: str | None, max_queue: int = 1000) -> None:
+        self.writer = None
+        if log_dir and is_last_rank():
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                print("WARNING: --tensorboard-dir given but the tensorboard package is not installed",
+                      file=sys.stderr)
+                return
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

@@ -121,7 +121,6 @@ REFUSED_FLAGS: list[CompatFlag] = [
                None, int, None, allowed=(1,)),
     CompatFlag("--use-rope-scaling", "Llama 3.1 RoPE scaling is " + _NOT_YET),
     CompatFlag("--add-qkv-bias", "a QKV-only bias is " + _NOT_YET + " (biases follow --disable-bias-linear)"),
-    CompatFlag("--openai-gelu", "use --activation gelu (erf GeLU); the tanh approximation is " + _NOT_YET),
     CompatFlag("--distribute-saved-activations", "distributing recomputed-layer inputs over TP is " + _NOT_YET),
     CompatFlag("--recompute-modules", "selective recompute covers core attention only", "+", str, None,
                allowed=(["core_attn"],)),
