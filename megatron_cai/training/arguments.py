@@ -15,14 +15,14 @@ ATTENTION_BACKENDS = ["auto", "flash", "fused", "unfused", "local", "eager", "bl
 
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--num-layers", type=int, default=4, help="Megatron-LM: required; a small demo model here")
+    g.add_argument("--hidden-size", type=int, default=256, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-attention-heads", type=int, default=4, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1, help="KV heads with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
-    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument("--seq-length", type=int, default=256, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
                    default="learned_absolute")
@@ -142,7 +142,8 @@ def _training(p: argparse.ArgumentParser) -> None:
                         "forward and backward; hybrid: E4M3 forward, E5M2 gradients); with --qat fp8 alone, "
                         "hybrid")
     q.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="transformer_engine: with --qat fp8 on CUDA, the linears' GEMMs run in Transformer "
+                   help="local here because Transformer Engine is optional (Megatron-LM: transformer_engine). "
+                        "transformer_engine: with --qat fp8 on CUDA, the linears' GEMMs run in Transformer "
                         "Engine under its FP8 autocast (TE's scaling, not the clamp rules)")
     d = p.add_argument_group("distillation")
     d.add_argument("--distill-samples", default=None, help="teacher-sample sidecar (tools/dump_teacher_samples.py)")
@@ -225,11 +226,12 @@ def _logging(p: argparse.ArgumentParser) -> None:
                         "--profile-ranks, written for TensorBoard to --tensorboard-dir (else ./profile)")
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0])
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[], help="default: every rank")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", dest="exit_signal_handler", action="store_true", default=True,
-                   help="on by default here (see --no-exit-signal-handler)")
+                   help="on by default here (Megatron-LM: off), so that Slurm preemption saves a checkpoint; "
+                        "see --no-exit-signal-handler")
     g.add_argument("--no-exit-signal-handler", dest="exit_signal_handler", action="store_false", default=True,
                    help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
 

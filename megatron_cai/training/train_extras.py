@@ -88,10 +88,11 @@ def empty_device_cache(device: torch.device) -> None:
 
 class StepProfiler:
     """--profile: a torch.profiler trace of iterations [--profile-step-start, --profile-step-end) on the
-    ranks in --profile-ranks, written with tensorboard_trace_handler (TensorBoard's profile plugin reads it)."""
+    ranks in --profile-ranks (default: all), written with tensorboard_trace_handler (TensorBoard's profile
+    plugin reads it)."""
 
     def __init__(self, args, rank: int) -> None:
-        self.enabled = bool(args.profile) and rank in args.profile_ranks
+        self.enabled = bool(args.profile) and (not args.profile_ranks or rank in args.profile_ranks)
         self.start, self.end = args.profile_step_start, args.profile_step_end
         self.dir = args.tensorboard_dir or "profile"
         self.prof = None
