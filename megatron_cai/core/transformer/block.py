@@ -69,7 +69,7 @@ class TransformerBlock(nn.Module):
         n, cfg = len(self.layers), self.config
         if cfg.recompute_granularity != "full":
             return [([i], False) for i in range(n)]
-        k = cfg.recompute_num_layers or 1
+        k = 1 if cfg.recompute_num_layers is None else cfg.recompute_num_layers
         if cfg.recompute_method == "block":
             return [([i], i < k) for i in range(n)]
         return [(list(range(i, min(i + k, n))), True) for i in range(0, n, k)]
