@@ -60,7 +60,7 @@ def train_valid_test_datasets_provider(args, tokenizer, num_samples):
     from megatron_cai.core.datasets.tree_dataset import TreeDataset, TreeDatasetConfig
     from megatron_cai.training.logging import print_rank_0
 
-    config = TreeDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed, split=args.split,
+    config = TreeDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed, split=args.split or "1,0,0",
                                path_to_cache=args.data_cache_path, reset_position_ids=args.reset_position_ids,
                                reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
                                eod_token_id=_eod_or_none(tokenizer), data_format=args.data_format,
