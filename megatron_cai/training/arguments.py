@@ -1,4 +1,10 @@
-"""Command-line flags, named as in Megatron-LM wherever Megatron has the concept."""
+"""Command-line flags (named as in Megatron-LM wherever Megatron has the concept) and the one pure
+function, :func:`build_config`, that turns the parsed flags into a typed :class:`TrainConfig`.
+
+Adding a flag: ``add_argument`` it in its group below, add a field to the component config that uses
+it (``training/config.py``, ``core/models/gpt/config.py``, ``core/distributed/config.py``,
+``core/optimizer/config.py``), and one line in that component's ``_..._config`` builder here.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,11 +12,30 @@ import importlib.util
 import math
 import re
 
+from ..core.distributed.config import DDPConfig, SquinchConfig
+from ..core.models.gpt.config import GPTConfig
+from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.parallel_state import ParallelLayoutError, check_layout
-from .megatron_compat import CompatError, add_compat_arguments, check_compat
+from ..core.quantization.qat_config import QATConfig
+from .config import (
+    ArgumentError,
+    CheckpointConfig,
+    DataConfig,
+    DistillConfig,
+    LoggingConfig,
+    ParallelConfig,
+    TokenizerConfig,
+    TrainConfig,
+    TrainingConfig,
+)
+from .megatron_compat import CompatError, add_compat_arguments, attention_backend_for, check_compat
+from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.
 ATTENTION_BACKENDS = ["auto", "flash", "fused", "unfused", "local", "eager", "blocked", "cpu", "flex", "triton"]
+
+__all__ = ["ArgumentError", "build_config", "build_parser", "normalize_split", "parse_args", "parse_config",
+           "resolve_megatron_flags"]
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -245,96 +270,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed flags, as given (nothing derived, nothing validated: see :func:`build_config`)."""
+    return build_parser().parse_args(argv)
+
+
+def parse_config(argv: list[str] | None = None, world_size: int | None = None,
+                 vocab_size: int | None = None) -> TrainConfig:
+    """``build_config(parse_args(argv), world_size, vocab_size)``; the world size defaults to the
+    launcher's (torchrun / Slurm environment)."""
     if world_size is None:
         from .initialize import discover_env
 
         world_size = discover_env().world_size
-    validate_args(args, world_size)
-    return args
+    return build_config(parse_args(argv), world_size, vocab_size=vocab_size)
 
 
-class ArgumentError(ValueError):
-    """A flag value that cannot work; the message names the flag."""
-
-
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Fill derived values and reject impossible combinations with one clear message."""
-    try:
-        args.megatron_no_op_flags = check_compat(args)
-    except CompatError as e:
-        raise ArgumentError(str(e)) from None
-    _apply_megatron_semantics(args)
-    if args.swiglu:
-        args.activation = "swiglu"
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    args.world_size = world_size
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp_guess = max(world_size // max(tp * pp, 1), 1)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp_guess
-    try:
-        args.data_parallel_size = check_layout(
-            world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups, global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
-    except ParallelLayoutError as e:
-        raise ArgumentError(str(e)) from None
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        if pp < 2:
-            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
-        if vpp > 1:
-            args.virtual_pipeline_model_parallel_size = vpp
-            if args.num_microbatches % pp != 0:
-                raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
-                                    f"({args.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
-    if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
-        raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise ArgumentError("set exactly one of --train-iters and --train-samples")
-    if args.train_iters is None:
-        args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.squinch_hierarchical and not args.squinch:
-        raise ArgumentError("--squinch-hierarchical needs --squinch")
-    if args.data_path is None and args.train_data_path is None and not args.mock_data:
-        raise ArgumentError("set --data-path (or --train-data-path) with preprocessed prefixes, or --mock-data")
-    if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
-        raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR")
-    if args.transformer_impl == "transformer_engine":
-        from ..core.quantization.gemm_backends import transformer_engine_available
-
-        if args.qat != "fp8":
-            raise ArgumentError(f"--transformer-impl transformer_engine runs the linears in FP8 through "
-                                f"Transformer Engine: use it with --qat fp8 (got --qat {args.qat})")
-        if not transformer_engine_available():
-            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
-                                "(pip install transformer_engine[pytorch]), which is not installed; use "
-                                "--transformer-impl local for fake-quantized FP8 QAT")
-        if args.device == "cpu":
-            raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")
-    if args.distill_samples and args.distill_teacher_load:
-        raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
-    if args.distill_samples or args.distill_teacher_load:
-        from .distill import validate_distill_args
-
-        try:
-            validate_distill_args(args)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from None
-    return args
-
-
+# ------------------------------------------------------------------------------------------ builder
 def normalize_split(value: str) -> str:
     """``--split`` as Megatron reads it (the numbers in the string, in order), e.g. "'99,1,0'" -> "99,1,0"."""
     numbers = re.findall(r"[.0-9]+", value)
@@ -344,8 +296,15 @@ def normalize_split(value: str) -> str:
     return ",".join(numbers)
 
 
-def _apply_megatron_semantics(args: argparse.Namespace) -> None:
-    """Megatron-LM aliases and value rules (see training/megatron_compat.py for the no-op / refused flags)."""
+def resolve_megatron_flags(flags: argparse.Namespace) -> argparse.Namespace:
+    """A copy of the parsed flags with Megatron-LM's aliases and value rules applied (``flags`` is not
+    modified; applying it twice gives the same result). Refused flags raise ArgumentError naming the
+    flag; the no-op flags given are listed in ``megatron_no_op_flags`` (see training/megatron_compat.py)."""
+    args = argparse.Namespace(**vars(flags))
+    try:
+        args.megatron_no_op_flags = check_compat(args)
+    except CompatError as e:
+        raise ArgumentError(str(e)) from None
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
@@ -407,9 +366,317 @@ def _apply_megatron_semantics(args: argparse.Namespace) -> None:
                             "pip install wandb (or pip install -e '.[wandb]')")
     if args.manual_gc_interval < 0:
         raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
+    return args
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad the embedding rows to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+class _Layout:
+    """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
+
+    def __init__(self, args: argparse.Namespace, world_size: int) -> None:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if world_size < 1:
+            raise ArgumentError(f"the world size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        dp_guess = max(world_size // max(tp * pp, 1), 1)
+        self.global_batch_size = args.global_batch_size or args.micro_batch_size * dp_guess
+        try:
+            self.data_parallel_size = check_layout(
+                world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
+                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+        except ParallelLayoutError as e:
+            raise ArgumentError(str(e)) from None
+        self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
+        self.vpp = None
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            if pp < 2:
+                raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+            if vpp > 1:
+                self.vpp = vpp
+                if self.num_microbatches % pp != 0:
+                    raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
+                                        f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
+        if (args.train_iters is None) == (args.train_samples is None):
+            raise ArgumentError("set exactly one of --train-iters and --train-samples")
+        self.train_iters = (args.train_iters if args.train_iters is not None
+                            else math.ceil(args.train_samples / self.global_batch_size))
+
+
+def _qat_config(args: argparse.Namespace) -> QATConfig:
+    if args.qat == "none":
+        return QATConfig()
+    return QATConfig(
+        fmt=args.qat,
+        clamp=args.qat_clamp,
+        alpha=args.qat_clamp_alpha,
+        static_value=args.qat_static_clamp,
+        granularity=args.qat_granularity,
+        fp8_format=args.fp8_format or "hybrid",  # None unless --fp8-format or --qat fp8
+        gemm_backend="transformer_engine" if args.transformer_impl == "transformer_engine" else "fake",
+    )
+
+
+def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) -> GPTConfig:
+    tp = args.tensor_model_parallel_size
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        padded_vocab_size=vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by, tp),
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=layout.num_query_groups,
+        kv_channels=args.kv_channels,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        qk_layernorm=args.qk_layernorm,
+        apply_layernorm_1p=args.apply_layernorm_1p,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        activation="swiglu" if args.swiglu else args.activation,  # --squared-relu / --openai-gelu resolved
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        sequence_parallel=args.sequence_parallel and tp > 1,
+        attention_backend=attention_backend_for(args.attention_backend),
+        attention_zreg_coeff=args.attention_zreg_coeff,
+        attention_zreg_scale=1.0 / layout.num_microbatches,
+        output_zreg_coeff=args.output_zreg_coeff,
+        window_size=args.window_size,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        qat=_qat_config(args),
+    )
+
+
+def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
+    return ParallelConfig(
+        world_size=layout.world_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        data_parallel_size=layout.data_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=args.sequence_parallel,
+        distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        ranks_per_node=args.ranks_per_node,
+        device=args.device,
+    )
+
+
+def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=layout.global_batch_size,
+        num_microbatches=layout.num_microbatches,
+        train_iters=layout.train_iters,
+        train_samples=args.train_samples,
+        seed=args.seed,
+        bf16=args.bf16,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        empty_unused_memory_level=args.empty_unused_memory_level,
+        manual_gc=args.manual_gc,
+        manual_gc_interval=args.manual_gc_interval,
+    )
+
+
+def _ddp_config(args: argparse.Namespace) -> DDPConfig:
+    reducer = "squinch" if args.squinch else ("reducescatter" if args.use_distributed_optimizer else "allreduce")
+    return DDPConfig(
+        reducer=reducer,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        squinch=SquinchConfig(
+            error_feedback=args.squinch_error_feedback,
+            stochastic_rounding=args.squinch_stochastic_rounding,
+            hierarchical=args.squinch_hierarchical,
+        ),
+    )
+
+
+def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
+        overlap_param_gather=args.overlap_param_gather,
+    )
+
+
+def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerConfig:
+    warmup = (int(args.lr_warmup_fraction * layout.train_iters) if args.lr_warmup_fraction is not None
+              else args.lr_warmup_iters)
+    return SchedulerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=warmup,
+        lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None else layout.train_iters,
+    )
+
+
+def _data_config(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(
+        data_path=list(args.data_path) if args.data_path is not None else None,
+        train_data_path=list(args.train_data_path) if args.train_data_path is not None else None,
+        valid_data_path=list(args.valid_data_path) if args.valid_data_path is not None else None,
+        test_data_path=list(args.test_data_path) if args.test_data_path is not None else None,
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        mock_data=args.mock_data,
+        num_workers=args.num_workers,
+        eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        data_format=args.data_format,
+        tree_loss_weighting=args.tree_loss_weighting,
+    )
+
+
+def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
+    return TokenizerConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+
+
+def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        save_optim=not args.no_save_optim,
+        finetune=args.finetune,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        ckpt_step=args.ckpt_step,
+        ckpt_format=args.ckpt_format,
+    )
+
+
+def _logging_config(args: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=args.log_interval,
+        tensorboard_dir=args.tensorboard_dir,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_queue_size=args.tensorboard_queue_size,
+        log_throughput=args.log_throughput,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+        log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+        wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir,
+        wandb_entity=args.wandb_entity,
+        profile=args.profile,
+        profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end,
+        profile_ranks=list(args.profile_ranks),
+        megatron_no_op_flags=list(args.megatron_no_op_flags),
+    )
+
+
+def _distill_config(args: argparse.Namespace) -> DistillConfig:
+    return DistillConfig(
+        samples=args.distill_samples,
+        teacher_load=args.distill_teacher_load,
+        alpha=args.distill_alpha,
+        temperature=args.distill_temperature,
+        estimator=args.distill_estimator,
+        k=args.distill_k,
+    )
+
+
+def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> TrainConfig:
+    """The run's :class:`TrainConfig` from the parsed flags and the world size; validated.
+
+    Pure: ``args`` is not modified, so building twice from the same flags gives equal configs, and a
+    config can be rebuilt for another world size (``rebuild_for_world_size``). ``vocab_size``: the
+    tokenizer's vocabulary (default ``--vocab-size``). Raises :class:`ArgumentError` naming the flag.
+    """
+    flags = args
+    args = resolve_megatron_flags(flags)
+    layout = _Layout(args, world_size)
+    vocab = vocab_size if vocab_size is not None else args.vocab_size
+    _check_flags(args, vocab)
+    try:
+        config = TrainConfig(
+            model=_model_config(args, layout, vocab),
+            parallel=_parallel_config(args, layout),
+            training=_training_config(args, layout),
+            ddp=_ddp_config(args),
+            optimizer=_optimizer_config(args),
+            scheduler=_scheduler_config(args, layout),
+            data=_data_config(args),
+            tokenizer=_tokenizer_config(args),
+            checkpoint=_checkpoint_config(args),
+            logging=_logging_config(args),
+            distill=_distill_config(args),
+            flags=dict(vars(flags)),
+        )
+    except ArgumentError:
+        raise
+    except ValueError as e:  # a component config's own check; its message names the flag
+        raise ArgumentError(str(e)) from None
+    return config
+
+
+def rebuild_for_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
+    """The same flags built for another world size (e.g. when the launcher's differs from a guess)."""
+    return build_config(argparse.Namespace(**config.flags), world_size, vocab_size=config.model.vocab_size)
+
+
+def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
+    """Cross-flag checks that no single component config can make."""
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
+        raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
+    if args.squinch_hierarchical and not args.squinch:
+        raise ArgumentError("--squinch-hierarchical needs --squinch")
+    if args.data_path is None and args.train_data_path is None and not args.mock_data:
+        raise ArgumentError("set --data-path (or --train-data-path) with preprocessed prefixes, or --mock-data")
+    if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
+        raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
+    if vocab_size is None:
+        raise ArgumentError("the vocabulary size is unknown: pass the tokenizer's (build_config(..., vocab_size=)) "
+                            "or set --vocab-size")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.transformer_impl == "transformer_engine":
+        from ..core.quantization.gemm_backends import transformer_engine_available
+
+        if args.qat != "fp8":
+            raise ArgumentError(f"--transformer-impl transformer_engine runs the linears in FP8 through "
+                                f"Transformer Engine: use it with --qat fp8 (got --qat {args.qat})")
+        if not transformer_engine_available():
+            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
+                                "(pip install transformer_engine[pytorch]), which is not installed; use "
+                                "--transformer-impl local for fake-quantized FP8 QAT")
+        if args.device == "cpu":
+            raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")

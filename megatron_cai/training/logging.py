@@ -72,18 +72,16 @@ def validation_log_lines(iteration: int, losses: dict[str, float], what: str = "
     return f"{bar}\n{string}\n{bar}"
 
 
-def gpt_flops_per_iteration(args, batch_size: int, padded_vocab_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward), megatron-core 0.19.2's
-    ``num_floating_point_operations`` for a dense GPT (no MoE / MTP / linear attention terms)."""
-    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
-    kv = args.kv_channels or h // args.num_attention_heads
-    q_size, kv_size = kv * args.num_attention_heads, kv * args.num_query_groups
-    ffn = args.ffn_hidden_size or 4 * h
+def gpt_flops_per_iteration(model, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) of the GPTConfig ``model``: megatron-core
+    0.19.2's ``num_floating_point_operations`` for a dense GPT (no MoE / MTP / linear attention terms)."""
+    h, s, layers = model.hidden_size, model.seq_length, model.num_layers
+    q_size, kv_size = model.kv_channels * model.num_attention_heads, model.kv_channels * model.num_query_groups
     gemm = 3 * 2  # forward, wgrad and dgrad GEMMs; 2 FLOPs per multiply-add
-    mlp = gemm * h * ffn * (3 if args.activation == "swiglu" else 2)
+    mlp = gemm * h * model.ffn_hidden_size * (3 if model.activation == "swiglu" else 2)
     attn_linear = gemm * (h * (q_size + 2 * kv_size) + q_size * h)
     attn_core = gemm * q_size / 2 * 2  # causal half of QK^T and of (QK^T)V
-    logits = gemm * h * padded_vocab_size
+    logits = gemm * h * model.padded_vocab_size
     tokens = batch_size * s
     return tokens * (layers * (mlp + attn_linear) + logits) + batch_size * s * s * layers * attn_core
 

@@ -31,7 +31,7 @@ class CompatFlag:
         return self.flag.lstrip("-").replace("-", "_")
 
     def given(self, args: argparse.Namespace) -> bool:
-        value = getattr(args, self.dest)
+        value = vars(args)[self.dest]
         return value != (False if self.nargs == 0 else self.default)
 
 
@@ -178,8 +178,8 @@ class CompatError(ValueError):
 def check_compat(args: argparse.Namespace) -> list[str]:
     """Raise CompatError for the first refused flag given; return the no-op flags given (in table order)."""
     for f in REFUSED_FLAGS:
-        if f.given(args) and getattr(args, f.dest) not in f.allowed:
-            value = "" if f.nargs == 0 else f" {getattr(args, f.dest)}"
+        if f.given(args) and vars(args)[f.dest] not in f.allowed:
+            value = "" if f.nargs == 0 else f" {vars(args)[f.dest]}"
             raise CompatError(f"{f.flag}{value}: refused: {f.reason}")
     return [f.flag for f in NO_OP_FLAGS if f.given(args)]
 

@@ -91,10 +91,11 @@ class StepProfiler:
     ranks in --profile-ranks (default: all), written with tensorboard_trace_handler (TensorBoard's profile
     plugin reads it)."""
 
-    def __init__(self, args, rank: int) -> None:
-        self.enabled = bool(args.profile) and (not args.profile_ranks or rank in args.profile_ranks)
-        self.start, self.end = args.profile_step_start, args.profile_step_end
-        self.dir = args.tensorboard_dir or "profile"
+    def __init__(self, log, rank: int) -> None:
+        """``log``: the run's LoggingConfig."""
+        self.enabled = bool(log.profile) and (not log.profile_ranks or rank in log.profile_ranks)
+        self.start, self.end = log.profile_step_start, log.profile_step_end
+        self.dir = log.tensorboard_dir or "profile"
         self.prof = None
 
     def before_step(self, iteration: int) -> None:
@@ -120,18 +121,19 @@ class StepProfiler:
 class WandbWriter:
     """--wandb-project: Weights & Biases logging from the last rank (wandb is an optional dependency)."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, log, save_dir: str | None, run_config: dict) -> None:
+        """``log``: the run's LoggingConfig; ``save_dir``: --save (the default wandb directory is under it)."""
         self.run = None
-        if not getattr(args, "wandb_project", None) or not is_last_rank():
+        if not log.wandb_project or not is_last_rank():
             return
-        import wandb  # checked in validate_args
+        import wandb  # its presence is checked when the config is built
 
-        save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
-        if save_dir:
-            os.makedirs(save_dir, exist_ok=True)
-        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir,
-                              entity=args.wandb_entity, config=vars(args))
-        print_rank_0(f" > logging to Weights & Biases project {args.wandb_project}")
+        directory = log.wandb_save_dir or (os.path.join(save_dir, "wandb") if save_dir else None)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=directory,
+                              entity=log.wandb_entity, config=run_config)
+        print_rank_0(f" > logging to Weights & Biases project {log.wandb_project}")
 
     def log(self, values: dict[str, float], step: int) -> None:
         if self.run is not None:

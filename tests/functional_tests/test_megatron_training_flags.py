@@ -18,8 +18,10 @@ from train_utils import TINY_MODEL, last_stage_history, train
 
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron_cai.core.distributed.config import DDPConfig
 from megatron_cai.core.distributed.ddp import DistributedDataParallel
 from megatron_cai.core.distributed.reducers import build_reducer
+from megatron_cai.core.optimizer.config import OptimizerConfig
 from megatron_cai.core.optimizer.optimizer import DistributedAdamW
 from megatron_cai.training import train_extras
 
@@ -38,9 +40,9 @@ def test_sgd_matches_torch_sgd(single_process):
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
     reference = [p.detach().clone().requires_grad_(True) for p in module.parameters()]
-    ddp = DistributedDataParallel(module, build_reducer("allreduce", None, 1), device=torch.device("cpu"),
-                                  grad_dtype=torch.float32, bucket_size=10_000, overlap_grad_reduce=False)
-    opt = DistributedAdamW([ddp], lr=0.1, weight_decay=0.05, kind="sgd", sgd_momentum=0.8)
+    ddp_config = DDPConfig(bucket_size=10_000)
+    ddp = DistributedDataParallel(module, build_reducer(ddp_config, None, 1), ddp_config, device=torch.device("cpu"))
+    opt = DistributedAdamW([ddp], OptimizerConfig(lr=0.1, weight_decay=0.05, optimizer="sgd", sgd_momentum=0.8))
     groups = [{"params": [p for p in reference if p.dim() > 1], "weight_decay": 0.05},
               {"params": [p for p in reference if p.dim() <= 1], "weight_decay": 0.0}]
     torch_sgd = torch.optim.SGD(groups, lr=0.1, momentum=0.8)

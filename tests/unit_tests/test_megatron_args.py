@@ -13,7 +13,13 @@ import typing
 import pytest
 
 from megatron_cai.training import megatron_compat as compat
-from megatron_cai.training.arguments import ArgumentError, build_parser, parse_args
+from megatron_cai.training.arguments import (
+    ArgumentError,
+    build_parser,
+    parse_args,
+    parse_config,
+    resolve_megatron_flags,
+)
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f
@@ -25,6 +31,15 @@ MOCK = []
 REAL = ["ckpt", "tb", "tokenizer_dir", "data/corpus_text_document"]
 GPT3_ARGS = ["ckpt", "tb", "gpt2-vocab.json", "gpt2-merges.txt", "data/corpus_text_document"]
 MINIMAL = ["--mock-data", "--vocab-size", "64", "--train-iters", "2"]
+
+
+def resolved(extra: list[str]):
+    """The flags after Megatron-LM's aliases and rules (pure: a copy of the parsed namespace)."""
+    return resolve_megatron_flags(parse_args(MINIMAL + extra))
+
+
+def build(extra: list[str]):
+    return parse_config(MINIMAL + extra, world_size=1)
 
 # Flags a dense GPT pretraining script commonly sets (besides the two example scripts).
 COMMON_GPT_FLAGS = [
@@ -174,7 +189,7 @@ def test_refused_flags_fail_with_one_line_naming_them(entry):
             _SAMPLE[entry.type]
         extra = [entry.flag, str(value)]
     with pytest.raises(ArgumentError) as err:
-        parse_args(MINIMAL + extra, world_size=1)
+        build(extra)
     message = str(err.value)
     assert message.startswith(entry.flag) and "refused" in message and "\n" not in message
     assert entry.reason in message
@@ -183,16 +198,16 @@ def test_refused_flags_fail_with_one_line_naming_them(entry):
 @pytest.mark.parametrize("extra", [["--context-parallel-size", "1"], ["--expert-model-parallel-size", "1"],
                                    ["--dataloader-type", "single"], ["--recompute-modules", "core_attn"]])
 def test_refused_flags_accept_the_values_that_mean_the_same(extra):
-    parse_args(MINIMAL + extra, world_size=1)
+    build(extra)
 
 
 def test_no_op_flags_are_listed_once():
-    args = parse_args(MINIMAL + ["--use-mcore-models", "--no-bias-gelu-fusion", "--fp8-margin", "3"], world_size=1)
+    args = resolved(["--use-mcore-models", "--no-bias-gelu-fusion", "--fp8-margin", "3"])
     assert args.megatron_no_op_flags == ["--use-mcore-models", "--no-bias-gelu-fusion", "--fp8-margin"]
     message = compat.no_op_message(args.megatron_no_op_flags)
     assert "accepted for Megatron-LM compatibility, no effect here" in message
     assert message.count("--use-mcore-models") == 1
-    assert compat.no_op_message(parse_args(MINIMAL, world_size=1).megatron_no_op_flags) is None
+    assert compat.no_op_message(resolved([]).megatron_no_op_flags) is None
 
 
 @pytest.mark.parametrize("value", ["'99,1,0'", '"99,1,0"', "99,1,0", "99, 1, 0", "99/1/0", "99,1"])
@@ -201,59 +216,59 @@ def test_split_is_read_as_megatron_reads_it(value):
 
     from megatron_cai.core.datasets.utils import parse_and_normalize_split as ours
 
-    args = parse_args(MINIMAL + ["--split", value], world_size=1)
+    args = resolved(["--split", value])
     assert ours(args.split) == pytest.approx(parse_and_normalize_split(value))
 
 
 @pytest.mark.parametrize("value", ["99;1;0", "a,b", "1,2,3,4"])
 def test_split_that_megatron_would_misread_is_refused(value):
     with pytest.raises(ArgumentError, match="--split"):
-        parse_args(MINIMAL + ["--split", value], world_size=1)
+        resolved(["--split", value])
 
 
 def test_data_path_without_split_gets_megatrons_legacy_split():
-    args = parse_args(["--data-path", "x", "--train-iters", "2"], world_size=1)
+    args = resolve_megatron_flags(parse_args(["--data-path", "x", "--train-iters", "2"]))
     assert args.split == "969,30,1"
     with pytest.raises(ArgumentError, match="exclusive"):
-        parse_args(["--data-path", "x", "--train-data-path", "y", "--train-iters", "2"], world_size=1)
+        resolve_megatron_flags(parse_args(["--data-path", "x", "--train-data-path", "y", "--train-iters", "2"]))
 
 
 @pytest.mark.parametrize("backend,expected", [("auto", None), ("flash", None), ("fused", None),
                                               ("unfused", "eager"), ("local", "eager"), ("triton", "triton"),
                                               ("cpu", "cpu")])
 def test_attention_backend_maps_megatrons_names(backend, expected):
-    args = parse_args(MINIMAL + ["--attention-backend", backend], world_size=1)
+    args = resolved(["--attention-backend", backend])
     assert compat.attention_backend_for(args.attention_backend) == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(MINIMAL + ["--attention-backend", "sdpa"])  # anything else: argparse refuses
 
 
 def test_fp8_format_turns_on_fp8_training():
-    args = parse_args(MINIMAL + ["--fp8-format", "hybrid"], world_size=1)
+    args = resolved(["--fp8-format", "hybrid"])
     assert args.qat == "fp8" and args.fp8_format == "hybrid"
-    assert parse_args(MINIMAL + ["--qat", "fp8"], world_size=1).fp8_format == "hybrid"
-    assert parse_args(MINIMAL, world_size=1).qat == "none"
+    assert resolved(["--qat", "fp8"]).fp8_format == "hybrid"
+    assert resolved([]).qat == "none"
     with pytest.raises(ArgumentError, match="--fp8-format"):
-        parse_args(MINIMAL + ["--fp8-format", "e4m3", "--qat", "int8"], world_size=1)
+        resolved(["--fp8-format", "e4m3", "--qat", "int8"])
 
 
 def test_ckpt_format_torch_dist_is_refused_clearly():
-    assert parse_args(MINIMAL + ["--ckpt-format", "torch"], world_size=1).ckpt_format == "torch"
+    assert resolved(["--ckpt-format", "torch"]).ckpt_format == "torch"
     with pytest.raises(ArgumentError, match="--ckpt-format torch_dist: refused"):
-        parse_args(MINIMAL + ["--ckpt-format", "torch_dist"], world_size=1)
+        resolved(["--ckpt-format", "torch_dist"])
 
 
 def test_aliases():
-    a = parse_args(MINIMAL + ["--use-rotary-position-embeddings"], world_size=1)
+    a = resolved(["--use-rotary-position-embeddings"])
     assert a.position_embedding_type == "rope"
-    assert parse_args(MINIMAL + ["--no-position-embedding"], world_size=1).position_embedding_type == "none"
-    assert parse_args(MINIMAL + ["--recompute-activations"], world_size=1).recompute_granularity == "selective"
-    assert parse_args(MINIMAL + ["--squared-relu"], world_size=1).activation == "relu2"
-    assert parse_args(MINIMAL + ["--openai-gelu"], world_size=1).activation == "gelu"
+    assert resolved(["--no-position-embedding"]).position_embedding_type == "none"
+    assert resolved(["--recompute-activations"]).recompute_granularity == "selective"
+    assert resolved(["--squared-relu"]).activation == "relu2"
+    assert resolved(["--openai-gelu"]).activation == "gelu"
     with pytest.raises(ArgumentError, match="choose one"):
-        parse_args(MINIMAL + ["--swiglu", "--squared-relu"], world_size=1)
+        resolved(["--swiglu", "--squared-relu"])
     with pytest.raises(ArgumentError, match="--overlap-param-gather needs"):
-        parse_args(MINIMAL + ["--overlap-param-gather"], world_size=1)
+        resolved(["--overlap-param-gather"])
 
 
 def test_wandb_without_the_package_is_a_clear_error():
@@ -262,4 +277,26 @@ def test_wandb_without_the_package_is_a_clear_error():
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed")
     with pytest.raises(ArgumentError, match="pip install wandb"):
-        parse_args(MINIMAL + ["--wandb-project", "p"], world_size=1)
+        resolved(["--wandb-project", "p"])
+
+
+def test_megatron_flags_reach_the_typed_config_and_the_flags_stay_as_given():
+    argv = MINIMAL + ["--fp8-format", "e4m3", "--qk-layernorm", "--apply-layernorm-1p", "--rotary-percent", "0.5",
+                      "--position-embedding-type", "rope", "--recompute-granularity", "full", "--recompute-method",
+                      "block", "--recompute-num-layers", "2", "--attention-backend", "local", "--optimizer", "sgd",
+                      "--calculate-per-token-loss", "--split", "'99,1,0'", "--log-throughput", "--use-mcore-models",
+                      "--profile", "--manual-gc", "--empty-unused-memory-level", "1"]
+    flags = parse_args(argv)
+    before = dict(vars(flags))
+    from megatron_cai.training.arguments import build_config
+
+    c = build_config(flags, 1)
+    assert vars(flags) == before and build_config(flags, 1) == c  # pure and repeatable
+    assert (c.model.qat.fmt, c.model.qat.fp8_format) == ("fp8", "e4m3")
+    assert c.model.qk_layernorm and c.model.apply_layernorm_1p and c.model.rotary_percent == 0.5
+    assert (c.model.recompute_granularity, c.model.recompute_method, c.model.recompute_num_layers) == \
+        ("full", "block", 2)
+    assert c.model.attention_backend == "eager" and c.optimizer.optimizer == "sgd"
+    assert c.training.calculate_per_token_loss and c.training.manual_gc and c.training.empty_unused_memory_level == 1
+    assert c.data.split == "99,1,0" and c.flags["split"] == "'99,1,0'"
+    assert c.logging.log_throughput and c.logging.profile and c.logging.megatron_no_op_flags == ["--use-mcore-models"]

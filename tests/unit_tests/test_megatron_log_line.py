@@ -83,7 +83,7 @@ def test_training_log_line_follows_megatrons_fields_in_order(megatron_fields):
     ts, pieces = _split(line)
     datetime.strptime(ts, stamp)  # Megatron's timestamp format
     assert pieces[0] == " iteration       20/     100 |"
-    assert pieces[0] == " iteration {:8d}/{:8d} |".format(20, 100)
+    assert pieces[0] == f" iteration {20:8d}/{100:8d} |"
     position, last_megatron = 0, 0
     for i, piece in enumerate(pieces[1:], start=1):
         hit = next((k for k in range(position, len(fields)) if fields[k][0] != "iteration"
@@ -139,7 +139,7 @@ def test_parameter_count_line_is_megatrons():
 def test_throughput_flops_match_megatrons_formula(flags):
     import megatron.training.arguments as margs
 
-    from megatron_cai.training.arguments import parse_args
+    from megatron_cai.training.arguments import parse_config
 
     argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", *flags]
     theirs = margs.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
@@ -147,5 +147,6 @@ def test_throughput_flops_match_megatrons_formula(flags):
     theirs.kv_channels = theirs.kv_channels or theirs.hidden_size // theirs.num_attention_heads
     theirs.num_query_groups = theirs.num_query_groups if theirs.group_query_attention else theirs.num_attention_heads
     theirs.ffn_hidden_size = theirs.ffn_hidden_size or 4 * theirs.hidden_size
-    ours = parse_args(argv + ["--mock-data", "--vocab-size", "500", "--train-iters", "1"], world_size=1)
-    assert gpt_flops_per_iteration(ours, 8, 512) == pytest.approx(mtraining.num_floating_point_operations(theirs, 8))
+    ours = parse_config(argv + ["--mock-data", "--vocab-size", "500", "--train-iters", "1"], world_size=1)
+    assert ours.model.padded_vocab_size == 512
+    assert gpt_flops_per_iteration(ours.model, 8) == pytest.approx(mtraining.num_floating_point_operations(theirs, 8))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import device as device_mod
 from .. import parallel_state as ps
 from ..distributed.ddp import DistributedDataParallel
+from .config import OptimizerConfig
 
 
 def _intersect(segments: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -37,22 +38,19 @@ class _Chunk:
 
 
 class DistributedAdamW:
-    """AdamW (``kind="adam"``) or SGD with momentum (``kind="sgd"``, torch.optim.SGD's update with L2 weight
-    decay on matrices, as Megatron-LM's sgd) over the flat buffers.
+    """AdamW (``optimizer="adam"``) or SGD with momentum (``optimizer="sgd"``: torch.optim.SGD's update with L2
+    weight decay on matrices, as Megatron-LM's sgd) over the flat buffers.
 
     ``overlap_param_gather`` (distributed optimizer): the all-gather of the updated shards runs in the
     background; each module waits for its parameters' buckets just before its next forward.
     """
 
-    def __init__(self, model_chunks: list[DistributedDataParallel], *, lr: float, weight_decay: float = 0.01,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False,
-                 kind: str = "adam", sgd_momentum: float = 0.9, overlap_param_gather: bool = False) -> None:
-        if kind not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer {kind!r}: expected adam or sgd")
+    def __init__(self, model_chunks: list[DistributedDataParallel], config: OptimizerConfig) -> None:
         self.model_chunks = model_chunks
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.kind, self.sgd_momentum = kind, sgd_momentum
-        self.distributed = distributed and ps.get_data_parallel_world_size() > 1
+        self.config = config
+        self.lr, self.weight_decay, self.betas, self.eps = config.lr, config.weight_decay, config.betas, config.adam_eps
+        self.kind, self.sgd_momentum = config.optimizer, config.sgd_momentum
+        self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
         self.step_count = 0
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
@@ -73,7 +71,7 @@ class DistributedAdamW:
             if not self.distributed and dp_rank != 0:
                 norm = []
             self.chunks.append([_Chunk(ddp, lo, hi, decay, norm) for lo, hi in buf.owned_ranges(self.distributed)])
-        self.overlap_param_gather = overlap_param_gather and self.distributed
+        self.overlap_param_gather = config.overlap_param_gather and self.distributed
         self._pending: dict[tuple[int, int], tuple] = {}  # (chunk, bucket) -> (work, local shard)
         if self.overlap_param_gather:
             self._register_param_gather_hooks()

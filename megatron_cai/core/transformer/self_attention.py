@@ -19,6 +19,7 @@ from .. import parallel_state as ps
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import divide
+from .lse_stats import LseStatsCollector
 from .norms import build_norm
 from .rope import apply_rotary
 
@@ -55,8 +56,10 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod) -> None:
+    def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod,
+                 lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
+        self.lse_stats = lse_stats  # where the interval path records [lse mean, max] (None: not recorded)
         tp = ps.get_tensor_model_parallel_world_size()
         self.config = config
         self.layer_number = layer_number
@@ -84,7 +87,6 @@ class SelfAttention(nn.Module):
                                           config.apply_layernorm_1p)
             self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
                                           config.apply_layernorm_1p)
-        self.last_lse_stats: torch.Tensor | None = None  # [lse mean, lse max] of the last interval-path call
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -142,14 +144,12 @@ class SelfAttention(nn.Module):
             idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
             visibility = (idx, torch.full_like(idx, t))
         start, limit = visibility
-        zreg = cfg.attention_zreg_coeff * getattr(self, "zreg_scale", 1.0)
+        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
         # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
         window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
                           position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
                           dropout_p=dropout)
-        with torch.no_grad():  # [mean, max] over rows with a finite lse; no host sync (read when logging)
-            finite = torch.isfinite(lse)
-            mean = torch.where(finite, lse, 0.0).sum() / finite.sum().clamp_min(1)
-            self.last_lse_stats = torch.stack([mean, torch.where(finite, lse, float("-inf")).amax()])
+        if self.lse_stats is not None:
+            self.lse_stats.record(self.layer_number, lse)
         return out
