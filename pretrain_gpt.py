@@ -77,13 +77,20 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer, num_sampl
     from megatron_cai.core.datasets.tree_dataset import TreeDataset, TreeDatasetConfig
     from megatron_cai.training.logging import print_rank_0
 
-    ds_config = TreeDatasetConfig(sequence_length=seq_length, random_seed=seed, split=data.split,
+    ds_config = TreeDatasetConfig(sequence_length=seq_length, random_seed=seed, split=data.split or "1,0,0",
                                   path_to_cache=data.data_cache_path, reset_position_ids=data.reset_position_ids,
                                   reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
                                   eod_token_id=_eod_or_none(tokenizer), data_format=data.data_format,
                                   tree_loss_weighting=data.tree_loss_weighting,
                                   vocab_size=config.model.vocab_size)  # token ids checked once per .bin
-    datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples, ds_config)
+    if data.train_data_path is not None:  # Megatron's per-split blends: each split reads all of its prefixes
+        per_split = (data.train_data_path, data.valid_data_path, data.test_data_path)
+        whole = ("1,0,0", "0,1,0", "0,0,1")
+        datasets = tuple(
+            build_train_valid_test_datasets(paths, whole[i], [n if j == i else 0 for j in range(3)], ds_config)[i]
+            if paths else None for i, (paths, n) in enumerate(zip(per_split, num_samples)))
+    else:
+        datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples, ds_config)
     trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
     if trees and config.distill.enabled:
         raise ArgumentError("distillation (--distill-*) does not support tree data; use plain documents")

@@ -23,5 +23,6 @@ setup(
             "matplotlib",
         ],
         "gpu": ["triton"],
+        "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
     },
 )

@@ -40,11 +40,11 @@ mkdir -p "$LOGS"
 TRAIN=(
   --data-path "$DATA/demo_text_document" --split 969,30,1
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok.model"
-  --num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256
+  --num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --position-embedding-type rope
   --micro-batch-size 8 --global-batch-size 8 --train-iters "$ITERS"
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0
   --hidden-dropout 0 --attention-dropout 0
-  --log-interval 10 --eval-interval 200 --eval-iters 5
+  --log-interval 10 --eval-interval 200 --eval-iters 5 --num-workers 0
   --save "$CKPT" --save-interval 200 --tensorboard-dir "$CKPT/tensorboard"
 )
 echo "== 4/5 train to iteration $HALF, save and stop; then resume to $ITERS"

@@ -8,5 +8,8 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 python -c "import torch" 2>/dev/null || pip install -q torch==2.13.0
 pip install -q -e ".[test]"
+# megatron-core 0.19.2, the reference the Megatron-LM compatibility tests compare against (it declares
+# Python >= 3.12 and would pull CUDA packages; the tests need only its pure-Python parts).
+pip install --no-deps --ignore-requires-python megatron-core==0.19.2
 # pytest exits 5 when it collects no tests; `set -e` turns that into a failure too.
 exec python -m pytest -m "not slow" -q -p no:cacheprovider "$@"

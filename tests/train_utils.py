@@ -7,7 +7,9 @@ from megatron_cai.training.training import Trainer
 
 TINY_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
               "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
-              "--vocab-size", "100", "--make-vocab-size-divisible-by", "8"]
+              "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
+              # what the tests were written against (Megatron-LM's defaults differ: learned_absolute, linear, 2)
+              "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 
 
 def train(argv: list[str], world_size: int = 1, trainer_hook=None) -> dict:

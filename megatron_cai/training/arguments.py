@@ -8,7 +8,9 @@ it (``training/config.py``, ``core/models/gpt/config.py``, ``core/distributed/co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import re
 
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
@@ -27,44 +29,68 @@ from .config import (
     TrainConfig,
     TrainingConfig,
 )
+from .megatron_compat import CompatError, add_compat_arguments, attention_backend_for, check_compat
 from .tokenizer import vocab_size_with_padding
 
-__all__ = ["ArgumentError", "build_config", "build_parser", "parse_args", "parse_config"]
+# Megatron-LM's --attention-backend names, then ours.
+ATTENTION_BACKENDS = ["auto", "flash", "fused", "unfused", "local", "eager", "blocked", "cpu", "flex", "triton"]
+
+__all__ = ["ArgumentError", "build_config", "build_parser", "normalize_split", "parse_args", "parse_config",
+           "resolve_megatron_flags"]
 
 
 def _model(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument("--num-layers", type=int, default=4, help="Megatron-LM: required; a small demo model here")
+    g.add_argument("--hidden-size", type=int, default=256, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-attention-heads", type=int, default=4, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1, help="KV heads with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden / heads")
-    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument("--seq-length", type=int, default=256, help="Megatron-LM: required; a small demo model here")
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="same as --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true", help="same as --position-embedding-type none")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims rotated by RoPE")
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (same as --activation swiglu)")
     g.add_argument("--activation", choices=["relu2", "swiglu", "gelu"], default="relu2",
-                   help="MLP activation; relu2 (squared ReLU) is the default")
+                   help="MLP activation; relu2 (squared ReLU) is the default (Megatron-LM, which has no such flag, "
+                        "uses erf GeLU unless --swiglu / --squared-relu; erf GeLU is not implemented here)")
+    g.add_argument("--squared-relu", action="store_true", help="same as --activation relu2")
+    g.add_argument("--openai-gelu", action="store_true", help="same as --activation gelu (tanh approximation)")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head (--normalization)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights: the norms scale by (1 + weight), weight initialised to 0")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--attention-backend", default=None,
-                   help="core attention backend: eager | cpu | flex | triton (default: best for the device)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="core attention kernel. Megatron-LM's names: auto, flash and fused (the device's fused "
+                        "flash-style kernel: Triton on CUDA, the blocked kernel on CPU), unfused and local (the "
+                        "eager reference); ours: eager, blocked (= cpu), flex, triton")
     g.add_argument("--attention-zreg-coeff", type=float, default=0.0,
                    help="Attention Z-Reg: inject the gradient of w * mean(lse^2) (no loss term)")
     g.add_argument("--output-zreg-coeff", type=float, default=0.0,
                    help="z-loss on the output logits, injected as a gradient in the cross entropy")
     g.add_argument("--window-size", type=int, default=None, help="sliding attention window (in positions)")
-    g.add_argument("--recompute-granularity", choices=["full"], default=None,
-                   help="recompute each transformer layer in backward to save activation memory")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole transformer layers in backward (see --recompute-method); "
+                        "selective: recompute only the core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform checkpoints groups of --recompute-num-layers layers; block "
+                        "recomputes the first --recompute-num-layers layers of each pipeline stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:
@@ -77,12 +103,15 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="fully sharded data parallel on PyTorch FSDP2 (parameters, gradients and optimizer "
                         "state sharded over DP); composes with TP, SP, PP and --squinch")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="distributed optimizer: all-gather the updated parameter shards in the background and "
+                        "wait for each bucket just before its first use in the next forward")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per gradient bucket (default: max(40M, 1M x DP) with --overlap-grad-reduce)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl on CUDA, gloo on CPU")
+                   help="default: nccl on CUDA, gloo on CPU (Megatron-LM: nccl; NCCL cannot run on CPU)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
@@ -99,13 +128,13 @@ def _parallel(p: argparse.ArgumentParser) -> None:
 
 def _training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--micro-batch-size", type=int, default=4, help="Megatron-LM: required; 4 for a quick demo")
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--lr", type=float, default=3e-4, help="Megatron-LM: required; 3e-4 for a quick demo")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -116,6 +145,18 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true", help="bf16 autocast; fp32 master weights and grads")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the sum over all loss tokens of the global batch divided by their number "
+                        "(default: the mean over micro-batches of each micro-batch's token mean)")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam",
+                   help="adam: AdamW (decoupled weight decay, as Megatron-LM's adam); sgd: SGD with momentum")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--empty-unused-memory-level", type=int, choices=[0, 1, 2], default=0,
+                   help="empty the CUDA caching allocator: 1 after each training step, 2 also after each "
+                        "forward-backward and evaluation")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="disable Python's automatic garbage collection; collect every --manual-gc-interval steps")
+    g.add_argument("--manual-gc-interval", type=int, default=0, help="0: collect only at the end of training")
     q = p.add_argument_group("quantization-aware training")
     q.add_argument("--qat", choices=["none", "int8", "fp8"], default="none")
     q.add_argument("--qat-clamp", choices=["absmax", "static", "rms", "weight-rms"], default="rms")
@@ -125,9 +166,13 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="one activation clamp per tensor, per token (row) or per 128 elements (block)")
     q.add_argument("--qat-static-clamp", type=float, default=None,
                    help="c for --qat-clamp static (default: calibrated once, the absmax of the first batch)")
-    q.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default="hybrid")
+    q.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 training, as in Megatron-LM: turns on --qat fp8 with this format (e4m3: E4M3 for "
+                        "forward and backward; hybrid: E4M3 forward, E5M2 gradients); with --qat fp8 alone, "
+                        "hybrid")
     q.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="transformer_engine: with --qat fp8 on CUDA, the linears' GEMMs run in Transformer "
+                   help="local here because Transformer Engine is optional (Megatron-LM: transformer_engine). "
+                        "transformer_engine: with --qat fp8 on CUDA, the linears' GEMMs run in Transformer "
                         "Engine under its FP8 autocast (TE's scaling, not the clamp rules)")
     d = p.add_argument_group("distillation")
     d.add_argument("--distill-samples", default=None, help="teacher-sample sidecar (tools/dump_teacher_samples.py)")
@@ -143,14 +188,20 @@ def _data(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="a prefix, several prefixes, or weight-prefix pairs (W1 P1 W2 P2 ...)")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test weights, e.g. 99,1,0 (quotes around the value are ignored, as Megatron's "
+                        "number scan ignores them); with --data-path and no --split, Megatron's legacy 969,30,1")
+    g.add_argument("--train-data-path", nargs="*", default=None, help="prefixes (or weight-prefix pairs) for train")
+    g.add_argument("--valid-data-path", nargs="*", default=None, help="prefixes for validation")
+    g.add_argument("--test-data-path", nargs="*", default=None, help="prefixes for test")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
     g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
+                   help="Megatron-LM: required; SentencePieceTokenizer is what tools/train_tokenizer.py makes",
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer / mock data")
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true",
@@ -174,30 +225,57 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"], default="torch",
+                   help="torch: one file per model-parallel rank (Megatron-LM's torch layout). Megatron-LM's "
+                        "default torch_dist (and torch_dcp, fsdp_dtensor) is not implemented yet and is refused")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=10)
-    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=None, help="default: no periodic evaluation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     # gradient-reduction phase timers (core/distributed/comm_timing.py)
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="1: per-phase time of the Squinch gradient reduction every --log-interval; "
                         "2: also per bucket")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write TensorBoard scalars at log iterations divisible by this")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-throughput", action="store_true", help="log model TFLOP/s per GPU (Megatron's formula)")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time (and throughput with --log-throughput, and the gradient-reduction "
+                        "phase timers with --timing-log-level) to TensorBoard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", default=True)
+    g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (pip install wandb)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-entity", default=None)
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler trace of steps [--profile-step-start, --profile-step-end) on "
+                        "--profile-ranks, written for TensorBoard to --tensorboard-dir (else ./profile)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[], help="default: every rank")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", dest="exit_signal_handler", action="store_true", default=True,
+                   help="on by default here (Megatron-LM: off), so that Slurm preemption saves a checkpoint; "
+                        "see --no-exit-signal-handler")
     g.add_argument("--no-exit-signal-handler", dest="exit_signal_handler", action="store_false", default=True,
                    help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="megatron-cai GPT pretraining",
+    p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, divergence.add_arguments):
         add(p)
+    add_compat_arguments(p)
     return p
 
 
@@ -218,6 +296,88 @@ def parse_config(argv: list[str] | None = None, world_size: int | None = None,
 
 
 # ------------------------------------------------------------------------------------------ builder
+def normalize_split(value: str) -> str:
+    """``--split`` as Megatron reads it (the numbers in the string, in order), e.g. "'99,1,0'" -> "99,1,0"."""
+    numbers = re.findall(r"[.0-9]+", value)
+    leftover = re.sub(r"[.0-9]+", "", value)
+    if not numbers or len(numbers) > 3 or set(leftover) - set(",/ '\""):
+        raise ArgumentError(f"--split {value!r}: expected up to 3 comma-separated weights, e.g. 99,1,0")
+    return ",".join(numbers)
+
+
+def resolve_megatron_flags(flags: argparse.Namespace) -> argparse.Namespace:
+    """A copy of the parsed flags with Megatron-LM's aliases and value rules applied (``flags`` is not
+    modified; applying it twice gives the same result). Refused flags raise ArgumentError naming the
+    flag; the no-op flags given are listed in ``megatron_no_op_flags`` (see training/megatron_compat.py)."""
+    args = argparse.Namespace(**vars(flags))
+    try:
+        args.megatron_no_op_flags = check_compat(args)
+    except CompatError as e:
+        raise ArgumentError(str(e)) from None
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
+        args.position_embedding_type = "none"
+    chosen = [f for f, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                              ("--openai-gelu", args.openai_gelu)) if on]
+    if len(chosen) > 1:
+        raise ArgumentError(f"{' and '.join(chosen)}: choose one MLP activation")
+    if args.squared_relu:
+        args.activation = "relu2"
+    if args.openai_gelu:
+        args.activation = "gelu"
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "selective" and args.recompute_method is not None:
+        raise ArgumentError("--recompute-method applies to --recompute-granularity full, not selective")
+    if args.recompute_method is not None and args.recompute_granularity is None:
+        raise ArgumentError("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            args.recompute_method = "uniform"
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1 if args.recompute_method == "uniform" else args.num_layers
+        if args.recompute_num_layers < 0 or (args.recompute_method == "uniform" and args.recompute_num_layers < 1):
+            raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers}: must be >= 1 "
+                                f"(uniform) or >= 0 (block)")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        raise ArgumentError(f"--rotary-percent {args.rotary_percent}: must be in (0, 1]")
+    if args.split is not None:
+        args.split = normalize_split(args.split)
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if any(p is not None for p in per_split):
+        if args.data_path is not None:
+            raise ArgumentError("--data-path and --train-data-path/--valid-data-path/--test-data-path are "
+                                "exclusive (Megatron-LM's rule)")
+        if args.train_data_path is None:
+            raise ArgumentError("--valid-data-path / --test-data-path need --train-data-path")
+    elif args.data_path is not None and args.split is None:
+        args.split = "969,30,1"  # Megatron-LM's legacy default when --data-path comes without --split
+    if args.ckpt_format != "torch":
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: refused: only the torch format is implemented "
+                            f"here (Megatron-LM's distributed checkpoint formats are not yet); use --ckpt-format torch")
+    if args.fp8_format is not None:
+        if args.qat == "int8":
+            raise ArgumentError(f"--fp8-format {args.fp8_format} (FP8 training) conflicts with --qat int8")
+        args.qat = "fp8"
+    elif args.qat == "fp8":
+        args.fp8_format = "hybrid"
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM's rule)")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be < --profile-step-end "
+                            f"{args.profile_step_end}")
+    if args.apply_layernorm_1p and args.qat_clamp == "weight-rms":
+        raise ArgumentError("--apply-layernorm-1p with --qat-clamp weight-rms is not supported (the RMS "
+                            "prediction reads the norm weights as gamma); use --qat-clamp rms")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError("--wandb-project needs the wandb package, which is not installed: "
+                            "pip install wandb (or pip install -e '.[wandb]')")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
+    return args
+
+
 class _Layout:
     """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
 
@@ -262,7 +422,7 @@ def _qat_config(args: argparse.Namespace) -> QATConfig:
         alpha=args.qat_clamp_alpha,
         static_value=args.qat_static_clamp,
         granularity=args.qat_granularity,
-        fp8_format=args.fp8_format,
+        fp8_format=args.fp8_format or "hybrid",  # None unless --fp8-format or --qat fp8
         gemm_backend="transformer_engine" if args.transformer_impl == "transformer_engine" else "fake",
     )
 
@@ -282,21 +442,26 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        qk_layernorm=args.qk_layernorm,
+        apply_layernorm_1p=args.apply_layernorm_1p,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        activation="swiglu" if args.swiglu else args.activation,
+        activation="swiglu" if args.swiglu else args.activation,  # --squared-relu / --openai-gelu resolved
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         sequence_parallel=args.sequence_parallel and tp > 1,
-        attention_backend=args.attention_backend,
+        attention_backend=attention_backend_for(args.attention_backend),
         attention_zreg_coeff=args.attention_zreg_coeff,
         attention_zreg_scale=1.0 / layout.num_microbatches,
         output_zreg_coeff=args.output_zreg_coeff,
         window_size=args.window_size,
         recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
     )
 
@@ -330,6 +495,10 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
         divergence=divergence.DivergenceConfig.from_args(args),
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        empty_unused_memory_level=args.empty_unused_memory_level,
+        manual_gc=args.manual_gc,
+        manual_gc_interval=args.manual_gc_interval,
     )
 
 
@@ -359,6 +528,9 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
+        overlap_param_gather=args.overlap_param_gather,
     )
 
 
@@ -377,6 +549,9 @@ def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerCon
 def _data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(
         data_path=list(args.data_path) if args.data_path is not None else None,
+        train_data_path=list(args.train_data_path) if args.train_data_path is not None else None,
+        valid_data_path=list(args.valid_data_path) if args.valid_data_path is not None else None,
+        test_data_path=list(args.test_data_path) if args.test_data_path is not None else None,
         split=args.split,
         data_cache_path=args.data_cache_path,
         mock_data=args.mock_data,
@@ -409,6 +584,7 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         finetune=args.finetune,
         exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         ckpt_step=args.ckpt_step,
+        ckpt_format=args.ckpt_format,
     )
 
 
@@ -419,7 +595,22 @@ def _logging_config(args: argparse.Namespace) -> LoggingConfig:
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters,
         timing_log_level=args.timing_log_level,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_queue_size=args.tensorboard_queue_size,
+        log_throughput=args.log_throughput,
         log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
+        log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+        wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name,
+        wandb_save_dir=args.wandb_save_dir,
+        wandb_entity=args.wandb_entity,
+        profile=args.profile,
+        profile_step_start=args.profile_step_start,
+        profile_step_end=args.profile_step_end,
+        profile_ranks=list(args.profile_ranks),
+        megatron_no_op_flags=list(args.megatron_no_op_flags),
     )
 
 
@@ -441,6 +632,8 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     config can be rebuilt for another world size (``rebuild_for_world_size``). ``vocab_size``: the
     tokenizer's vocabulary (default ``--vocab-size``). Raises :class:`ArgumentError` naming the flag.
     """
+    flags = args
+    args = resolve_megatron_flags(flags)
     layout = _Layout(args, world_size)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     _check_flags(args, vocab)
@@ -457,7 +650,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
             checkpoint=_checkpoint_config(args),
             logging=_logging_config(args),
             distill=_distill_config(args),
-            flags=dict(vars(args)),
+            flags=dict(vars(flags)),
         )
     except ArgumentError:
         raise
@@ -481,8 +674,8 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
         raise ArgumentError(problem)
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
-    if args.data_path is None and not args.mock_data:
-        raise ArgumentError("set --data-path (preprocessed prefixes) or --mock-data")
+    if args.data_path is None and args.train_data_path is None and not args.mock_data:
+        raise ArgumentError("set --data-path (or --train-data-path) with preprocessed prefixes, or --mock-data")
     if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
         raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
     if vocab_size is None:

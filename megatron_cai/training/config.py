@@ -73,15 +73,22 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = True
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)  # non-finite steps, loss spikes
+    calculate_per_token_loss: bool = False    # loss = sum over the global batch's tokens / their number
+    empty_unused_memory_level: int = 0        # 1: empty the CUDA cache after each step; 2: also mid-step
+    manual_gc: bool = False                   # no automatic Python GC; collect every manual_gc_interval steps
+    manual_gc_interval: int = 0
 
 
 @dataclass
 class DataConfig:
     data_path: list[str] | None = None
-    split: str = "969,30,1"
+    train_data_path: list[str] | None = None  # Megatron's per-split blends (instead of data_path + split)
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    split: str | None = "969,30,1"            # normalised ("99,1,0"); None with the per-split paths
     data_cache_path: str | None = None
     mock_data: bool = False
-    num_workers: int = 0
+    num_workers: int = 2
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -108,18 +115,34 @@ class CheckpointConfig:
     finetune: bool = False
     exit_on_missing_checkpoint: bool = False
     ckpt_step: int | None = None
+    ckpt_format: str = "torch"
 
 
 @dataclass
 class LoggingConfig:
     """Logging and evaluation."""
 
-    log_interval: int = 10
+    log_interval: int = 100
     tensorboard_dir: str | None = None
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    timing_log_level: int = 0                 # --timing-log-level: Squinch reduction phase timers (1, 2: per bucket)
+    eval_interval: int | None = None
+    eval_iters: int = 100
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    log_throughput: bool = False
     log_timers_to_tensorboard: bool = False
+    timing_log_level: int = 0                 # --timing-log-level: Squinch reduction phase timers (2: per bucket)
+    log_validation_ppl_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
+    profile: bool = False                     # torch.profiler trace of [profile_step_start, profile_step_end)
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
+    megatron_no_op_flags: list[str] = field(default_factory=list)  # given, accepted, without effect here
 
 
 @dataclass

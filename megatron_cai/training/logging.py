@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import sys
+from datetime import datetime
 
 from ..core import parallel_state as ps
 from .errors import safe_print
@@ -25,38 +26,71 @@ def print_rank_last(msg: str) -> None:
 def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_iter: float, lr: float,
                       global_batch: int, losses: dict[str, float], grad_norm: float | None, skipped: int,
                       tokens_per_sec: float, grad_comm_bytes: int | None = None,
-                      extra: dict[str, float] | None = None) -> str:
-    parts = [f" iteration {iteration:8d}/{train_iters:8d}",
-             f"consumed samples: {consumed:12d}",
-             f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
-             f"learning rate: {lr:.3E}",
-             f"global batch size: {global_batch:5d}"]
-    parts += [f"{k}: {v:.6E}" for k, v in losses.items()]
+                      extra: dict[str, float] | None = None, *, loss_scale: float = 1.0, nan_iters: int = 0,
+                      throughput_tflops: float | None = None, timestamp: datetime | None = None) -> str:
+    """megatron-core 0.19.2's ``training_log`` line, field by field, then our extra fields.
+
+    ``skipped`` and ``nan_iters`` count the iterations of this log interval, as Megatron's do.
+    """
+    ts = (timestamp or datetime.now()).strftime("%Y-%m-%d %H:%M:%S.%f")
+    line = f" [{ts}]"
+    line += f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed:12d} |"
+    line += f" elapsed time per iteration (ms): {ms_per_iter:.1f} |"
+    if throughput_tflops is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {throughput_tflops:.1f} |"
+    line += f" learning rate: {lr:.6E} |"
+    line += f" global batch size: {global_batch:5d} |"
+    for key, avg in losses.items():
+        if avg >= 0.0 or not math.isfinite(avg):
+            line += f" {key}: {avg:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
-        parts.append(f"grad norm: {grad_norm:.3f}")
-    parts.append(f"number of skipped iterations: {skipped:3d}")
-    parts.append(f"tokens per second: {tokens_per_sec:.1f}")
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nan_iters:3d} |"
+    line += f" tokens per second: {tokens_per_sec:.1f} |"
     if grad_comm_bytes is not None:
-        parts.append(f"grad comm bytes: {grad_comm_bytes}")
+        line += f" grad comm bytes: {grad_comm_bytes} |"
     for k, v in (extra or {}).items():
-        parts.append(f"{k}: {v:.4g}")
-    return " | ".join(parts) + " |"
+        line += f" {k}: {v:.4g} |"
+    return line
+
+
+def parameter_count_line(num_parameters: int, tp_rank: int = 0, pp_rank: int = 0) -> str:
+    """megatron-core 0.19.2's parameter-count line (printed by each model-parallel rank's DP rank 0)."""
+    return (" > number of parameters on (tensor, gtp_weight_remat, pipeline) "
+            f"model parallel rank ({tp_rank}, 0, {pp_rank}): {num_parameters}")
 
 
 def validation_log_lines(iteration: int, losses: dict[str, float], what: str = "validation") -> str:
-    parts = [f" {what} loss at iteration {iteration}"]
+    """megatron-core's validation block: a rule, the values and PPLs, a rule one character longer."""
+    string = f" {what} loss at iteration {iteration} | "
     for k, v in losses.items():
-        parts.append(f"{k} value: {v:.6E}")
-        parts.append(f"{k} PPL: {math.exp(min(20.0, v)):.6E}")
-    line = " | ".join(parts) + " | "
-    bar = "-" * len(line)
-    return f"{bar}\n{line}\n{bar}"
+        string += f"{k} value: {v:.6E} | "
+        string += f"{k} PPL: {math.exp(min(20, v)):.6E} | "
+    bar = "-" * (len(string) + 1)
+    return f"{bar}\n{string}\n{bar}"
+
+
+def gpt_flops_per_iteration(model, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) of the GPTConfig ``model``: megatron-core
+    0.19.2's ``num_floating_point_operations`` for a dense GPT (no MoE / MTP / linear attention terms)."""
+    h, s, layers = model.hidden_size, model.seq_length, model.num_layers
+    q_size, kv_size = model.kv_channels * model.num_attention_heads, model.kv_channels * model.num_query_groups
+    gemm = 3 * 2  # forward, wgrad and dgrad GEMMs; 2 FLOPs per multiply-add
+    mlp = gemm * h * model.ffn_hidden_size * (3 if model.activation == "swiglu" else 2)
+    attn_linear = gemm * (h * (q_size + 2 * kv_size) + q_size * h)
+    attn_core = gemm * q_size / 2 * 2  # causal half of QK^T and of (QK^T)V
+    logits = gemm * h * model.padded_vocab_size
+    tokens = batch_size * s
+    return tokens * (layers * (mlp + attn_linear) + logits) + batch_size * s * s * layers * attn_core
 
 
 class TensorBoard:
     """A SummaryWriter on the last rank when --tensorboard-dir is set (a no-op otherwise)."""
 
-    def __init__(self, log_dir: str | None) -> None:
+    def __init__(self, log_dir: str | None, max_queue: int = 1000) -> None:
         self.writer = None
         if log_dir and is_last_rank():
             try:
@@ -65,7 +99,7 @@ class TensorBoard:
                 print("WARNING: --tensorboard-dir given but the tensorboard package is not installed",
                       file=sys.stderr)
                 return
-            self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+            self.writer = SummaryWriter(log_dir=log_dir, max_queue=max_queue)
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if self.writer is not None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -38,7 +40,17 @@ from .arguments import rebuild_for_world_size
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .initialize import discover_env, initialize_distributed
-from .logging import TensorBoard, print_rank_0, print_rank_last, training_log_line, validation_log_lines
+from .logging import (
+    TensorBoard,
+    gpt_flops_per_iteration,
+    parameter_count_line,
+    print_rank_0,
+    print_rank_last,
+    training_log_line,
+    validation_log_lines,
+)
+from .megatron_compat import no_op_message
+from .train_extras import LogWindow, StepProfiler, WandbWriter, empty_device_cache, per_token_loss_step
 
 
 @dataclass
@@ -154,7 +166,10 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
         self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
-        self.tb = TensorBoard(config.logging.tensorboard_dir)
+        log = config.logging
+        self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
+        self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
+        self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
         tp = config.parallel.tensor_model_parallel_size
@@ -214,7 +229,11 @@ class Trainer:
 
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
-        return self.forward_backward(self.forward_step_func, iters, self.model, self.config.training.num_microbatches,
+        step_func = self.forward_step_func
+        if self.config.training.calculate_per_token_loss:
+            step_func, iters = per_token_loss_step(step_func, batches, self.model,
+                                                   self.config.training.num_microbatches, self.device)
+        return self.forward_backward(step_func, iters, self.model, self.config.training.num_microbatches,
                                      tensor_shape=self.tensor_shape, dtype=torch.float32,
                                      forward_only=forward_only, forward_context=self._forward_context)
 
@@ -229,6 +248,9 @@ class Trainer:
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
             m.finish_grad_sync()
+        level = self.config.training.empty_unused_memory_level
+        if level >= 2:
+            empty_device_cache(self.device)
         grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
             finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
@@ -238,6 +260,8 @@ class Trainer:
         else:
             for m in self.model:
                 m.reducer.step_skipped()
+        if level >= 1:
+            empty_device_cache(self.device)
         return self._average_stats(stats), grad_norm, finite
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
@@ -256,6 +280,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.valid_iter is None:
             return {}
+        self.optimizer.finish_param_sync()
         for m in self.model:
             m.eval()
         totals: dict[str, float] = {}
@@ -265,6 +290,8 @@ class Trainer:
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / eval_iters
             self.state.consumed_valid_samples += self.config.training.global_batch_size
+            if self.config.training.empty_unused_memory_level >= 1:
+                empty_device_cache(self.device)
         for m in self.model:
             m.train()
         return totals
@@ -274,6 +301,7 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.save:
             return
+        self.optimizer.finish_param_sync()
         refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
         if refused:
             print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
@@ -293,15 +321,19 @@ class Trainer:
         run, log, st = self.config.training, self.config.logging, self.state
         save_interval = self.config.checkpoint.save_interval
         start_time = time.time()
-        window_time, window_iters = time.time(), 0
-        window_losses: dict[str, float] = {}
+        window = LogWindow()
         history = []
+        if run.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection; collect at fixed steps
+            gc.disable()
+            gc.collect()
         while st.iteration < run.train_iters:
+            self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
             st.consumed_train_samples += run.global_batch_size
+            self.profiler.after_step(st.iteration)
             if not finite:
                 st.skipped_iterations += 1
                 print_rank_last(f" iteration {st.iteration}: non-finite loss or gradient (grad norm {grad_norm}) on "
@@ -311,45 +343,26 @@ class Trainer:
                 print_rank_last(spike)
                 st.extra["loss_spikes"] = self.divergence.spikes
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
-            for k, v in losses.items():
-                window_losses[k] = window_losses.get(k, 0.0) + v
-            window_iters += 1
+            window.add(losses, skipped=not finite)
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes})
             if len(history) == 1:
                 st.extra["memory"] = self._log_memory("after the first iteration")
+            if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
+                gc.collect()
+            if self.tb.writer is not None and st.iteration % log.tensorboard_log_interval == 0:
+                self._per_iteration_scalars()
+            self.wandb.log({**losses, "learning-rate": lr, "grad-norm": grad_norm, "loss-scale": self._loss_scale()},
+                           st.iteration)
             if st.iteration % log.log_interval == 0:
-                device_mod.synchronize(self.device)
-                elapsed = (time.time() - window_time) / window_iters
-                avg = {k: v / window_iters for k, v in window_losses.items()}
-                tps = run.global_batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
-                extra = self._lse_stats()
-                line_extra = None
-                if extra:
-                    line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
-                                  / (len(extra) // 2),
-                                  "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
-                print_rank_last(training_log_line(
-                    st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
-                    run.global_batch_size, avg, grad_norm, st.skipped_iterations, tps,
-                    grad_comm_bytes=comm_bytes, extra=line_extra))
-                self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
-                                 "grad-norm": grad_norm, "tokens-per-second": tps,
-                                 "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
-                if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
-                    reducers = [getattr(m, "reducer", None) for m in self.model]
-                    timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
-                    for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window_iters):
-                        print_rank_last(line)
-                    if log.log_timers_to_tensorboard:
-                        self.tb.scalars(timing_scalars(timings, window_iters), st.iteration)
-                window_time, window_iters, window_losses = time.time(), 0, {}
+                self._log(window, lr, grad_norm, comm_bytes)
+                window = LogWindow()
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
                     st.extra.setdefault("validation", []).append({"iteration": st.iteration, **val})
                     print_rank_last(validation_log_lines(st.iteration, val))
-                    self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, st.iteration)
+                    self._validation_scalars(val)
             if save_interval and st.iteration % save_interval == 0:
                 self.save()
             if self.exit_signal.any_rank(self.device):
@@ -367,9 +380,77 @@ class Trainer:
         else:
             if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
                 self.save()
+        self.optimizer.finish_param_sync()
+        self.profiler.close()
+        if run.manual_gc:
+            gc.enable()
         st.extra["history"] = history
         self.tb.close()
+        self.wandb.close()
         return st
+
+    def _loss_scale(self) -> float:
+        """The fp16 loss scale (1.0 without a loss scaler, as Megatron-LM logs it for bf16 / fp32)."""
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        return float(scaler.scale) if scaler is not None else 1.0
+
+    def _log(self, window: LogWindow, lr: float, grad_norm: float, comm_bytes: int) -> None:
+        run, log, st = self.config.training, self.config.logging, self.state
+        device_mod.synchronize(self.device)
+        elapsed = window.seconds_per_iteration()
+        tps = run.global_batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
+        throughput = None
+        if log.log_throughput:
+            flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
+            throughput = flops / (elapsed * 1e12 * self.config.parallel.world_size)
+        extra = self._lse_stats()
+        line_extra = None
+        if extra:
+            line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
+                          / (len(extra) // 2),
+                          "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
+        avg = window.averages()
+        print_rank_last(training_log_line(
+            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr, run.global_batch_size,
+            avg, grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes, extra=line_extra,
+            loss_scale=self._loss_scale(), nan_iters=window.nan, throughput_tflops=throughput))
+        scalars = {**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr, "grad-norm": grad_norm,
+                   "tokens-per-second": tps, "grad-comm-bytes": comm_bytes, **extra}
+        if log.log_timers_to_tensorboard:
+            scalars["iteration-time"] = elapsed
+            if throughput is not None:
+                scalars["throughput"] = throughput
+        self.tb.scalars(scalars, st.iteration)
+        if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
+            reducers = [getattr(m, "reducer", None) for m in self.model]
+            timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
+            for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
+                print_rank_last(line)
+            if log.log_timers_to_tensorboard:
+                self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)
+
+    def _per_iteration_scalars(self) -> None:
+        """Megatron-LM's per-iteration TensorBoard scalars (every --tensorboard-log-interval iterations)."""
+        log = self.config.logging
+        values = {"batch-size": self.config.training.global_batch_size}
+        if log.log_loss_scale_to_tensorboard:
+            values["loss-scale"] = self._loss_scale()
+        if log.log_world_size_to_tensorboard:
+            values["world-size"] = self.config.parallel.world_size
+        self.tb.scalars(values, self.state.iteration)
+
+    def _validation_scalars(self, val: dict[str, float]) -> None:
+        log, it = self.config.logging, self.state.iteration
+        values = {f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}
+        for k, v in val.items():
+            values[f"{k} validation"] = v
+            if log.log_validation_ppl_to_tensorboard:
+                values[f"{k} validation ppl"] = math.exp(min(20.0, v))
+        self.tb.scalars(values, it)
+        if log.log_validation_ppl_to_tensorboard:
+            self.tb.scalars({f"{k} validation ppl vs samples": math.exp(min(20.0, v)) for k, v in val.items()},
+                            self.state.consumed_train_samples)
+        self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
     def _lse_stats(self) -> dict[str, float]:
         """Attention lse mean / max per layer in this iteration's last micro-batch (every rank calls it).
@@ -408,7 +489,14 @@ def _bind_distiller(forward_step_func, distiller):
 
 def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
     """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
+    message = no_op_message(list(config.logging.megatron_no_op_flags))
+    if message:
+        print_rank_0(message)
     trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
+    if ps.get_data_parallel_rank() == 0:
+        print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),
+                                   ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()),
+              flush=True)
     par = trainer.config.parallel
     print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
                  f"on rank 0; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "

@@ -34,7 +34,9 @@ FIXTURE_FLAGS = ["--mock-data", "--vocab-size", "60", "--make-vocab-size-divisib
                  "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                  "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr",
                  "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters",
-                 "0", "--log-interval", "1", "--seed", "5", "--qat", "int8", "--qat-clamp", "static"]
+                 "0", "--log-interval", "1", "--seed", "5", "--qat", "int8", "--qat-clamp", "static",
+                 # the defaults of main at db88585, when the fixture was saved (Megatron-LM's differ since)
+                 "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 FLAGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-samples", "20", "--lr-warmup-fraction",
                       "0.25", "--squinch", "--no-squinch-error-feedback", "--qat", "fp8", "--qat-clamp-alpha", "16",
                       "--attention-zreg-coeff", "0.1", "--recompute-granularity", "full", "--data-path", "a", "b"]

@@ -245,6 +245,10 @@ class FullyShardedAdamW:
                 g["lr"] = lr
         self.optimizer.step()
 
+    def finish_param_sync(self) -> None:
+        """Nothing pending: FSDP2 all-gathers the parameter shards itself in each forward."""
+        return None
+
 
 __all__: list[str] = ["FSDPSettings", "FullyShardedAdamW", "FullyShardedChunk", "build_dp_mesh", "local",
                       "sharding_units", "wrap_model_chunks", "build_fsdp2"]

@@ -8,7 +8,8 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 @dataclass
 class OptimizerConfig:
-    """AdamW settings (flags --lr, --weight-decay, --adam-*, --clip-grad, --use-distributed-optimizer)."""
+    """Optimizer settings (flags --optimizer, --lr, --weight-decay, --adam-*, --sgd-momentum, --clip-grad,
+    --use-distributed-optimizer, --overlap-param-gather)."""
 
     lr: float = 3e-4
     weight_decay: float = 0.01
@@ -17,8 +18,15 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0                   # max global grad norm; 0: no clipping
     use_distributed_optimizer: bool = False  # shard the Adam state over DP (ZeRO-1)
+    optimizer: str = "adam"                  # adam (AdamW) | sgd (momentum, L2 weight decay on matrices)
+    sgd_momentum: float = 0.9
+    overlap_param_gather: bool = False       # distributed optimizer: all-gather overlapped with the next forward
 
     def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM's rule)")
         if not self.lr >= 0:
             raise ValueError(f"--lr must be >= 0, got {self.lr}")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):

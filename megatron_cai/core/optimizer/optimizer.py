@@ -38,10 +38,18 @@ class _Chunk:
 
 
 class DistributedAdamW:
+    """AdamW (``optimizer="adam"``) or SGD with momentum (``optimizer="sgd"``: torch.optim.SGD's update with L2
+    weight decay on matrices, as Megatron-LM's sgd) over the flat buffers.
+
+    ``overlap_param_gather`` (distributed optimizer): the all-gather of the updated shards runs in the
+    background; each module waits for its parameters' buckets just before its next forward.
+    """
+
     def __init__(self, model_chunks: list[DistributedDataParallel], config: OptimizerConfig) -> None:
         self.model_chunks = model_chunks
         self.config = config
         self.lr, self.weight_decay, self.betas, self.eps = config.lr, config.weight_decay, config.betas, config.adam_eps
+        self.kind, self.sgd_momentum = config.optimizer, config.sgd_momentum
         self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
         self.step_count = 0
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -63,6 +71,10 @@ class DistributedAdamW:
             if not self.distributed and dp_rank != 0:
                 norm = []
             self.chunks.append([_Chunk(ddp, lo, hi, decay, norm) for lo, hi in buf.owned_ranges(self.distributed)])
+        self.overlap_param_gather = config.overlap_param_gather and self.distributed
+        self._pending: dict[tuple[int, int], tuple] = {}  # (chunk, bucket) -> (work, local shard)
+        if self.overlap_param_gather:
+            self._register_param_gather_hooks()
 
     # ------------------------------------------------------------------------------------ gradients
     def grad_norm(self) -> float:
@@ -95,6 +107,11 @@ class DistributedAdamW:
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
         self.step_count += 1
+        if self.kind == "sgd":
+            self._sgd_step(lr)
+            if self.distributed:
+                self._all_gather_params()
+            return
         b1, b2 = self.betas
         bc1 = 1 - b1 ** self.step_count
         bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
@@ -111,16 +128,57 @@ class DistributedAdamW:
         if self.distributed:
             self._all_gather_params()
 
+    def _sgd_step(self, lr: float) -> None:
+        """torch.optim.SGD (dampening 0, no Nesterov): g += wd * p (matrices only); buf = m * buf + g
+        (buf = g on the first step); p -= lr * buf. The momentum buffer lives in exp_avg."""
+        for chunk_list in self.chunks:
+            for c in chunk_list:
+                g = c.grad.float().clone()
+                if self.weight_decay:
+                    for s, e in c.decay:
+                        g[s:e].add_(c.param[s:e], alpha=self.weight_decay)
+                if self.sgd_momentum:
+                    if self.step_count == 1:
+                        c.exp_avg.copy_(g)
+                    else:
+                        c.exp_avg.mul_(self.sgd_momentum).add_(g)
+                    g = c.exp_avg
+                c.param.add_(g, alpha=-lr)
+
     def _all_gather_params(self) -> None:
         group = ps.get_data_parallel_group()
-        for ddp in self.model_chunks:
-            works = []
-            for bucket in ddp.buffer.buckets:
+        for ci, ddp in enumerate(self.model_chunks):
+            for bi, bucket in enumerate(ddp.buffer.buckets):
                 local = bucket.shard(bucket.param_data).clone()
-                works.append(device_mod.all_gather_into_tensor(bucket.param_data, local, group=group,
-                                                               async_op=True))
-            for w in works:
-                w.wait()
+                work = device_mod.all_gather_into_tensor(bucket.param_data, local, group=group, async_op=True)
+                self._pending[(ci, bi)] = (work, local)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every outstanding parameter all-gather (before reading or saving parameters)."""
+        for key in list(self._pending):
+            self._wait_bucket(key)
+
+    def _wait_bucket(self, key: tuple[int, int]) -> None:
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending[0].wait()
+
+    def _register_param_gather_hooks(self) -> None:
+        """A forward pre-hook on every module that owns parameters: wait for their buckets' all-gathers."""
+        for ci, ddp in enumerate(self.model_chunks):
+            buf = ddp.buffer
+            for module in ddp.module.modules():
+                keys = set()
+                for p in module.parameters(recurse=False):
+                    if id(p) not in buf.offsets:
+                        continue
+                    s, e = buf.offsets[id(p)]
+                    keys.update((ci, bi) for bi, b in enumerate(buf.buckets) if b.start < e and s < b.end)
+                if keys:
+                    module.register_forward_pre_hook(
+                        lambda _m, _inp, keys=tuple(sorted(keys)): [self._wait_bucket(k) for k in keys] and None)
 
     def _device(self) -> torch.device:
         return self.model_chunks[0].buffer.param_data.device

@@ -30,10 +30,10 @@ class TransformerLayer(nn.Module):
         init = normal_init(config.init_method_std)
         out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
         sp = config.sequence_parallel
-        eps = config.layernorm_epsilon
-        self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
+        eps, one_p = config.layernorm_epsilon, config.apply_layernorm_1p
+        self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
         self.self_attention = SelfAttention(config, layer_number, init, out_init, lse_stats)
-        self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
+        self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
         self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
                        init, out_init, sp)
 
@@ -59,17 +59,37 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i, lse_stats) for i in layer_numbers})
         self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
-                                           config.sequence_parallel) if post_process else None)
-        self.recompute = config.recompute_granularity == "full"
+                                           config.sequence_parallel, config.apply_layernorm_1p)
+                                if post_process else None)
+        self.config = config
+
+    def recompute_groups(self) -> list[tuple[list[int], bool]]:
+        """This stage's layers (local indices) in checkpoint units: (layers, recomputed), Megatron's rule.
+
+        full/uniform: consecutive groups of --recompute-num-layers, each recomputed as one unit;
+        full/block: the first --recompute-num-layers layers recomputed one by one, the rest not."""
+        n, cfg = len(self.layers), self.config
+        if cfg.recompute_granularity != "full":
+            return [([i], False) for i in range(n)]
+        k = 1 if cfg.recompute_num_layers is None else cfg.recompute_num_layers
+        if cfg.recompute_method == "block":
+            return [([i], i < k) for i in range(n)]
+        return [(list(range(i, min(i + k, n))), True) for i in range(0, n, k)]
 
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
-        for layer in self.layers.values():
-            if self.recompute and self.training and kv_cache is None:
-                x = torch.utils.checkpoint.checkpoint(layer, x, rotary, visibility, position_ids,
-                                                      use_reentrant=False)
+        layers = list(self.layers.values())
+
+        def run(x, idx):
+            for i in idx:
+                x = layers[i](x, rotary, visibility, position_ids, kv_cache)
+            return x
+
+        for idx, recompute in self.recompute_groups():
+            if recompute and self.training and kv_cache is None:
+                x = torch.utils.checkpoint.checkpoint(run, x, idx, use_reentrant=False)
             else:
-                x = layer(x, rotary, visibility, position_ids, kv_cache)
+                x = run(x, idx)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

@@ -15,7 +15,11 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 1000
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [batch, seq, heads, head_dim] by cos/sin [batch, seq, head_dim]."""
+    """Rotate x [batch, seq, heads, head_dim] by cos/sin [batch, seq, rot_dim]; with rot_dim < head_dim
+    (--rotary-percent) only the first rot_dim dims rotate, the rest pass through (Megatron's rule)."""
+    rot_dim = cos.shape[-1]
+    if rot_dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -20,6 +20,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParall
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import divide
 from .lse_stats import LseStatsCollector
+from .norms import build_norm
 from .rope import apply_rotary
 
 
@@ -80,6 +81,12 @@ class SelfAttention(nn.Module):
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:  # one norm over head_dim shared by all heads: weights summed over TP ranks
+            self.q_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
+                                          config.apply_layernorm_1p)
+            self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
+                                          config.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -95,13 +102,19 @@ class SelfAttention(nn.Module):
         if self.kv_replicated:
             k = k[:, :, self.kv_group_index:self.kv_group_index + 1]
             v = v[:, :, self.kv_group_index:self.kv_group_index + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        out = self._core_attention(q, k, v, visibility, position_ids)
+        if self.config.recompute_granularity == "selective" and self.training and kv_cache is None:
+            out = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
+                                                    use_reentrant=False)
+        else:
+            out = self._core_attention(q, k, v, visibility, position_ids)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 

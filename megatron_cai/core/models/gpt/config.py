@@ -25,8 +25,14 @@ class GPTConfig:
     kv_channels: int | None = None         # head dim; default hidden_size / heads
     seq_length: int = 256
     max_position_embeddings: int | None = None
-    position_embedding_type: str = "rope"  # rope | learned_absolute
+    position_embedding_type: str = "rope"  # rope | learned_absolute | none
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0            # fraction of each head's dims that RoPE rotates
+    qk_layernorm: bool = False             # norm over head_dim on queries and keys (before RoPE)
+    apply_layernorm_1p: bool = False       # zero-centred norm weights: scale by (1 + weight)
+    recompute_granularity: str | None = None  # None | full | selective (core attention)
+    recompute_method: str | None = None       # full: uniform | block
+    recompute_num_layers: int | None = None
     normalization: str = "LayerNorm"       # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1e-5
     activation: str = "relu2"              # relu2 | swiglu | gelu
@@ -43,7 +49,6 @@ class GPTConfig:
     attention_zreg_scale: float = 1.0
     output_zreg_coeff: float = 0.0
     window_size: int | None = None
-    recompute_granularity: str | None = None  # "full": recompute each layer in backward (training only)
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
 
     def __post_init__(self) -> None:
@@ -65,9 +70,10 @@ class GPTConfig:
                              f"num-query-groups {self.num_query_groups}")
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
-        choices = {"position_embedding_type": ("rope", "learned_absolute"),
+        choices = {"position_embedding_type": ("rope", "learned_absolute", "none"),
                    "normalization": ("LayerNorm", "RMSNorm"), "activation": ("relu2", "swiglu", "gelu"),
-                   "recompute_granularity": (None, "full")}
+                   "recompute_granularity": (None, "full", "selective"),
+                   "recompute_method": (None, "uniform", "block")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -76,7 +82,7 @@ class GPTConfig:
     ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
                            "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
                            "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
-                           "max_position_embeddings")
+                           "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
             x = self.input_tensor
         rotary = None
         if self.config.position_embedding_type == "rope":
-            rotary = rotary_cos_sin(position_ids, self.config.kv_channels, self.config.rotary_base)
+            rotary = rotary_cos_sin(position_ids, rotary_dim(self.config), self.config.rotary_base)
         x = self.decoder(x, rotary, visibility, position_ids, kv_cache)
         if not self.post_process:
             return x
@@ -143,6 +143,11 @@ class GPTModel(nn.Module):
         """Full-vocabulary logits (gathered over TP, padding rows dropped) for sampling and export."""
         full = mappings.gather_from_tensor_model_parallel_region(logits)
         return full[..., : self.config.vocab_size]
+
+
+def rotary_dim(config: GPTConfig) -> int:
+    """Dims of each head that RoPE rotates: int(kv_channels * rotary_percent), as Megatron computes it."""
+    return int(config.kv_channels * config.rotary_percent)
 
 
 def stage_layer_numbers(num_layers: int, pp_rank: int, pp_size: int, vpp_rank: int = 0,
