@@ -160,10 +160,57 @@ def _logging(p: argparse.ArgumentParser) -> None:
                    help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
 
 
+def _megatron_numerics(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's fp16 loss scaling, batch-size ramp-up, tokenizers and LR-schedule flags (its names and
+    defaults); extends the choices of --tokenizer-type and --lr-decay-style defined above."""
+    from ..core.optimizer.lr_scheduler import DECAY_STYLES, WSD_DECAY_STYLES
+    from .tokenizer import TOKENIZER_TYPES
+
+    for action in p._actions:
+        if action.dest == "tokenizer_type":
+            action.choices = list(dict.fromkeys([*action.choices, *TOKENIZER_TYPES]))
+        elif action.dest == "lr_decay_style":
+            action.choices = list(dict.fromkeys([*action.choices, *DECAY_STYLES]))
+    g = p.add_argument_group("Megatron-LM numerics: fp16, batch ramp-up, tokenizers, LR schedules")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 autocast with loss scaling; fp32 master weights and grads")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale (a positive power of 2 helps convergence); default: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="initial dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="clean iterations before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows before the dynamic loss scale halves")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES "
+                        "samples (Megatron's num-microbatches calculator)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="shrink the global batch to a multiple of micro batch x DP when it is not one")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2 (the pre-tokenizer regex)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens below the BPE ranks")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer: special tokens (default <unk> <s> </s>)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="warmup length with --train-samples")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="decay length with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+                   help="WSD: the shape of the final anneal")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal length with --train-samples")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal length with --train-iters")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="a separate peak learning rate for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="a separate minimum learning rate for the input embedding and output layer")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging):
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, _megatron_numerics):
         add(p)
     return p
 
@@ -250,7 +297,47 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             validate_distill_args(args)
         except ValueError as e:
             raise ArgumentError(str(e)) from None
+    _validate_megatron_numerics(args)
     return args
+
+
+def _validate_megatron_numerics(args: argparse.Namespace) -> None:
+    """Checks of the ``_megatron_numerics`` flags (Megatron's rules); sets the ramp-up train_iters."""
+    from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup
+
+    if args.fp16 and args.bf16:
+        raise ArgumentError("set at most one of --fp16 and --bf16")
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ArgumentError(f"--loss-scale must be positive, got {args.loss_scale}")
+    if args.fp16 and args.loss_scale is None and not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ArgumentError(f"--min-loss-scale {args.min_loss_scale} must be positive and at most "
+                            f"--initial-loss-scale {args.initial_loss_scale}")
+    if args.fp16 and (args.hysteresis < 1 or args.loss_scale_window < 1):
+        raise ArgumentError("--hysteresis and --loss-scale-window must be at least 1")
+    sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
+                    "--lr-warmup-samples": args.lr_warmup_samples != 0,
+                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
+                    "--rampup-batch-size": args.rampup_batch_size is not None}
+    if args.train_samples is None:
+        for flag, is_set in sample_flags.items():
+            if is_set:
+                raise ArgumentError(f"{flag} needs sample-based training (--train-samples), as in Megatron-LM")
+    elif args.lr_wsd_decay_iters is not None:
+        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters; use --lr-wsd-decay-samples")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+    try:
+        rampup = parse_rampup(args.rampup_batch_size)
+        calc = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+                                         rampup, args.decrease_batch_size_if_needed)
+        calc.check_ramp()
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    args.rampup_batch_size = rampup
+    if rampup is not None:
+        args.train_iters = calc.train_iters(args.train_samples)
+        if args.lr_warmup_fraction is not None:
+            args.lr_warmup_iters = 0
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:

@@ -19,7 +19,9 @@ from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import build_model_chunks
-from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
+from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
+from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
+from ..core.optimizer.lr_scheduler import OptimizerParamScheduler, lr_schedule_config_from_args
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.self_attention import SelfAttention
@@ -47,6 +49,12 @@ def config_from_args(args, vocab_size: int) -> GPTConfig:
         attention_backend=args.attention_backend, attention_zreg_coeff=args.attention_zreg_coeff,
         output_zreg_coeff=args.output_zreg_coeff, window_size=args.window_size,
         qat=qat_settings(args))
+
+
+def loss_scale_config(args) -> LossScaleConfig:
+    return LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                           min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+                           hysteresis=args.hysteresis)
 
 
 def qat_settings(args) -> dict:
@@ -126,9 +134,13 @@ class Trainer:
         self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                           distributed=args.use_distributed_optimizer)
-        self.scheduler = OptimizerParamScheduler(args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                                                 args.lr_decay_style)
+        self.grad_scaler = build_grad_scaler(loss_scale_config(args)) if getattr(args, "fp16", False) else None
+        self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
+        self.scheduler = OptimizerParamScheduler(lr_schedule_config_from_args(args))
         self.state = TrainState()
+        self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size (validated in arguments)
+            args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+            getattr(args, "rampup_batch_size", None), getattr(args, "decrease_batch_size_if_needed", False))
         if args.load:
             counters = checkpointing.load_checkpoint(
                 args.load, self.model, self.optimizer, self.scheduler, self.config,
@@ -159,6 +171,10 @@ class Trainer:
         self._attention = [mod for m in chunks for mod in m.modules() if isinstance(mod, SelfAttention)]
         for m in chunks:
             m.decoder.recompute = self.args.recompute_granularity == "full"
+            for layer in (getattr(m, "embedding", None), getattr(m, "output_layer", None)):  # --decoupled-lr
+                weight = getattr(getattr(layer, "word_embeddings", layer), "weight", None)
+                if weight is not None:
+                    weight.is_embedding_or_output_parameter = True
         for mod in self._attention:
             mod.zreg_scale = 1.0 / self.args.num_microbatches
         if self.config.qat:
@@ -202,7 +218,8 @@ class Trainer:
         return batches
 
     def _forward_context(self):
-        autocast = device_mod.autocast(self.device, self.args.bf16)
+        fp16 = getattr(self.args, "fp16", False)
+        autocast = device_mod.autocast(self.device, self.args.bf16 or fp16, torch.float16 if fp16 else torch.bfloat16)
         if self.config.qat.get("gemm_backend") != "transformer_engine":
             return autocast
         from ..core.quantization.gemm_backends import te_fp8_autocast, te_fp8_recipe
@@ -214,9 +231,20 @@ class Trainer:
         stack.enter_context(te_fp8_autocast(True, recipe=self._te_recipe))
         return stack
 
+    def _scaled_forward_step(self, data_iterator, model):
+        """The forward step with its loss multiplied by the fp16 loss scale (the stats stay unscaled)."""
+        output, loss_func = self.forward_step_func(data_iterator, model)
+        scale = self.grad_scaler.scale
+
+        def scaled_loss_func(output_tensor):
+            loss, stats = loss_func(output_tensor)
+            return loss * scale, stats
+        return output, scaled_loss_func
+
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
-        return self.forward_backward(self.forward_step_func, iters, self.model, self.args.num_microbatches,
+        step_func = self._scaled_forward_step if self.grad_scaler and not forward_only else self.forward_step_func
+        return self.forward_backward(step_func, iters, self.model, self.args.num_microbatches,
                                      tensor_shape=self.tensor_shape, dtype=torch.float32,
                                      forward_only=forward_only, forward_context=self._forward_context)
 
@@ -226,16 +254,23 @@ class Trainer:
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
+        self.microbatches.update(self.state.consumed_train_samples)
+        self.args.num_microbatches = self.microbatches.num_microbatches
         for mod in self._attention:
-            mod.last_lse_stats = None
+            mod.last_lse_stats = None  # the injected Z-Reg gradient is scaled like the loss
+            mod.zreg_scale = (self.grad_scaler.scale if self.grad_scaler else 1.0) / self.args.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
             m.finish_grad_sync()
+        if self.grad_scaler is not None:
+            self.optimizer.scale_grads(self.grad_scaler.inv_scale)
         grad_norm, finite = self.optimizer.clip_and_check(self.args.clip_grad)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not finite)
         if finite:
-            self.optimizer.step(self.scheduler.get_lr())
-            self.scheduler.step()
+            self.optimizer.step(self.scheduler.get_lr(), self.scheduler.get_lr(decoupled=True))
+            self.scheduler.step(self.microbatches.running_global_batch_size)  # in samples, as Megatron's
         else:
             for m in self.model:
                 m.reducer.step_skipped()
@@ -260,11 +295,15 @@ class Trainer:
         for m in self.model:
             m.eval()
         totals: dict[str, float] = {}
+        train_microbatches = self.args.num_microbatches  # validation uses the full global batch
+        self.args.num_microbatches = self.args.global_batch_size // (self.args.micro_batch_size
+                                                                     * self.args.data_parallel_size)
         for _ in range(self.args.eval_iters):
             stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / self.args.eval_iters
             self.state.consumed_valid_samples += self.args.global_batch_size
+        self.args.num_microbatches = train_microbatches
         for m in self.model:
             m.train()
         return totals
@@ -292,9 +331,10 @@ class Trainer:
             lr = self.scheduler.get_lr()
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
-            st.consumed_train_samples += a.global_batch_size
+            st.consumed_train_samples += self.microbatches.running_global_batch_size
             if not finite:
                 st.skipped_iterations += 1
+            if not finite and self.grad_scaler is None:  # an fp16 overflow is only counted, as in Megatron
                 print_rank_last(f" iteration {st.iteration}: non-finite gradient (grad norm {grad_norm}) on some "
                                 f"rank; skipped the optimizer step on every rank")
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
@@ -302,12 +342,14 @@ class Trainer:
                 window_losses[k] = window_losses.get(k, 0.0) + v
             window_iters += 1
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
-                            "grad comm bytes": comm_bytes})
+                            "grad comm bytes": comm_bytes,
+                            **({"loss scale": self.grad_scaler.scale} if self.grad_scaler else {})})
             if st.iteration % a.log_interval == 0:
                 device_mod.synchronize(self.device)
                 elapsed = (time.time() - window_time) / window_iters
                 avg = {k: v / window_iters for k, v in window_losses.items()}
-                tps = a.global_batch_size * a.seq_length / max(elapsed, 1e-9)
+                batch = self.microbatches.running_global_batch_size
+                tps = batch * a.seq_length / max(elapsed, 1e-9)
                 extra = self._lse_stats()
                 line_extra = None
                 if extra:
@@ -316,11 +358,13 @@ class Trainer:
                                   "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
                 print_rank_last(training_log_line(
                     st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
-                    a.global_batch_size, avg, grad_norm, st.skipped_iterations, tps,
+                    batch, avg, grad_norm, st.skipped_iterations, tps,
                     grad_comm_bytes=comm_bytes, extra=line_extra))
                 self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
-                                 "grad-comm-bytes": comm_bytes, **extra}, st.iteration)
+                                 "grad-comm-bytes": comm_bytes, **extra,
+                                 **({"loss-scale": self.grad_scaler.scale} if self.grad_scaler else {})},
+                                st.iteration)
                 window_time, window_iters, window_losses = time.time(), 0, {}
             if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
