@@ -343,6 +343,7 @@ class Trainer:
             window_iters += 1
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes,
+                            "global batch size": self.microbatches.running_global_batch_size,
                             **({"loss scale": self.grad_scaler.scale} if self.grad_scaler else {})})
             if st.iteration % a.log_interval == 0:
                 device_mod.synchronize(self.device)

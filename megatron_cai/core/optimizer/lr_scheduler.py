@@ -36,21 +36,16 @@ class LRScheduleConfig:
 def lr_schedule_config_from_args(args) -> LRScheduleConfig:
     """Megatron's ``get_optimizer_param_scheduler``: iteration flags x global batch size, or sample flags."""
     gbs = args.global_batch_size
-    if getattr(args, "train_samples", None) and getattr(args, "rampup_batch_size", None) or \
-            getattr(args, "lr_decay_samples", None) is not None:
+    if getattr(args, "train_samples", None) is not None:  # sample-based training
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
-                  else getattr(args, "lr_warmup_samples", 0))
+                  else args.lr_warmup_samples)
         wsd = args.lr_wsd_decay_samples
     else:
         decay = args.lr_decay_iters * gbs
         warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
                   else args.lr_warmup_iters * gbs)
         wsd = args.lr_wsd_decay_iters * gbs if getattr(args, "lr_wsd_decay_iters", None) is not None else None
-        if getattr(args, "lr_warmup_samples", 0):
-            warmup = args.lr_warmup_samples
-        if wsd is None and getattr(args, "lr_wsd_decay_samples", None) is not None:
-            wsd = args.lr_wsd_decay_samples
     return LRScheduleConfig(
         max_lr=args.lr, min_lr=args.min_lr, warmup_steps=warmup, decay_steps=decay,
         decay_style=args.lr_decay_style, init_lr=getattr(args, "lr_warmup_init", 0.0), wsd_decay_steps=wsd,
