@@ -12,8 +12,9 @@ import sys
 import torch
 
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
-from megatron_cai.training.arguments import ArgumentError, parse_args
-from megatron_cai.training.distill import get_distiller
+from megatron_cai.training.arguments import build_config, parse_args
+from megatron_cai.training.config import ArgumentError, TrainConfig
+from megatron_cai.training.initialize import discover_env
 from megatron_cai.training.training import pretrain
 
 
@@ -26,13 +27,15 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator, model):
-    """One micro-batch through one model chunk: returns its output and the loss function to apply."""
+def forward_step(data_iterator, model, distiller=None):
+    """One micro-batch through one model chunk: returns its output and the loss function to apply.
+
+    ``distiller``: the run's :class:`~megatron_cai.training.distill.Distiller`, bound by the Trainer when
+    distillation is on (None: plain LM training)."""
     batch = next(data_iterator)
     visibility = None
     if "visibility_start" in batch:
         visibility = (batch["visibility_start"], batch["visibility_limit"])
-    distiller = get_distiller()
     if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage
         return distiller.forward(model, batch, visibility)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility,
@@ -41,6 +44,7 @@ def forward_step(data_iterator, model):
 
 
 def build_tokenizer_from_args(args):
+    """The tokenizer the flags name (None for --mock-data without a tokenizer model)."""
     from megatron_cai.training.tokenizer import build_tokenizer
 
     if args.tokenizer_model is None and args.tokenizer_type != "NullTokenizer":
@@ -50,24 +54,35 @@ def build_tokenizer_from_args(args):
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
 
 
-def train_valid_test_datasets_provider(args, tokenizer, num_samples):
+def build_run(argv=None, world_size: int | None = None) -> tuple[TrainConfig, object]:
+    """Parse the flags once; return the run's TrainConfig (for ``world_size``, default the launcher's) and
+    its tokenizer."""
+    args = parse_args(argv)
+    tokenizer = build_tokenizer_from_args(args)
+    world = world_size if world_size is not None else discover_env().world_size
+    config = build_config(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)
+    return config, tokenizer
+
+
+def train_valid_test_datasets_provider(config: TrainConfig, tokenizer, num_samples):
     """(train, valid, test) datasets from --data-path/--split, or synthetic ones with --mock-data."""
-    if args.mock_data:
-        vocab = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
-        return tuple(MockGPTDataset(n, args.seq_length, vocab, seed=args.seed + i) if n else None
+    data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
+    if data.mock_data:
+        vocab = config.model.vocab_size
+        return tuple(MockGPTDataset(n, seq_length, vocab, seed=seed + i) if n else None
                      for i, n in enumerate(num_samples))
     from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
     from megatron_cai.core.datasets.tree_dataset import TreeDataset, TreeDatasetConfig
     from megatron_cai.training.logging import print_rank_0
 
-    config = TreeDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed, split=args.split,
-                               path_to_cache=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-                               reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-                               eod_token_id=_eod_or_none(tokenizer), data_format=args.data_format,
-                               tree_loss_weighting=args.tree_loss_weighting)
-    datasets = build_train_valid_test_datasets(args.data_path, args.split, num_samples, config)
+    ds_config = TreeDatasetConfig(sequence_length=seq_length, random_seed=seed, split=data.split,
+                                  path_to_cache=data.data_cache_path, reset_position_ids=data.reset_position_ids,
+                                  reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
+                                  eod_token_id=_eod_or_none(tokenizer), data_format=data.data_format,
+                                  tree_loss_weighting=data.tree_loss_weighting)
+    datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples, ds_config)
     trees = [(name, ds) for name, ds in zip(("train", "valid", "test"), datasets) if isinstance(ds, TreeDataset)]
-    if trees and (args.distill_samples or args.distill_teacher_load):
+    if trees and config.distill.enabled:
         raise ArgumentError("distillation (--distill-*) does not support tree data; use plain documents")
     for name, ds in trees:
         print_rank_0(f" > tree data: {ds.stats.summary(name)}")
@@ -85,12 +100,11 @@ def _eod_or_none(tokenizer):
 
 def main(argv=None):
     try:
-        args = parse_args(argv)
-        tokenizer = build_tokenizer_from_args(args)
+        config, tokenizer = build_run(argv)
     except (ArgumentError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    pretrain(args, train_valid_test_datasets_provider, forward_step, tokenizer)
+    pretrain(config, train_valid_test_datasets_provider, forward_step, tokenizer)
     if torch.distributed.is_initialized():  # a clean shutdown: no process-group teardown at exit
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

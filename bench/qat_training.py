@@ -105,12 +105,10 @@ def _fc2_probe(trainer, record: dict):
 
 def run_one(name: str, opts, data: str, tok: str) -> dict:
     import pretrain_gpt
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
-    args = parse_args(training_argv(opts, data, tok) + CONFIGS[name], world_size=1)
-    tokenizer = pretrain_gpt.build_tokenizer_from_args(args)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    config, tokenizer = pretrain_gpt.build_run(training_argv(opts, data, tok) + CONFIGS[name], world_size=1)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     record = {"on": False, "now": {}}
     has_probe = bool(_fc2_probe(trainer, record))
     valid, probes = [], []
@@ -132,7 +130,7 @@ def run_one(name: str, opts, data: str, tok: str) -> dict:
     state = trainer.train()
     seconds = time.time() - start
     # Final validation loss on a fixed set of batches (the same for every configuration).
-    trainer.args.eval_iters = opts.final_eval_iters
+    trainer.config.logging.eval_iters = opts.final_eval_iters
     trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
     final = evaluate()["lm loss"]
     return {"name": name, "final_valid_loss": final, "valid_curve": valid, "fc2_probes": probes,

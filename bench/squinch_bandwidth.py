@@ -46,13 +46,12 @@ def _measure_compute(steps: int = 6) -> dict:
     """fwd / bwd / opt times of one rank (single process), codec times and FLOPs per step."""
     import pretrain_gpt
     from megatron_cai.core.squinch import decode, decode_accumulate, encode_with_feedback
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
-    args = parse_args(MODEL + ["--global-batch-size", "4", "--train-iters", "100", "--log-interval", "1000"],
-                      world_size=1)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
-                      pretrain_gpt.build_tokenizer_from_args(args))
+    config, tokenizer = pretrain_gpt.build_run(
+        MODEL + ["--global-batch-size", "4", "--train-iters", "100", "--log-interval", "1000"], world_size=1)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    model = config.model
     ddp = trainer.model[0]
     batch = trainer._next_microbatches(trainer.train_iter)[0]
     t = {"fwd": [], "bwd": [], "opt": []}
@@ -73,8 +72,8 @@ def _measure_compute(steps: int = 6) -> dict:
             t["opt"].append(t3 - t2)
     med = {k: sorted(v)[len(v) // 2] for k, v in t.items()}
     n_params = sum(p.numel() for p in ddp.module.parameters())
-    tokens = args.micro_batch_size * args.seq_length
-    flops = 6 * n_params * tokens + 12 * args.num_layers * args.hidden_size * args.seq_length * tokens
+    tokens = config.training.micro_batch_size * model.seq_length
+    flops = 6 * n_params * tokens + 12 * model.num_layers * model.hidden_size * model.seq_length * tokens
     # Squinch codec on this rank's buckets at DP = 8: encode with feedback + decode-accumulate of 8
     # chunks-worth (one shard), re-encode the shard, decode all 8 shards.
     g = ddp.buffer.grad_data.clone().normal_()

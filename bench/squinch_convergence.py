@@ -40,12 +40,10 @@ VARIANTS = {
 
 def _worker(rank, world, argv):
     import pretrain_gpt
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
-    args = parse_args(argv, world_size=world)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
-                      pretrain_gpt.build_tokenizer_from_args(args))
+    config, tokenizer = pretrain_gpt.build_run(argv, world_size=world)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     t0 = time.time()
     state = trainer.train()
     reducer = trainer.model[0].reducer

@@ -25,7 +25,6 @@ sys.path.insert(0, ROOT)
 
 import pretrain_gpt  # noqa: E402
 from megatron_cai.core.models.gpt.model import GPTModel  # noqa: E402
-from megatron_cai.training.arguments import parse_args  # noqa: E402
 from megatron_cai.training.training import Trainer  # noqa: E402
 
 CONFIGS = {
@@ -40,14 +39,13 @@ def run_config(name: str, flags: list[str], steps: int, rounds: int) -> dict:
     argv = flags + ["--mock-data", "--vocab-size", "4096", "--train-iters", str(10_000), "--lr", "1e-3",
                     "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000",
                     "--eval-interval", "0", "--eval-iters", "0", "--clip-grad", "1.0"]
-    args = parse_args(argv, world_size=1)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
-                      pretrain_gpt.build_tokenizer_from_args(args))
-    plain = GPTModel(trainer.config)
-    plain.initialize(args.seed)
+    config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    plain = GPTModel(trainer.config.model)
+    plain.initialize(config.training.seed)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
     batches = trainer._next_microbatches(trainer.train_iter)
-    tokens = args.global_batch_size * args.seq_length
+    tokens = config.training.global_batch_size * config.model.seq_length
 
     def plain_step():
         for b in batches:

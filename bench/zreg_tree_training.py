@@ -53,13 +53,11 @@ def _run(rank, world_size, argv, tb_dir):
     import torch
 
     import pretrain_gpt
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    args = parse_args(argv + ["--tensorboard-dir", tb_dir], world_size=1)
-    tok = pretrain_gpt.build_tokenizer_from_args(args)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tok)
+    config, tok = pretrain_gpt.build_run(argv + ["--tensorboard-dir", tb_dir], world_size=1)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tok)
     t0 = time.time()
     state = trainer.train()
     seconds = time.time() - t0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pretrain_gpt
 from megatron_cai.core import parallel_state as ps
-from megatron_cai.training.arguments import parse_args
 from megatron_cai.training.training import Trainer
 
 TINY_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -13,9 +12,8 @@ TINY_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads
 
 def train(argv: list[str], world_size: int = 1, trainer_hook=None) -> dict:
     """Run pretrain_gpt's training with these flags; return the per-iteration history (last stage)."""
-    args = parse_args(argv, world_size=world_size)
-    tokenizer = pretrain_gpt.build_tokenizer_from_args(args)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    config, tokenizer = pretrain_gpt.build_run(argv, world_size=world_size)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     if trainer_hook is not None:
         trainer_hook(trainer)
     state = trainer.train()

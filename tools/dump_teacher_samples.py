@@ -120,21 +120,23 @@ def _tokenizer(args, ck):
     return build_tokenizer(ttype, model) if model else None
 
 
-def build_train_dataset(args, tokenizer, num_samples: int):
+def build_train_dataset(args, tokenizer, num_samples: int, vocab_size: int):
     """The student's train split, built by pretrain_gpt's own provider from the same flags."""
     import pretrain_gpt
 
     if len(args.data_path) != 1:
         raise DumpError(f"--data-path: give one preprocessed prefix, got {args.data_path} (a store is keyed by "
                         "the samples of one GPT dataset; blends are not supported)")
+    from megatron_cai.training.arguments import build_config
     from megatron_cai.training.arguments import build_parser as training_parser
 
     ns = training_parser().parse_args([])  # every training flag at its default, then the student's data flags
-    for name in ("data_path", "split", "seq_length", "seed", "data_cache_path", "reset_position_ids",
-                 "reset_attention_mask", "eod_mask_loss"):
-        setattr(ns, name, getattr(args, name))
-    ns.distill_samples = args.output
-    train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(ns, tokenizer, (num_samples, 0, 0))
+    flags = vars(args)
+    vars(ns).update({name: flags[name] for name in ("data_path", "split", "seq_length", "seed", "data_cache_path",
+                                                    "reset_position_ids", "reset_attention_mask", "eod_mask_loss")})
+    vars(ns).update(distill_samples=args.output, train_iters=1)
+    config = build_config(ns, world_size=1, vocab_size=vocab_size)
+    train, _, _ = pretrain_gpt.train_valid_test_datasets_provider(config, tokenizer, (num_samples, 0, 0))
     if train is None:
         raise DumpError(f"--data-path {args.data_path[0]} --split {args.split}: the train split is empty")
     return train
@@ -191,7 +193,7 @@ def dump(args) -> list[int]:
                         f"with {vocab}: the student, the teacher and the corpus must share one tokenizer")
     if args.k > vocab:
         raise DumpError(f"--k {args.k} exceeds the teacher's vocabulary ({vocab} tokens)")
-    dataset = build_train_dataset(args, tokenizer, num_samples)
+    dataset = build_train_dataset(args, tokenizer, num_samples, vocab)
     prefix = args.data_path[0]
     order = sample_order_fingerprint(dataset)
     extra = {"teacher": os.path.abspath(args.load), "teacher_iteration": ck.iteration,

@@ -200,11 +200,7 @@ def model_from_canonical(ck: CanonicalCheckpoint, device: str | torch.device = "
     cfg = inference_config(ck.config)
     rows = ck.model["embedding.word_embeddings.weight"].shape[0]
     cfg.padded_vocab_size = rows
-    model = GPTModel(cfg)
-    if cfg.qat:
-        from ..core.quantization.qat_linear import apply_qat
-
-        apply_qat(model, cfg.qat)
+    model = GPTModel(cfg)  # attaches the QAT quantizers when cfg.qat is enabled
     missing, unexpected = model.load_state_dict(ck.model, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -370,7 +370,7 @@ def export_to_hf(load: str, save: str, *, step: int | None = None, architecture:
 
     ck = load_canonical(load, step, load_optimizer=False)
     arch = choose_architecture(ck.config, architecture)
-    if ck.config.qat:
+    if ck.config.qat.enabled:
         log(" warning: the model was trained with quantization-aware training; the export holds the "
             "high-precision weights without fake quantization")
     os.makedirs(save, exist_ok=True)

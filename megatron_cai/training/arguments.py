@@ -1,10 +1,36 @@
-"""Command-line flags, named as in Megatron-LM wherever Megatron has the concept."""
+"""Command-line flags (named as in Megatron-LM wherever Megatron has the concept) and the one pure
+function, :func:`build_config`, that turns the parsed flags into a typed :class:`TrainConfig`.
+
+Adding a flag: ``add_argument`` it in its group below, add a field to the component config that uses
+it (``training/config.py``, ``core/models/gpt/config.py``, ``core/distributed/config.py``,
+``core/optimizer/config.py``), and one line in that component's ``_..._config`` builder here.
+"""
 from __future__ import annotations
 
 import argparse
 import math
 
+from ..core.distributed.config import DDPConfig, SquinchConfig
+from ..core.models.gpt.config import GPTConfig
+from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup
+from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
+from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
 from ..core.parallel_state import ParallelLayoutError, check_layout
+from ..core.quantization.qat_config import QATConfig
+from .config import (
+    ArgumentError,
+    CheckpointConfig,
+    DataConfig,
+    DistillConfig,
+    LoggingConfig,
+    ParallelConfig,
+    TokenizerConfig,
+    TrainConfig,
+    TrainingConfig,
+)
+from .tokenizer import vocab_size_with_padding
+
+__all__ = ["ArgumentError", "build_config", "build_parser", "parse_args", "parse_config"]
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -163,14 +189,14 @@ def _logging(p: argparse.ArgumentParser) -> None:
 def _megatron_numerics(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's fp16 loss scaling, batch-size ramp-up, tokenizers and LR-schedule flags (its names and
     defaults); extends the choices of --tokenizer-type and --lr-decay-style defined above."""
-    from ..core.optimizer.lr_scheduler import DECAY_STYLES, WSD_DECAY_STYLES
+    from ..core.optimizer.config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
     from .tokenizer import TOKENIZER_TYPES
 
     for action in p._actions:
         if action.dest == "tokenizer_type":
             action.choices = list(dict.fromkeys([*action.choices, *TOKENIZER_TYPES]))
         elif action.dest == "lr_decay_style":
-            action.choices = list(dict.fromkeys([*action.choices, *DECAY_STYLES]))
+            action.choices = list(dict.fromkeys([*action.choices, *LR_DECAY_STYLES]))
     g = p.add_argument_group("Megatron-LM numerics: fp16, batch ramp-up, tokenizers, LR schedules")
     g.add_argument("--fp16", action="store_true",
                    help="fp16 autocast with loss scaling; fp32 master weights and grads")
@@ -197,7 +223,7 @@ def _megatron_numerics(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="warmup length with --train-samples")
     g.add_argument("--lr-decay-samples", type=int, default=None,
                    help="decay length with --train-samples (default: --train-samples)")
-    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+    g.add_argument("--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
                    help="WSD: the shape of the final anneal")
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal length with --train-samples")
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal length with --train-iters")
@@ -205,6 +231,51 @@ def _megatron_numerics(p: argparse.ArgumentParser) -> None:
                    help="a separate peak learning rate for the input embedding and output layer")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="a separate minimum learning rate for the input embedding and output layer")
+
+
+def _check_megatron_numerics(args: argparse.Namespace, layout: _Layout) -> None:
+    """Cross-flag checks of the ``_megatron_numerics`` flags (Megatron's rules)."""
+    if args.fp16 and args.bf16:
+        raise ArgumentError("set at most one of --fp16 and --bf16")
+    if args.attention_zreg_coeff and (args.fp16 or args.rampup_batch_size is not None):
+        raise ArgumentError("--attention-zreg-coeff injects a gradient that follows neither the fp16 loss scale nor "
+                            "a changing micro-batch count: not with --fp16 or --rampup-batch-size")
+    sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
+                    "--lr-warmup-samples": args.lr_warmup_samples != 0,
+                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
+                    "--rampup-batch-size": args.rampup_batch_size is not None}
+    if args.train_samples is None:
+        for flag, is_set in sample_flags.items():
+            if is_set:
+                raise ArgumentError(f"{flag} needs sample-based training (--train-samples), as in Megatron-LM")
+    elif args.lr_wsd_decay_iters is not None:
+        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters; use --lr-wsd-decay-samples")
+
+
+def _loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
+    """The --fp16 loss scaler's settings (None without --fp16)."""
+    if not args.fp16:
+        return None
+    cfg = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                          min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+                          hysteresis=args.hysteresis)
+    try:
+        build_grad_scaler(cfg)  # its own checks, with the flag names
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return cfg
+
+
+def _batch_rampup(args: argparse.Namespace, global_batch_size: int, micro_batch_size: int,
+                  data_parallel_size: int) -> NumMicroBatchesCalculator:
+    """The --rampup-batch-size calculator; every batch size of the ramp checked against micro batch x DP."""
+    try:
+        calc = NumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
+                                         parse_rampup(args.rampup_batch_size), args.decrease_batch_size_if_needed)
+        calc.check_ramp()
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return calc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,65 +286,316 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed flags, as given (nothing derived, nothing validated: see :func:`build_config`)."""
+    return build_parser().parse_args(argv)
+
+
+def parse_config(argv: list[str] | None = None, world_size: int | None = None,
+                 vocab_size: int | None = None) -> TrainConfig:
+    """``build_config(parse_args(argv), world_size, vocab_size)``; the world size defaults to the
+    launcher's (torchrun / Slurm environment)."""
     if world_size is None:
         from .initialize import discover_env
 
         world_size = discover_env().world_size
-    validate_args(args, world_size)
-    return args
+    return build_config(parse_args(argv), world_size, vocab_size=vocab_size)
 
 
-class ArgumentError(ValueError):
-    """A flag value that cannot work; the message names the flag."""
+# ------------------------------------------------------------------------------------------ builder
+class _Layout:
+    """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
+
+    def __init__(self, args: argparse.Namespace, world_size: int) -> None:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if world_size < 1:
+            raise ArgumentError(f"the world size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        dp_guess = max(world_size // max(tp * pp, 1), 1)
+        self.global_batch_size = args.global_batch_size or args.micro_batch_size * dp_guess
+        try:
+            self.data_parallel_size = check_layout(
+                world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
+                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+        except ParallelLayoutError as e:
+            raise ArgumentError(str(e)) from None
+        self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
+        self.vpp = None
+        if args.num_layers_per_virtual_pipeline_stage is not None:
+            if pp < 2:
+                raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
+            if vpp > 1:
+                self.vpp = vpp
+                if self.num_microbatches % pp != 0:
+                    raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
+                                        f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
+        if (args.train_iters is None) == (args.train_samples is None):
+            raise ArgumentError("set exactly one of --train-iters and --train-samples")
+        self.train_iters = (args.train_iters if args.train_iters is not None
+                            else math.ceil(args.train_samples / self.global_batch_size))
+        self.microbatches = _batch_rampup(args, self.global_batch_size, args.micro_batch_size,
+                                          self.data_parallel_size)
+        if self.microbatches.rampup is not None and args.train_samples is not None:
+            self.train_iters = self.microbatches.train_iters(args.train_samples)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Fill derived values and reject impossible combinations with one clear message."""
-    if args.swiglu:
-        args.activation = "swiglu"
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    args.world_size = world_size
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp_guess = max(world_size // max(tp * pp, 1), 1)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp_guess
+def _qat_config(args: argparse.Namespace) -> QATConfig:
+    if args.qat == "none":
+        return QATConfig()
+    return QATConfig(
+        fmt=args.qat,
+        clamp=args.qat_clamp,
+        alpha=args.qat_clamp_alpha,
+        static_value=args.qat_static_clamp,
+        granularity=args.qat_granularity,
+        fp8_format=args.fp8_format,
+        gemm_backend="transformer_engine" if args.transformer_impl == "transformer_engine" else "fake",
+    )
+
+
+def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) -> GPTConfig:
+    tp = args.tensor_model_parallel_size
+    return GPTConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=vocab_size,
+        padded_vocab_size=vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by, tp),
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=layout.num_query_groups,
+        kv_channels=args.kv_channels,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        activation="swiglu" if args.swiglu else args.activation,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        add_bias_linear=not args.disable_bias_linear,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        sequence_parallel=args.sequence_parallel and tp > 1,
+        attention_backend=args.attention_backend,
+        attention_zreg_coeff=args.attention_zreg_coeff,
+        attention_zreg_scale=1.0 / layout.num_microbatches,
+        output_zreg_coeff=args.output_zreg_coeff,
+        window_size=args.window_size,
+        recompute_granularity=args.recompute_granularity,
+        qat=_qat_config(args),
+    )
+
+
+def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
+    return ParallelConfig(
+        world_size=layout.world_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        data_parallel_size=layout.data_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=args.sequence_parallel,
+        distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        ranks_per_node=args.ranks_per_node,
+        device=args.device,
+    )
+
+
+def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=layout.global_batch_size,
+        num_microbatches=layout.num_microbatches,
+        train_iters=layout.train_iters,
+        train_samples=args.train_samples,
+        seed=args.seed,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=_loss_scale_config(args),
+        rampup_batch_size=layout.microbatches.rampup,
+        decrease_batch_size_if_needed=args.decrease_batch_size_if_needed,
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+    )
+
+
+def _ddp_config(args: argparse.Namespace) -> DDPConfig:
+    reducer = "squinch" if args.squinch else ("reducescatter" if args.use_distributed_optimizer else "allreduce")
+    return DDPConfig(
+        reducer=reducer,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        bucket_size=args.ddp_bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        squinch=SquinchConfig(
+            error_feedback=args.squinch_error_feedback,
+            stochastic_rounding=args.squinch_stochastic_rounding,
+            hierarchical=args.squinch_hierarchical,
+        ),
+    )
+
+
+def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerConfig:
+    """Megatron's get_optimizer_param_scheduler: lengths in samples, from --lr-*-iters x global batch size with
+    --train-iters, or from the --lr-*-samples flags with --train-samples."""
+    if args.train_samples is not None:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples
+    else:
+        gbs = layout.global_batch_size
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else layout.train_iters) * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    return SchedulerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        lr_decay_style=args.lr_decay_style,
+        lr_warmup_samples=warmup,
+        lr_decay_samples=decay,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_samples=wsd,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+    )
+
+
+def _data_config(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(
+        data_path=list(args.data_path) if args.data_path is not None else None,
+        split=args.split,
+        data_cache_path=args.data_cache_path,
+        mock_data=args.mock_data,
+        num_workers=args.num_workers,
+        eod_mask_loss=args.eod_mask_loss,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        data_format=args.data_format,
+        tree_loss_weighting=args.tree_loss_weighting,
+    )
+
+
+def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
+    return TokenizerConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
+    )
+
+
+def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        save_optim=not args.no_save_optim,
+        finetune=args.finetune,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        ckpt_step=args.ckpt_step,
+    )
+
+
+def _logging_config(args: argparse.Namespace) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=args.log_interval,
+        tensorboard_dir=args.tensorboard_dir,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+    )
+
+
+def _distill_config(args: argparse.Namespace) -> DistillConfig:
+    return DistillConfig(
+        samples=args.distill_samples,
+        teacher_load=args.distill_teacher_load,
+        alpha=args.distill_alpha,
+        temperature=args.distill_temperature,
+        estimator=args.distill_estimator,
+        k=args.distill_k,
+    )
+
+
+def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | None = None) -> TrainConfig:
+    """The run's :class:`TrainConfig` from the parsed flags and the world size; validated.
+
+    Pure: ``args`` is not modified, so building twice from the same flags gives equal configs, and a
+    config can be rebuilt for another world size (``rebuild_for_world_size``). ``vocab_size``: the
+    tokenizer's vocabulary (default ``--vocab-size``). Raises :class:`ArgumentError` naming the flag.
+    """
+    layout = _Layout(args, world_size)
+    vocab = vocab_size if vocab_size is not None else args.vocab_size
+    _check_flags(args, vocab)
+    _check_megatron_numerics(args, layout)
     try:
-        args.data_parallel_size = check_layout(
-            world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups, global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
-    except ParallelLayoutError as e:
+        config = TrainConfig(
+            model=_model_config(args, layout, vocab),
+            parallel=_parallel_config(args, layout),
+            training=_training_config(args, layout),
+            ddp=_ddp_config(args),
+            optimizer=_optimizer_config(args),
+            scheduler=_scheduler_config(args, layout),
+            data=_data_config(args),
+            tokenizer=_tokenizer_config(args),
+            checkpoint=_checkpoint_config(args),
+            logging=_logging_config(args),
+            distill=_distill_config(args),
+            flags=dict(vars(args)),
+        )
+    except ArgumentError:
+        raise
+    except ValueError as e:  # a component config's own check; its message names the flag
         raise ArgumentError(str(e)) from None
-    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        if pp < 2:
-            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
-        if vpp > 1:
-            args.virtual_pipeline_model_parallel_size = vpp
-            if args.num_microbatches % pp != 0:
-                raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
-                                    f"({args.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
+    return config
+
+
+def rebuild_for_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
+    """The same flags built for another world size (e.g. when the launcher's differs from a guess)."""
+    return build_config(argparse.Namespace(**config.flags), world_size, vocab_size=config.model.vocab_size)
+
+
+def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
+    """Cross-flag checks that no single component config can make."""
+    tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
         raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
-    if (args.train_iters is None) == (args.train_samples is None):
-        raise ArgumentError("set exactly one of --train-iters and --train-samples")
-    if args.train_iters is None:
-        args.train_iters = math.ceil(args.train_samples / args.global_batch_size)
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.train_iters)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
     if args.data_path is None and not args.mock_data:
         raise ArgumentError("set --data-path (preprocessed prefixes) or --mock-data")
     if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
         raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
+    if vocab_size is None:
+        raise ArgumentError("the vocabulary size is unknown: pass the tokenizer's (build_config(..., vocab_size=)) "
+                            "or set --vocab-size")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     if args.transformer_impl == "transformer_engine":
@@ -288,59 +610,3 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                 "--transformer-impl local for fake-quantized FP8 QAT")
         if args.device == "cpu":
             raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")
-    if args.distill_samples and args.distill_teacher_load:
-        raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
-    if args.distill_samples or args.distill_teacher_load:
-        from .distill import validate_distill_args
-
-        try:
-            validate_distill_args(args)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from None
-    _validate_megatron_numerics(args)
-    return args
-
-
-def _validate_megatron_numerics(args: argparse.Namespace) -> None:
-    """Checks of the ``_megatron_numerics`` flags (Megatron's rules); sets the ramp-up train_iters."""
-    from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup
-
-    if args.fp16 and args.bf16:
-        raise ArgumentError("set at most one of --fp16 and --bf16")
-    if args.loss_scale is not None and args.loss_scale <= 0:
-        raise ArgumentError(f"--loss-scale must be positive, got {args.loss_scale}")
-    if args.fp16 and args.loss_scale is None and not 0 < args.min_loss_scale <= args.initial_loss_scale:
-        raise ArgumentError(f"--min-loss-scale {args.min_loss_scale} must be positive and at most "
-                            f"--initial-loss-scale {args.initial_loss_scale}")
-    if args.fp16 and (args.hysteresis < 1 or args.loss_scale_window < 1):
-        raise ArgumentError("--hysteresis and --loss-scale-window must be at least 1")
-    sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
-                    "--lr-warmup-samples": args.lr_warmup_samples != 0,
-                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
-                    "--rampup-batch-size": args.rampup_batch_size is not None}
-    if args.train_samples is None:
-        for flag, is_set in sample_flags.items():
-            if is_set:
-                raise ArgumentError(f"{flag} needs sample-based training (--train-samples), as in Megatron-LM")
-    elif args.lr_wsd_decay_iters is not None:
-        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters; use --lr-wsd-decay-samples")
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
-        raise ArgumentError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
-    try:
-        rampup = parse_rampup(args.rampup_batch_size)
-        calc = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-                                         rampup, args.decrease_batch_size_if_needed)
-        calc.check_ramp()
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-    args.rampup_batch_size = rampup
-    if rampup is not None:
-        args.train_iters = calc.train_iters(args.train_samples)
-        if args.lr_warmup_fraction is not None:
-            args.lr_warmup_iters = 0
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad the embedding rows to a multiple of divisible_by x TP."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -52,6 +52,7 @@ from .checkpointing import (
     read_metadata,
     read_tracker,
 )
+from .tokenizer import vocab_size_with_padding
 
 OUTPUT_WEIGHT = "output_layer.weight"
 VOCAB_PARAMS = (WORD_EMBEDDINGS, OUTPUT_WEIGHT)
@@ -117,11 +118,6 @@ def fit_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] > rows:
         return t[:rows].clone()
     return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))], dim=0)
-
-
-def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def chunk_names(names, config: GPTConfig, pp_rank: int, pp: int, v: int, vpp: int | None) -> list[str]:
@@ -332,7 +328,7 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
     """
     divisible = make_vocab_size_divisible_by or int(ck.args.get("make_vocab_size_divisible_by") or 128)
     config = GPTConfig.from_dict(ck.config.to_dict())
-    config.padded_vocab_size = padded_vocab(config.vocab_size, divisible, target.tp)
+    config.padded_vocab_size = vocab_size_with_padding(config.vocab_size, divisible, target.tp)
     model = dict(ck.model)
     optimizer = copy.copy(ck.optimizer) if (with_optimizer and ck.optimizer is not None) else None
     if optimizer is not None:

@@ -3,7 +3,7 @@
 ::
 
     <save>/latest_checkpointed_iteration.txt       written last (atomic replace)
-    <save>/iter_0000010/metadata.json              layout, model config, args
+    <save>/iter_0000010/metadata.json              layout, model config, train config, flags
     <save>/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
     <save>/iter_0000010/mp_rank_TT[_PPP]/reducer_dp_DDD.pt   per-DP-rank reducer state (Squinch residuals)
 
@@ -13,6 +13,12 @@ rank 0 of its TP/PP rank) holds the model chunks (parameter names use global lay
 state per parameter (gathered over DP when the optimizer is sharded), the LR scheduler, the RNG states
 of every DP rank, the iteration and consumed samples, and each parameter's TP layout so that
 ``tools/convert_checkpoint.py`` can reshard it. ``tokenizer/`` holds a copy of the tokenizer files.
+
+``metadata.json`` records the run's whole :class:`~megatron_cai.training.config.TrainConfig`
+(``train_config``) and the flags it was built from (``args``). On resume the architecture fields of the
+model configuration must match (else :class:`CheckpointError` names them); every other field that
+differs is listed, field by field. Checkpoints written before ``train_config`` existed (format 1
+without it) load; only their model configuration is compared.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.tensor_parallel.random import get_rng_tracker
+from .config import TrainConfig, config_diff
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
@@ -89,10 +96,11 @@ def _gather_over_dp(obj: Any) -> list[Any]:
     return out
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
-                    args_dict: dict, state: dict, reducer_states: list[dict] | None = None,
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
+                    state: dict, reducer_states: list[dict] | None = None,
                     save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
     """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
+    config = train_config.model
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     if ps.get_rank() == 0:
@@ -130,7 +138,9 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
                 "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
                 "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
                 "data_parallel_size": ps.get_data_parallel_world_size(),
-                "model_config": config.to_dict(), "args": args_dict}
+                "model_config": config.to_dict(),
+                "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
+                "args": train_config.flags}
         with open(os.path.join(tmp, "metadata.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
         if tokenizer_files:
@@ -164,6 +174,10 @@ def read_metadata(root: str, iteration: int) -> dict:
 
 def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
     """Same TP/PP/VPP layout and the same architecture, or a clear error saying what differs."""
+    version = meta.get("checkpoint_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {root} has checkpoint_version {version!r}; this version of megatron-cai "
+                              f"reads versions up to {FORMAT_VERSION}")
     here = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size())
     there = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
@@ -178,10 +192,32 @@ def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
         raise CheckpointError(f"checkpoint {root} has a different model configuration: " + "; ".join(diff))
 
 
+def report_config_changes(meta: dict, train_config: TrainConfig, root: str, log=print) -> list[tuple]:
+    """Compare the checkpoint's saved TrainConfig with this run's, field by field, and log what differs.
+
+    Returns the differences ``[(field, checkpoint value, this run's value)]`` (architecture mismatches are
+    refused earlier, by :func:`check_compatible`)."""
+    saved = meta.get("train_config")
+    if saved is None:
+        log(f" checkpoint {root} predates saved training configurations: only its model configuration "
+            "was compared")
+        return []
+    current = {k: v for k, v in train_config.to_dict().items() if k != "flags"}
+    diff = config_diff(saved, json.loads(json.dumps(current, default=str)))
+    if diff:
+        log(f" configuration differs from checkpoint {root} in {len(diff)} field(s):")
+        for name, there, here in diff:
+            log(f"   {name}: {there!r} (checkpoint) -> {here!r} (this run)")
+    return diff
+
+
 def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTConfig, *, load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, step: int | None = None,
-                    exit_on_missing: bool = False, reducers=None) -> dict:
-    """Restore what `save_checkpoint` wrote; returns the saved counters (empty dict if nothing loaded)."""
+                    exit_on_missing: bool = False, reducers=None, train_config: TrainConfig | None = None) -> dict:
+    """Restore what `save_checkpoint` wrote; returns the saved counters (empty dict if nothing loaded).
+
+    With ``train_config``, the checkpoint's saved configuration is compared with it field by field
+    (differences are printed on rank 0)."""
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         if exit_on_missing:
@@ -189,6 +225,8 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
         return {}
     meta = read_metadata(root, iteration)
     check_compatible(meta, config, root)
+    if train_config is not None and ps.get_rank() == 0:
+        report_config_changes(meta, train_config, root)
     rdir = os.path.join(iteration_dir(root, iteration),
                         rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                       ps.get_pipeline_model_parallel_world_size()))

@@ -48,37 +48,11 @@ from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..core.tensor_parallel.utils import shard_tensor
+from .config import DistillConfig
 
-__all__ = ["Distiller", "build_teacher", "get_distiller", "set_distiller", "setup_distillation",
-           "validate_distill_args"]
+__all__ = ["Distiller", "build_teacher", "setup_distillation"]
 
 _PADDING_LOGIT = -1e9  # student logits of padded vocab rows: exp() underflows to 0, and 0 * it stays finite
-_ACTIVE: Distiller | None = None
-
-
-def set_distiller(distiller: Distiller | None) -> None:
-    """Make ``distiller`` the one ``pretrain_gpt.forward_step`` uses (None: plain LM training)."""
-    global _ACTIVE
-    _ACTIVE = distiller
-
-
-def get_distiller() -> Distiller | None:
-    return _ACTIVE
-
-
-def validate_distill_args(args) -> None:
-    """Reject distillation flags that cannot work (raises ValueError naming the flag)."""
-    if not (args.distill_samples or args.distill_teacher_load):
-        return
-    if not 0.0 <= args.distill_alpha <= 1.0:
-        raise ValueError(f"--distill-alpha must be in [0, 1], got {args.distill_alpha}")
-    if not args.distill_temperature > 0:
-        raise ValueError(f"--distill-temperature must be > 0, got {args.distill_temperature}")
-    if args.distill_k < 1:
-        raise ValueError(f"--distill-k must be >= 1, got {args.distill_k}")
-    if args.distill_estimator == "full" and not args.distill_teacher_load:
-        raise ValueError("--distill-estimator full needs the whole teacher distribution: use it with "
-                         "--distill-teacher-load (online); stored samples support priority|self-normalized|topk")
 
 
 def _unwrap(model):
@@ -104,12 +78,9 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
     cfg.attention_zreg_coeff = cfg.output_zreg_coeff = 0.0
     cfg.attention_backend = attention_backend
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    cfg.recompute_granularity = None
     with torch.random.fork_rng(devices=[]):  # nn.Embedding etc. draw from the global RNG when built
-        model = GPTModel(cfg, pre_process=True, post_process=True)
-    if cfg.qat:
-        from ..core.quantization.qat_linear import apply_qat
-
-        apply_qat(model, cfg.qat)
+        model = GPTModel(cfg, pre_process=True, post_process=True)  # attaches QAT quantizers (cfg.qat)
     params = dict(model.named_parameters())
     state = {}
     for name, own in model.state_dict().items():
@@ -238,18 +209,18 @@ class Distiller:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def setup_distillation(args, config: GPTConfig, device: torch.device, train_ds, tokenizer=None):
-    """Register the run's :class:`Distiller` (or None) and return the train dataset to use.
+def setup_distillation(config: DistillConfig, model_config: GPTConfig, *, seed: int, num_train_samples: int,
+                       device: torch.device, train_ds) -> tuple[Distiller | None, object]:
+    """The run's :class:`Distiller` (None without distillation) and the train dataset to use.
 
     Offline: opens and checks ``--distill-samples`` against the train split and wraps it. Online: loads
-    the teacher on the last pipeline stage and wraps the train split to carry sample indices.
+    the teacher on the last pipeline stage and wraps the train split to carry sample indices. The caller
+    binds the distiller into its forward step explicitly (``Trainer`` passes ``distiller=``).
     """
-    set_distiller(None)
-    if not (args.distill_samples or args.distill_teacher_load) or train_ds is None:
-        return train_ds
-    validate_distill_args(args)
+    if not config.enabled or train_ds is None:
+        return None, train_ds
     teacher = None
-    if args.distill_samples:
+    if config.samples:
         from ..core.datasets.indexed_dataset import get_idx_path
 
         prefix = getattr(train_ds, "dataset_path", None)
@@ -257,16 +228,16 @@ def setup_distillation(args, config: GPTConfig, device: torch.device, train_ds, 
             raise ValueError("--distill-samples needs a single preprocessed --data-path prefix (not mock or "
                              "blended data)")
         store = open_teacher_samples(
-            args.distill_samples, train_ds, idx_path=get_idx_path(prefix), seq_length=args.seq_length,
-            vocab_size=config.vocab_size, tau=args.distill_temperature, estimator=args.distill_estimator,
-            num_samples=args.train_iters * args.global_batch_size)
+            config.samples, train_ds, idx_path=get_idx_path(prefix), seq_length=model_config.seq_length,
+            vocab_size=model_config.vocab_size, tau=config.temperature, estimator=config.estimator,
+            num_samples=num_train_samples)
         wrapped = TeacherSamplesDataset(train_ds, store)
     else:
-        if not os.path.isdir(args.distill_teacher_load):
-            raise FileNotFoundError(f"--distill-teacher-load {args.distill_teacher_load}: no such directory")
+        if not os.path.isdir(config.teacher_load):
+            raise FileNotFoundError(f"--distill-teacher-load {config.teacher_load}: no such directory")
         if ps.is_pipeline_last_stage(ignore_virtual=True):
-            teacher = load_teacher(args.distill_teacher_load, config, device)
+            teacher = load_teacher(config.teacher_load, model_config, device)
         wrapped = TeacherSamplesDataset(train_ds)
-    set_distiller(Distiller(alpha=args.distill_alpha, tau=args.distill_temperature,
-                            estimator=args.distill_estimator, k=args.distill_k, seed=args.seed, teacher=teacher))
-    return wrapped
+    distiller = Distiller(alpha=config.alpha, tau=config.temperature, estimator=config.estimator, k=config.k,
+                          seed=seed, teacher=teacher)
+    return distiller, wrapped

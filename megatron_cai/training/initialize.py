@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
+from .config import ParallelConfig
 
 
 @dataclass
@@ -89,31 +90,32 @@ def discover_env(environ: dict | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "single")
 
 
-def initialize_distributed(args) -> tuple[DistEnv, torch.device]:
-    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/PP/DP groups, seed RNGs."""
-    env = discover_env()
-    if env.world_size != args.world_size:
-        args.world_size = env.world_size
-        from .arguments import validate_args
+def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None
+                           ) -> tuple[DistEnv, torch.device]:
+    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/PP/DP groups, seed RNGs.
 
-        validate_args(args, env.world_size)
-    device = device_mod.resolve_device(args.device, env.local_rank)
+    ``parallel`` must have been built for this job's world size (see ``arguments.rebuild_for_world_size``).
+    """
+    env = env or discover_env()
+    if env.world_size != parallel.world_size:
+        raise RuntimeError(f"the configuration was built for {parallel.world_size} ranks but this job has "
+                           f"{env.world_size} ({env.source}); rebuild it for the job's world size")
+    device = device_mod.resolve_device(parallel.device, env.local_rank)
     if env.world_size > 1 and not dist.is_initialized():
-        backend = args.distributed_backend or device_mod.backend_for(device)
+        backend = parallel.distributed_backend or device_mod.backend_for(device)
         dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
-    rpn = args.ranks_per_node
+                                 timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+    tp, pp, vpp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                   parallel.virtual_pipeline_model_parallel_size)
+    rpn = parallel.ranks_per_node
     if rpn is None and env.local_world_size < env.world_size:
         rpn = env.local_world_size
     try:
-        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     args.virtual_pipeline_model_parallel_size, ranks_per_node=rpn)
+        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn)
     except ps.ParallelLayoutError:
-        if args.ranks_per_node is not None:
+        if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                     args.virtual_pipeline_model_parallel_size)
-    model_parallel_manual_seed(args.seed, ps.get_tensor_model_parallel_rank(),
-                               ps.get_pipeline_model_parallel_rank(), device)
+        ps.initialize_model_parallel(tp, pp, vpp)
+    model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     return env, device

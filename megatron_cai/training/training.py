@@ -1,11 +1,20 @@
 """The training loop: set up model, optimizer and data, then iterate, log, evaluate and checkpoint.
 
-``pretrain(args, datasets_provider, forward_step_func)`` is what ``pretrain_gpt.py`` calls. One code
-path serves a single CPU process and TP x PP x DP runs on GPU clusters.
+``pretrain(config, datasets_provider, forward_step_func)`` is what ``pretrain_gpt.py`` calls, with the
+:class:`~megatron_cai.training.config.TrainConfig` built once from the flags. One code path serves a
+single CPU process and TP x PP x DP runs on GPU clusters.
+
+The user-supplied pieces are called as::
+
+    datasets_provider(config, tokenizer, (n_train, n_valid, n_test)) -> (train, valid, test) datasets
+    forward_step_func(data_iterator, model)                  -> (output, loss_func)
+    forward_step_func(data_iterator, model, distiller=...)   with distillation on (bound by the Trainer)
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import signal
 import time
 from dataclasses import dataclass, field
@@ -17,55 +26,19 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.reducers import build_reducer
-from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import build_model_chunks
 from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
-from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
-from ..core.optimizer.lr_scheduler import OptimizerParamScheduler, lr_schedule_config_from_args
+from ..core.optimizer.grad_scaler import build_grad_scaler
+from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
-from ..core.transformer.self_attention import SelfAttention
+from ..core.transformer.lse_stats import LseStatsCollector
 from . import checkpointing
-from .arguments import ArgumentError, padded_vocab_size
+from .arguments import rebuild_for_world_size
+from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
-from .initialize import initialize_distributed
+from .initialize import discover_env, initialize_distributed
 from .logging import TensorBoard, print_rank_0, print_rank_last, training_log_line, validation_log_lines
-
-
-def config_from_args(args, vocab_size: int) -> GPTConfig:
-    return GPTConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        vocab_size=vocab_size,
-        padded_vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size),
-        ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, activation=args.activation,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        add_bias_linear=not args.disable_bias_linear, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
-        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
-        attention_backend=args.attention_backend, attention_zreg_coeff=args.attention_zreg_coeff,
-        output_zreg_coeff=args.output_zreg_coeff, window_size=args.window_size,
-        qat=qat_settings(args))
-
-
-def loss_scale_config(args) -> LossScaleConfig:
-    return LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                           min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
-                           hysteresis=args.hysteresis)
-
-
-def qat_settings(args) -> dict:
-    if getattr(args, "qat", "none") == "none":
-        return {}
-    settings = {"fmt": args.qat, "clamp": args.qat_clamp, "alpha": args.qat_clamp_alpha,
-                "static_value": args.qat_static_clamp, "fp8_format": args.fp8_format,
-                "granularity": getattr(args, "qat_granularity", "tensor")}
-    if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        settings["gemm_backend"] = "transformer_engine"
-    return settings
 
 
 @dataclass
@@ -105,110 +78,101 @@ class _ExitSignal:
 
 
 class Trainer:
-    """Holds everything one run needs; ``train()`` runs the loop."""
+    """Holds everything one run needs; ``train()`` runs the loop.
 
-    def __init__(self, args, datasets_provider, forward_step_func, tokenizer=None) -> None:
-        self.args = args
-        self.env, self.device = initialize_distributed(args)
-        if getattr(args, "transformer_impl", "local") == "transformer_engine" and self.device.type != "cuda":
+    ``config`` is the run's :class:`TrainConfig`; if it was built for another world size than the
+    launcher's, it is rebuilt from its flags for this one (and the difference printed).
+    """
+
+    def __init__(self, config: TrainConfig, datasets_provider, forward_step_func, tokenizer=None) -> None:
+        env = discover_env()
+        if env.world_size != config.parallel.world_size:
+            print(f" the configuration was built for {config.parallel.world_size} ranks; this job has "
+                  f"{env.world_size}: rebuilding it from its flags", flush=True)
+            config = rebuild_for_world_size(config, env.world_size)
+        if tokenizer is not None and tokenizer.vocab_size != config.model.vocab_size:
+            raise ArgumentError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model configuration "
+                                f"{config.model.vocab_size}: build the config with vocab_size=tokenizer.vocab_size")
+        self.config = config
+        self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
+        print_rank_0(format_config(config))
+        model_cfg, run = config.model, config.training
+        if model_cfg.qat.gemm_backend == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
                                 f"{self.device.type}")
         self.tokenizer = tokenizer
-        vocab = tokenizer.vocab_size if tokenizer is not None else args.vocab_size
-        self.config = config_from_args(args, vocab)
-        self.forward_step_func = forward_step_func
-        vpp = args.virtual_pipeline_model_parallel_size
-        chunks = build_model_chunks(self.config, args.seed, vpp)
-        self._apply_model_options(chunks)
-        kind = "squinch" if args.squinch else ("reducescatter" if args.use_distributed_optimizer else "allreduce")
-        grad_dtype = torch.bfloat16 if args.grad_reduce_in_bf16 else torch.float32
+        self.lse_stats = LseStatsCollector()
+        vpp = config.parallel.virtual_pipeline_model_parallel_size
+        chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
         dp = ps.get_data_parallel_world_size()
-        bucket_size = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
         self.model = []
         for m in chunks:
             m.to(self.device)
-            reducer = build_reducer(kind, ps.get_data_parallel_group(), dp, **self._reducer_kwargs())
-            self.model.append(DistributedDataParallel(m, reducer, device=self.device, grad_dtype=grad_dtype,
-                                                      bucket_size=bucket_size,
-                                                      overlap_grad_reduce=args.overlap_grad_reduce))
-        self.optimizer = DistributedAdamW(self.model, lr=args.lr, weight_decay=args.weight_decay,
-                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                          distributed=args.use_distributed_optimizer)
-        self.grad_scaler = build_grad_scaler(loss_scale_config(args)) if getattr(args, "fp16", False) else None
+            reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank())
+            self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
+        self.optimizer = DistributedAdamW(self.model, config.optimizer)
+        self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
-        self.scheduler = OptimizerParamScheduler(lr_schedule_config_from_args(args))
+        self.scheduler = OptimizerParamScheduler(config.scheduler)
+        self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
+            run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
+            run.decrease_batch_size_if_needed)
+        self.num_microbatches = run.num_microbatches  # this iteration's (changes during a batch ramp-up)
         self.state = TrainState()
-        self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size (validated in arguments)
-            args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
-            getattr(args, "rampup_batch_size", None), getattr(args, "decrease_batch_size_if_needed", False))
-        if args.load:
+        ckpt = config.checkpoint
+        if ckpt.load:
             counters = checkpointing.load_checkpoint(
-                args.load, self.model, self.optimizer, self.scheduler, self.config,
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, finetune=args.finetune,
-                step=args.ckpt_step, exit_on_missing=args.exit_on_missing_checkpoint,
-                reducers=[m.reducer for m in self.model])
+                ckpt.load, self.model, self.optimizer, self.scheduler, model_cfg,
+                load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
+                step=ckpt.ckpt_step, exit_on_missing=ckpt.exit_on_missing_checkpoint,
+                reducers=[m.reducer for m in self.model], train_config=config)
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
                 self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
-                print_rank_0(f" loaded checkpoint from {args.load} at iteration {self.state.iteration}")
-            elif not args.finetune:
-                print_rank_0(f" no checkpoint found in {args.load}: starting from scratch")
-        train_ds, valid_ds, test_ds = datasets_provider(args, self.tokenizer, self._num_samples())
-        train_ds = setup_distillation(args, self.config, self.device, train_ds)  # teacher samples / teacher
+                print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
+            elif not ckpt.finetune:
+                print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
+        num_samples = self._num_samples()
+        train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
+        self.distiller, train_ds = setup_distillation(config.distill, model_cfg, seed=run.seed,
+                                                      num_train_samples=num_samples[0], device=self.device,
+                                                      train_ds=train_ds)
+        self.forward_step_func = _bind_distiller(forward_step_func, self.distiller)
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
         self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
         self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
-        self.tb = TensorBoard(args.tensorboard_dir)
-        self.exit_signal = _ExitSignal(args.exit_signal_handler)
-        self.forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size, vpp)
-        seq = args.seq_length // args.tensor_model_parallel_size if self.config.sequence_parallel else args.seq_length
-        self.tensor_shape = (args.micro_batch_size, seq, args.hidden_size)
+        self.tb = TensorBoard(config.logging.tensorboard_dir)
+        self.exit_signal = _ExitSignal(run.exit_signal_handler)
+        self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
+        tp = config.parallel.tensor_model_parallel_size
+        seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
+        self.tensor_shape = (run.micro_batch_size, seq, model_cfg.hidden_size)
+        self._te_recipe = None
 
     # --------------------------------------------------------------------------------------- setup
-    def _apply_model_options(self, chunks) -> None:
-        self._attention = [mod for m in chunks for mod in m.modules() if isinstance(mod, SelfAttention)]
-        for m in chunks:
-            m.decoder.recompute = self.args.recompute_granularity == "full"
-            for layer in (getattr(m, "embedding", None), getattr(m, "output_layer", None)):  # --decoupled-lr
-                weight = getattr(getattr(layer, "word_embeddings", layer), "weight", None)
-                if weight is not None:
-                    weight.is_embedding_or_output_parameter = True
-        for mod in self._attention:
-            mod.zreg_scale = 1.0 / self.args.num_microbatches
-        if self.config.qat:
-            from ..core.quantization.qat_linear import apply_qat
-
-            for m in chunks:
-                apply_qat(m, self.config.qat)
-
-    def _reducer_kwargs(self) -> dict:
-        a = self.args
-        if not a.squinch:
-            return {}
-        return {"error_feedback": a.squinch_error_feedback, "stochastic": a.squinch_stochastic_rounding,
-                "hierarchical": a.squinch_hierarchical, "shard_only": a.use_distributed_optimizer,
-                "seed": a.seed + ps.get_rank()}
-
     def _num_samples(self) -> tuple[int, int, int]:
-        a = self.args
-        evals = (a.train_iters // a.eval_interval + 1) * a.eval_iters if a.eval_iters and a.eval_interval else 0
-        return (a.train_iters * a.global_batch_size, evals * a.global_batch_size, a.eval_iters * a.global_batch_size)
+        run, log = self.config.training, self.config.logging
+        gbs = run.global_batch_size
+        evals = 0
+        if log.eval_iters and log.eval_interval:
+            evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
+        return (run.train_iters * gbs, evals * gbs, log.eval_iters * gbs)
 
     def _loader(self, dataset, consumed: int):
         from ..core.datasets.data_samplers import build_pretraining_data_loader
 
         if dataset is None:
             return None
-        loader = build_pretraining_data_loader(dataset, consumed, self.args.micro_batch_size,
+        loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
                                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                                               num_workers=self.args.num_workers)
+                                               num_workers=self.config.data.num_workers)
         return iter(loader)
 
     def _next_microbatches(self, iterator) -> list[dict]:
         batches = []
-        for _ in range(self.args.num_microbatches):
+        for _ in range(self.num_microbatches):
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -218,14 +182,15 @@ class Trainer:
         return batches
 
     def _forward_context(self):
-        fp16 = getattr(self.args, "fp16", False)
-        autocast = device_mod.autocast(self.device, self.args.bf16 or fp16, torch.float16 if fp16 else torch.bfloat16)
-        if self.config.qat.get("gemm_backend") != "transformer_engine":
+        run = self.config.training
+        autocast = device_mod.autocast(self.device, run.bf16 or run.fp16, torch.float16 if run.fp16 else torch.bfloat16)
+        qat = self.config.model.qat
+        if qat.gemm_backend != "transformer_engine":
             return autocast
         from ..core.quantization.gemm_backends import te_fp8_autocast, te_fp8_recipe
 
-        if not hasattr(self, "_te_recipe"):  # each rank scales by its own amax: no amax collective
-            self._te_recipe = te_fp8_recipe(self.args.fp8_format, reduce_amax=False)
+        if self._te_recipe is None:  # each rank scales by its own amax: no amax collective
+            self._te_recipe = te_fp8_recipe(qat.fp8_format, reduce_amax=False)
         stack = contextlib.ExitStack()
         stack.enter_context(autocast)
         stack.enter_context(te_fp8_autocast(True, recipe=self._te_recipe))
@@ -244,7 +209,7 @@ class Trainer:
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
         step_func = self._scaled_forward_step if self.grad_scaler and not forward_only else self.forward_step_func
-        return self.forward_backward(step_func, iters, self.model, self.args.num_microbatches,
+        return self.forward_backward(step_func, iters, self.model, self.num_microbatches,
                                      tensor_shape=self.tensor_shape, dtype=torch.float32,
                                      forward_only=forward_only, forward_context=self._forward_context)
 
@@ -254,18 +219,16 @@ class Trainer:
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
+        self.lse_stats.reset()
         self.microbatches.update(self.state.consumed_train_samples)
-        self.args.num_microbatches = self.microbatches.num_microbatches
-        for mod in self._attention:
-            mod.last_lse_stats = None  # the injected Z-Reg gradient is scaled like the loss
-            mod.zreg_scale = (self.grad_scaler.scale if self.grad_scaler else 1.0) / self.args.num_microbatches
+        self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
             m.finish_grad_sync()
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        grad_norm, finite = self.optimizer.clip_and_check(self.args.clip_grad)
+        grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if finite:
@@ -295,43 +258,45 @@ class Trainer:
         for m in self.model:
             m.eval()
         totals: dict[str, float] = {}
-        train_microbatches = self.args.num_microbatches  # validation uses the full global batch
-        self.args.num_microbatches = self.args.global_batch_size // (self.args.micro_batch_size
-                                                                     * self.args.data_parallel_size)
-        for _ in range(self.args.eval_iters):
+        eval_iters = self.config.logging.eval_iters
+        train_microbatches = self.num_microbatches
+        self.num_microbatches = self.config.training.num_microbatches  # validation: the full global batch
+        for _ in range(eval_iters):
             stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / self.args.eval_iters
-            self.state.consumed_valid_samples += self.args.global_batch_size
-        self.args.num_microbatches = train_microbatches
+                totals[k] = totals.get(k, 0.0) + v / eval_iters
+            self.state.consumed_valid_samples += self.config.training.global_batch_size
+        self.num_microbatches = train_microbatches
         for m in self.model:
             m.train()
         return totals
 
     # ---------------------------------------------------------------------------------------- loop
     def save(self) -> None:
-        a = self.args
-        if not a.save:
+        ckpt = self.config.checkpoint
+        if not ckpt.save:
             return
-        tok_files = [a.tokenizer_model] if a.tokenizer_model else []
-        checkpointing.save_checkpoint(a.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
-                                      self.config, {k: v for k, v in vars(a).items()}, self.state.to_dict(),
+        tok_model = self.config.tokenizer.tokenizer_model
+        checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer, self.scheduler,
+                                      self.config, self.state.to_dict(),
                                       reducer_states=[m.reducer.state_dict() for m in self.model],
-                                      save_optim=not a.no_save_optim, tokenizer_files=tok_files)
-        print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {a.save}")
+                                      save_optim=ckpt.save_optim, tokenizer_files=[tok_model] if tok_model else [])
+        print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {ckpt.save}")
 
     def train(self) -> TrainState:
-        a, st = self.args, self.state
+        run, log, st = self.config.training, self.config.logging, self.state
+        save_interval = self.config.checkpoint.save_interval
         start_time = time.time()
         window_time, window_iters = time.time(), 0
         window_losses: dict[str, float] = {}
         history = []
-        while st.iteration < a.train_iters:
+        while st.iteration < run.train_iters:
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
-            st.consumed_train_samples += self.microbatches.running_global_batch_size
+            batch = self.microbatches.running_global_batch_size
+            st.consumed_train_samples += batch
             if not finite:
                 st.skipped_iterations += 1
             if not finite and self.grad_scaler is None:  # an fp16 overflow is only counted, as in Megatron
@@ -341,16 +306,14 @@ class Trainer:
             for k, v in losses.items():
                 window_losses[k] = window_losses.get(k, 0.0) + v
             window_iters += 1
+            loss_scale = {"loss scale": self.grad_scaler.scale} if self.grad_scaler else {}
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
-                            "grad comm bytes": comm_bytes,
-                            "global batch size": self.microbatches.running_global_batch_size,
-                            **({"loss scale": self.grad_scaler.scale} if self.grad_scaler else {})})
-            if st.iteration % a.log_interval == 0:
+                            "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
+            if st.iteration % log.log_interval == 0:
                 device_mod.synchronize(self.device)
                 elapsed = (time.time() - window_time) / window_iters
                 avg = {k: v / window_iters for k, v in window_losses.items()}
-                batch = self.microbatches.running_global_batch_size
-                tps = batch * a.seq_length / max(elapsed, 1e-9)
+                tps = batch * self.config.model.seq_length / max(elapsed, 1e-9)
                 extra = self._lse_stats()
                 line_extra = None
                 if extra:
@@ -358,37 +321,36 @@ class Trainer:
                                   / (len(extra) // 2),
                                   "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
                 print_rank_last(training_log_line(
-                    st.iteration, a.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
+                    st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr,
                     batch, avg, grad_norm, st.skipped_iterations, tps,
                     grad_comm_bytes=comm_bytes, extra=line_extra))
                 self.tb.scalars({**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr,
                                  "grad-norm": grad_norm, "tokens-per-second": tps,
                                  "grad-comm-bytes": comm_bytes, **extra,
-                                 **({"loss-scale": self.grad_scaler.scale} if self.grad_scaler else {})},
-                                st.iteration)
+                                 **{k.replace(" ", "-"): v for k, v in loss_scale.items()}}, st.iteration)
                 window_time, window_iters, window_losses = time.time(), 0, {}
-            if a.eval_interval and st.iteration % a.eval_interval == 0 and self.valid_iter is not None:
+            if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
                     st.extra.setdefault("validation", []).append({"iteration": st.iteration, **val})
                     print_rank_last(validation_log_lines(st.iteration, val))
                     self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, st.iteration)
-            if a.save_interval and st.iteration % a.save_interval == 0:
+            if save_interval and st.iteration % save_interval == 0:
                 self.save()
             if self.exit_signal.any_rank(self.device):
                 print_rank_0(f" exit signal received at iteration {st.iteration}: saving and exiting")
                 self.save()
                 break
-            if a.exit_interval and st.iteration % a.exit_interval == 0:
+            if run.exit_interval and st.iteration % run.exit_interval == 0:
                 self.save()
                 print_rank_0(f" exiting at iteration {st.iteration} (--exit-interval)")
                 break
-            if a.exit_duration_in_mins and (time.time() - start_time) / 60 > a.exit_duration_in_mins:
+            if run.exit_duration_in_mins and (time.time() - start_time) / 60 > run.exit_duration_in_mins:
                 self.save()
-                print_rank_0(f" exiting after {a.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                print_rank_0(f" exiting after {run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
                 break
         else:
-            if a.save and not (a.save_interval and st.iteration % a.save_interval == 0):
+            if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
                 self.save()
         st.extra["history"] = history
         self.tb.close()
@@ -400,15 +362,12 @@ class Trainer:
         Each layer's stats come from the ranks that hold it (its pipeline stage, every TP/DP rank): the
         mean is the mean of those ranks' means (equal row counts per rank), the max their max.
         """
-        layers = self.config.num_layers
+        layers = self.config.model.num_layers
         stats = torch.zeros(layers, 3, device=self.device)  # [sum of means, ranks, max]
         stats[:, 2] = float("-inf")
-        for mod in self._attention:
-            if mod.last_lse_stats is not None:
-                mean, mx = mod.last_lse_stats.detach().float().to(self.device)
-                stats[mod.layer_number] = torch.stack([stats[mod.layer_number, 0] + mean,
-                                                       stats[mod.layer_number, 1] + 1,
-                                                       torch.maximum(stats[mod.layer_number, 2], mx)])
+        for layer, mean_max in self.lse_stats.per_layer().items():
+            mean, mx = mean_max.to(self.device)
+            stats[layer] = torch.stack([mean, torch.ones_like(mean), mx])
         if ps.get_world_size() > 1:
             sums, maxes = stats[:, :2].contiguous(), stats[:, 2].contiguous()
             dist.all_reduce(sums)
@@ -422,11 +381,22 @@ class Trainer:
         return out
 
 
-def pretrain(args, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
+def _bind_distiller(forward_step_func, distiller):
+    """``forward_step_func`` with the distiller bound as its ``distiller=`` argument (unchanged without one)."""
+    if distiller is None:
+        return forward_step_func
+    if "distiller" not in inspect.signature(forward_step_func).parameters:
+        raise ArgumentError("distillation (--distill-*) is on but the forward step function takes no `distiller` "
+                            "argument: define it as forward_step(data_iterator, model, distiller=None)")
+    return functools.partial(forward_step_func, distiller=distiller)
+
+
+def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
     """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
-    trainer = Trainer(args, datasets_provider, forward_step_func, tokenizer)
+    trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
+    par = trainer.config.parallel
     print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
-                 f"on rank 0; TP={args.tensor_model_parallel_size} PP={args.pipeline_model_parallel_size} "
-                 f"DP={args.data_parallel_size}; {args.num_microbatches} micro-batches per iteration; "
-                 f"device {trainer.device.type}")
+                 f"on rank 0; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
+                 f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
+                 f"iteration; device {trainer.device.type}")
     return trainer.train()

@@ -71,7 +71,8 @@ def test_loss_scale_resumes_from_checkpoint(tmp_path):
 
 
 def test_fp16_and_bf16_exclusive():
-    from megatron_cai.training.arguments import ArgumentError, parse_args
+    from megatron_cai.training.arguments import parse_config
+    from megatron_cai.training.config import ArgumentError
 
     with pytest.raises(ArgumentError, match="--fp16 and --bf16"):
-        parse_args(BASE + ["--fp16", "--bf16", "--train-iters", "1"], world_size=1)
+        parse_config(BASE + ["--fp16", "--bf16", "--train-iters", "1"], world_size=1)

@@ -6,7 +6,7 @@ import sys
 import pytest
 from dist_utils import free_port
 
-from megatron_cai.training.arguments import ArgumentError, parse_args
+from megatron_cai.training.arguments import ArgumentError, parse_config
 from megatron_cai.training.initialize import discover_env, first_slurm_host
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,7 +47,7 @@ def test_impossible_layouts_fail_with_one_message(world, flags, needle):
     argv = [a for a in MODEL if a != "--num-layers" and a != "2"] + ["--num-layers", "2"]
     argv = MODEL + flags
     with pytest.raises(ArgumentError, match=needle):
-        parse_args(argv, world_size=world)
+        parse_config(argv, world_size=world)
 
 
 def test_srun_without_torchrun_forms_one_world(tmp_path):

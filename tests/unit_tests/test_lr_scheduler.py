@@ -3,31 +3,29 @@ import math
 
 import pytest
 
-from megatron_cai.core.optimizer.lr_scheduler import (
-    LRScheduleConfig,
-    OptimizerParamScheduler,
-    lr_schedule_config_from_args,
-)
-from megatron_cai.training.arguments import ArgumentError, parse_args
+from megatron_cai.core.optimizer.config import SchedulerConfig
+from megatron_cai.core.optimizer.lr_scheduler import OptimizerParamScheduler
+from megatron_cai.training.arguments import parse_config
+from megatron_cai.training.config import ArgumentError
 
 BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16",
         "--num-attention-heads", "2", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-5"]
 
 
-def _megatron_lrs(cfg: LRScheduleConfig, increments: list[int]) -> list[tuple[float, float]]:
+def _megatron_lrs(cfg: SchedulerConfig, increments: list[int]) -> list[tuple[float, float]]:
     """The (default, decoupled) rate that megatron-core's scheduler sets for each iteration."""
     mcore = pytest.importorskip("megatron.core.optimizer_param_scheduler")
 
     class _Opt:
         param_groups = [{"params": []},
-                        {"params": [], "max_lr": cfg.decoupled_lr if cfg.decoupled_lr is not None else cfg.max_lr,
+                        {"params": [], "max_lr": cfg.decoupled_lr if cfg.decoupled_lr is not None else cfg.lr,
                          "min_lr": cfg.decoupled_min_lr if cfg.decoupled_min_lr is not None else cfg.min_lr}]
 
     sched = mcore.OptimizerParamScheduler(
-        _Opt(), init_lr=cfg.init_lr, max_lr=cfg.max_lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=cfg.decay_steps, lr_decay_style=cfg.decay_style, start_wd=0.1, end_wd=0.1,
-        wd_incr_steps=1, wd_incr_style="constant", wsd_decay_steps=cfg.wsd_decay_steps,
-        lr_wsd_decay_style=cfg.wsd_decay_style)
+        _Opt(), init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_samples,
+        lr_decay_steps=cfg.lr_decay_samples, lr_decay_style=cfg.lr_decay_style, start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=1, wd_incr_style="constant", wsd_decay_steps=cfg.lr_wsd_decay_samples,
+        lr_wsd_decay_style=cfg.lr_wsd_decay_style)
     out = []
     for inc in increments:  # Megatron: the step uses the rate set by the previous scheduler.step(increment)
         out.append((_Opt.param_groups[0]["lr"], _Opt.param_groups[1]["lr"]))
@@ -35,7 +33,7 @@ def _megatron_lrs(cfg: LRScheduleConfig, increments: list[int]) -> list[tuple[fl
     return out
 
 
-def _ours(cfg: LRScheduleConfig, increments: list[int]) -> list[tuple[float, float]]:
+def _ours(cfg: SchedulerConfig, increments: list[int]) -> list[tuple[float, float]]:
     s = OptimizerParamScheduler(cfg)
     out = []
     for inc in increments:
@@ -65,9 +63,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_schedule_matches_megatron_core(name):
     flags, _ = CASES[name]
-    args = parse_args(BASE + ["--global-batch-size", "8"] + flags, world_size=1)
-    cfg = lr_schedule_config_from_args(args)
-    increments = [8] * args.train_iters
+    config = parse_config(BASE + ["--global-batch-size", "8"] + flags, world_size=1)
+    cfg = config.scheduler
+    increments = [8] * config.training.train_iters
     ours, theirs = _ours(cfg, increments), _megatron_lrs(cfg, increments)
     assert len(set(ours)) > 3  # the schedule moves
     for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -84,32 +82,32 @@ def test_schedule_matches_megatron_core(name):
 ])
 def test_lengths_follow_megatron_rules(flags, expected):
     """Megatron's get_optimizer_param_scheduler: iteration flags x global batch (8), or sample flags as given."""
-    cfg = lr_schedule_config_from_args(parse_args(BASE + ["--global-batch-size", "8"] + flags, world_size=1))
-    assert (cfg.warmup_steps, cfg.decay_steps, cfg.wsd_decay_steps) == expected
+    cfg = parse_config(BASE + ["--global-batch-size", "8"] + flags, world_size=1).scheduler
+    assert (cfg.lr_warmup_samples, cfg.lr_decay_samples, cfg.lr_wsd_decay_samples) == expected
 
 
 def test_hand_computed_values():
     """Independent of megatron-core: WSD exponential and inverse-square-root at chosen points."""
-    cfg = LRScheduleConfig(max_lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=100, decay_style="WSD",
-                           wsd_decay_steps=20, wsd_decay_style="exponential")
+    cfg = SchedulerConfig(lr=1.0, min_lr=0.1, lr_warmup_samples=10, lr_decay_samples=100, lr_decay_style="WSD",
+                          lr_wsd_decay_samples=20, lr_wsd_decay_style="exponential")
     s = OptimizerParamScheduler(cfg)
     assert s.get_lr(num_steps=0) == 0.0 and s.get_lr(num_steps=5) == 0.5  # warmup from init_lr 0
     assert s.get_lr(num_steps=80) == 1.0  # stable until decay_steps - wsd_decay_steps
     assert s.get_lr(num_steps=90) == pytest.approx(0.1 + 0.9 * (2 * 0.5 ** 0.5 - 1))
     assert s.get_lr(num_steps=100) == pytest.approx(0.1) and s.get_lr(num_steps=101) == 0.1
-    isr = OptimizerParamScheduler(LRScheduleConfig(max_lr=1.0, min_lr=0.0, warmup_steps=16, decay_steps=1000,
-                                                   decay_style="inverse-square-root"))
+    isr = OptimizerParamScheduler(SchedulerConfig(lr=1.0, min_lr=0.0, lr_warmup_samples=16, lr_decay_samples=1000,
+                                                   lr_decay_style="inverse-square-root"))
     assert isr.get_lr(num_steps=64) == pytest.approx(0.5) and isr.get_lr(num_steps=400) == pytest.approx(0.2)
 
 
 def test_sample_flags_need_train_samples_and_wsd_needs_length():
     with pytest.raises(ArgumentError, match="--lr-decay-samples needs sample-based"):
-        parse_args(BASE + ["--train-iters", "10", "--lr-decay-samples", "40"], world_size=1)
+        parse_config(BASE + ["--train-iters", "10", "--lr-decay-samples", "40"], world_size=1)
     with pytest.raises(ArgumentError, match="WSD needs --lr-wsd-decay-iters"):
-        parse_args(BASE + ["--train-iters", "10", "--lr-decay-style", "WSD"], world_size=1)
+        parse_config(BASE + ["--train-iters", "10", "--lr-decay-style", "WSD"], world_size=1)
 
 
 def test_old_iteration_checkpoint_state_is_rescaled():
-    s = OptimizerParamScheduler(LRScheduleConfig(max_lr=1.0, decay_steps=800, decay_style="linear"))
+    s = OptimizerParamScheduler(SchedulerConfig(lr=1.0, lr_decay_samples=800, lr_decay_style="linear"))
     s.load_state_dict({"num_steps": 25, "decay_steps": 100})  # an iteration-counting checkpoint, batch 8
     assert s.num_steps == 200 and math.isclose(s.get_lr(), 0.75)

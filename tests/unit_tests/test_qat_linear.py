@@ -3,7 +3,6 @@ through the GEMM, output-gradient quantization, static-clamp state in checkpoint
 TP invariance (2 gloo ranks), and the real int8 / FP8 GEMM backends against the fake-quant path."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 
@@ -46,14 +45,20 @@ def test_config_rejects_bad_values_naming_the_flag(kwargs: dict, match: str) -> 
         QATConfig(**kwargs)
 
 
-def test_config_from_args_and_derived_settings() -> None:
-    args = argparse.Namespace(qat="fp8", qat_clamp="weight-rms", qat_clamp_alpha=20.0, fp8_format="hybrid",
-                              qat_static_clamp=None)
-    cfg = QATConfig.from_args(args)
-    assert (cfg.fmt, cfg.clamp, cfg.alpha, cfg.fp8_format) == ("fp8", "weight-rms", 20.0, "hybrid")
-    args = argparse.Namespace(qat="int8", qat_clamp="static", qat_static_clamp=2.5, fp8_format="hybrid")
-    assert QATConfig.from_args(args).static_value == 2.5
-    assert QATConfig.from_args(argparse.Namespace()).enabled is False
+def test_config_from_flags_and_derived_settings() -> None:
+    from megatron_cai.training.arguments import parse_config
+
+    base = ["--mock-data", "--vocab-size", "64", "--train-iters", "1"]
+    cfg = parse_config(base + ["--qat", "fp8", "--qat-clamp", "weight-rms", "--qat-clamp-alpha", "20",
+                               "--fp8-format", "hybrid", "--qat-granularity", "row"], world_size=1).model.qat
+    assert (cfg.fmt, cfg.clamp, cfg.alpha, cfg.fp8_format, cfg.granularity) == ("fp8", "weight-rms", 20.0, "hybrid",
+                                                                               "row")
+    cfg = parse_config(base + ["--qat", "int8", "--qat-clamp", "static", "--qat-static-clamp", "2.5"], world_size=1)
+    assert cfg.model.qat.static_value == 2.5
+    assert parse_config(base, world_size=1).model.qat.enabled is False
+    assert QATConfig.from_dict({}) == QATConfig()  # checkpoints saved before QATConfig: {} means off
+    with pytest.raises(ValueError, match="unknown settings.*colour"):
+        QATConfig.from_dict({"fmt": "int8", "colour": "red"})
     cases = {  # (fmt, fp8_format, quantize_output_grad) -> (output grad quantized, grad format)
         ("fp8", "hybrid", None): (True, "fp8_e5m2"),
         ("fp8", "e4m3", None): (False, "fp8_e4m3"),

@@ -202,21 +202,21 @@ def _argv(*extra: str) -> list[str]:
 
 def test_transformer_engine_impl_fails_at_start_up_with_a_clear_message(capsys):
     import pretrain_gpt
-    from megatron_cai.training.arguments import ArgumentError, parse_args
+    from megatron_cai.training.arguments import ArgumentError, parse_config
 
     with pytest.raises(ArgumentError, match="use it with --qat fp8"):
-        parse_args(_argv("--transformer-impl", "transformer_engine", "--qat", "int8"), world_size=1)
+        parse_config(_argv("--transformer-impl", "transformer_engine", "--qat", "int8"), world_size=1)
     if gb.transformer_engine_available():
         with pytest.raises(ArgumentError, match="CUDA only"):
-            parse_args(_argv("--transformer-impl", "transformer_engine", "--qat", "fp8", "--device", "cpu"),
+            parse_config(_argv("--transformer-impl", "transformer_engine", "--qat", "fp8", "--device", "cpu"),
                        world_size=1)
         return
     argv = _argv("--transformer-impl", "transformer_engine", "--qat", "fp8")
     with pytest.raises(ArgumentError, match="needs Transformer Engine .* not installed"):
-        parse_args(argv, world_size=1)
+        parse_config(argv, world_size=1)
     assert pretrain_gpt.main(argv) == 2
     assert "Transformer Engine" in capsys.readouterr().err
-    assert parse_args(_argv("--qat", "fp8"), world_size=1).transformer_impl == "local"
+    assert parse_config(_argv("--qat", "fp8"), world_size=1).model.qat.gemm_backend == "fake"
 
 
 @pytest.mark.gpu

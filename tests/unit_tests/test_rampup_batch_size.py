@@ -5,7 +5,8 @@ from dist_utils import run_distributed
 from train_utils import TINY_MODEL, train
 
 from megatron_cai.core.num_microbatches_calculator import BatchRampup, NumMicroBatchesCalculator, parse_rampup
-from megatron_cai.training.arguments import ArgumentError, parse_args
+from megatron_cai.training.arguments import parse_config
+from megatron_cai.training.config import ArgumentError
 
 
 def test_hand_computed_schedule():
@@ -51,14 +52,14 @@ BASE = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--lr", "1e-3", "
 ])
 def test_bad_rampup_is_one_clear_error(flags, message):
     with pytest.raises(ArgumentError, match=message):
-        parse_args(BASE + ["--global-batch-size", "32", "--train-samples", "200"] + flags, world_size=1)
+        parse_config(BASE + ["--global-batch-size", "32", "--train-samples", "200"] + flags, world_size=1)
     with pytest.raises(ValueError):
         parse_rampup(["1", "2"])
 
 
 def test_rampup_needs_train_samples():
     with pytest.raises(ArgumentError, match="--rampup-batch-size needs sample-based"):
-        parse_args(BASE + ["--global-batch-size", "32", "--train-iters", "5", "--rampup-batch-size", "8", "8", "60"],
+        parse_config(BASE + ["--global-batch-size", "32", "--train-iters", "5", "--rampup-batch-size", "8", "8", "60"],
                    world_size=1)
 
 

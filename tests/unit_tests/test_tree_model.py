@@ -18,6 +18,7 @@ from megatron_cai.core.datasets.gpt_dataset import get_ltor_masks_and_position_i
 from megatron_cai.core.transformer import attention as attention_mod
 from megatron_cai.core.transformer import visibility as V
 from megatron_cai.core.transformer.attention import attend
+from megatron_cai.core.transformer.lse_stats import LseStatsCollector
 
 VOCAB = 50
 SEQ = 64
@@ -123,13 +124,12 @@ def _lse_capture(monkeypatch):
 def test_model_zreg_changes_gradients_not_the_loss(backend, monkeypatch):
     torch.manual_seed(2)
     rows, batch = tree_rows(random.Random(3), 1, SEQ, VOCAB, max_nodes=6, max_len=5, p_bidir=0.2)
-    w, scale = 0.05, 0.5  # zreg_scale = 1 / num_microbatches, set by the Trainer
+    w, scale = 0.05, 0.5  # attention_zreg_scale = 1 / num_microbatches, set by the config builder
+    collector = LseStatsCollector()
 
     def run(coeff, capture=False):
-        model = tiny_gpt(backend, attention_zreg_coeff=coeff).double()
-        for mod in model.modules():
-            if hasattr(mod, "last_lse_stats"):
-                mod.zreg_scale = scale
+        collector.reset()
+        model = tiny_gpt(backend, lse_stats=collector, attention_zreg_coeff=coeff, attention_zreg_scale=scale).double()
         captured = _lse_capture(monkeypatch) if capture else None
         losses = _tree_losses(model, batch)
         loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
@@ -142,12 +142,12 @@ def test_model_zreg_changes_gradients_not_the_loss(backend, monkeypatch):
 
     base_losses, base_grads, _ = run(0.0)
     z_losses, z_grads, model = run(w)
+    stats = list(collector.per_layer().values())
     ref_losses, ref_grads, _ = run(0.0, capture=True)
     assert torch.equal(z_losses, base_losses)  # the reported loss never contains the term
     assert max((a - b).abs().max().item() for a, b in zip(z_grads, base_grads)) > 1e-4
     for a, e in zip(z_grads, ref_grads):
         torch.testing.assert_close(a, e, atol=1e-8, rtol=1e-6)
-    stats = [m.last_lse_stats for m in model.modules() if getattr(m, "last_lse_stats", None) is not None]
     assert len(stats) == 2 and all(torch.isfinite(s).all() and s[1] >= s[0] for s in stats)
 
 

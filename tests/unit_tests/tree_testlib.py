@@ -79,7 +79,7 @@ def dumps(tree: dict, **extra) -> str:
 
 
 # ------------------------------------------------------------------------------ model-level helpers
-def tiny_gpt(backend: str | None = None, seed: int = 0, **kw):
+def tiny_gpt(backend: str | None = None, seed: int = 0, lse_stats=None, **kw):
     """A small fp32 GPTModel (RoPE, GQA) with dropout off, for per-token loss comparisons."""
     from megatron_cai.core import parallel_state as ps
     from megatron_cai.core.models.gpt.config import GPTConfig
@@ -91,7 +91,7 @@ def tiny_gpt(backend: str | None = None, seed: int = 0, **kw):
                padded_vocab_size=56, seq_length=64, max_position_embeddings=64, hidden_dropout=0.0,
                attention_dropout=0.0, init_method_std=0.2, attention_backend=backend)
     cfg.update(kw)
-    model = GPTModel(GPTConfig(**cfg))
+    model = GPTModel(GPTConfig(**cfg), lse_stats=lse_stats)
     model.initialize(seed)
     return model
 

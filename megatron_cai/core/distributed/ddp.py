@@ -18,24 +18,25 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import parallel_state as ps
+from .config import DDPConfig
 from .grad_buffer import ParamAndGradBuffer
-from .reducers import GradReducer
+from .grad_reducer import GradReducer
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, reducer: GradReducer, *, device: torch.device,
-                 grad_dtype: torch.dtype = torch.float32, bucket_size: int | None = None,
-                 overlap_grad_reduce: bool = False) -> None:
+    def __init__(self, module: nn.Module, reducer: GradReducer, config: DDPConfig, *, device: torch.device) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
-        self.overlap_grad_reduce = overlap_grad_reduce
+        self.config = config
+        self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
+        bucket_size = config.bucket_elements(ps.get_data_parallel_world_size())
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
         self.shared_params = [p for p in params if id(p) in shared]
         self.tp_partial_params = [p for p in params if getattr(p, "allreduce_over_tp", False)]
         self.buffer = ParamAndGradBuffer(
-            params, grad_dtype=grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
+            params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
             dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device,
             separate=shared)
         self.is_last_microbatch = True

@@ -16,43 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .. import device as device_mod
+from .config import DDPConfig
 from .grad_buffer import Bucket
+from .grad_reducer import CompletedHandle, GradReducer, WorkHandle
 
-
-class _Done:
-    def wait(self) -> None:
-        return None
-
-
-class _WorkHandle:
-    def __init__(self, work) -> None:
-        self.work = work
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-
-
-class GradReducer:
-    shards = False
-
-    def __init__(self, dp_group, dp_size: int) -> None:
-        self.group, self.dp_size = dp_group, dp_size
-        self.bytes_sent = 0
-
-    def reduce(self, bucket: Bucket):  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def step_skipped(self) -> None:
-        """Called when the optimizer step was skipped (non-finite gradients somewhere)."""
-        return None
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        return None
+__all__ = ["AllReduceReducer", "GradReducer", "ReduceScatterReducer", "build_reducer"]
 
 
 class AllReduceReducer(GradReducer):
@@ -60,11 +28,11 @@ class AllReduceReducer(GradReducer):
 
     def reduce(self, bucket: Bucket):
         if self.dp_size == 1:
-            return _Done()
+            return CompletedHandle()
         bucket.grad_data.mul_(1.0 / self.dp_size)
         n = self.dp_size
         self.bytes_sent += 2 * (n - 1) * bucket.grad_data.numel() * bucket.grad_data.element_size() // n
-        return _WorkHandle(dist.all_reduce(bucket.grad_data, group=self.group, async_op=True))
+        return WorkHandle(dist.all_reduce(bucket.grad_data, group=self.group, async_op=True))
 
 
 class ReduceScatterReducer(GradReducer):
@@ -74,7 +42,7 @@ class ReduceScatterReducer(GradReducer):
 
     def reduce(self, bucket: Bucket):
         if self.dp_size == 1:
-            return _Done()
+            return CompletedHandle()
         bucket.grad_data.mul_(1.0 / self.dp_size)
         n = self.dp_size
         self.bytes_sent += (n - 1) * bucket.grad_data.numel() * bucket.grad_data.element_size() // n
@@ -96,14 +64,17 @@ class _CopyBack:
             self.work = None
 
 
-def build_reducer(kind: str, dp_group, dp_size: int, **kwargs) -> GradReducer:
-    """`allreduce`, `reducescatter`, or `squinch` (see core.distributed.squinch_reducer)."""
-    if kind == "allreduce":
+def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0) -> GradReducer:
+    """The reducer ``config.reducer`` names: `allreduce`, `reducescatter`, or `squinch` (see
+    core.distributed.squinch_reducer; ``seed`` seeds its stochastic rounding)."""
+    if config.reducer == "allreduce":
         return AllReduceReducer(dp_group, dp_size)
-    if kind == "reducescatter":
+    if config.reducer == "reducescatter":
         return ReduceScatterReducer(dp_group, dp_size)
-    if kind == "squinch":
+    if config.reducer == "squinch":
         from .squinch_reducer import SquinchReducer
 
-        return SquinchReducer(dp_group, dp_size, **kwargs)
-    raise ValueError(f"unknown gradient reducer {kind!r}")
+        sq = config.squinch
+        return SquinchReducer(dp_group, dp_size, error_feedback=sq.error_feedback, stochastic=sq.stochastic_rounding,
+                              hierarchical=sq.hierarchical, shard_only=config.use_distributed_optimizer, seed=seed)
+    raise ValueError(f"unknown gradient reducer {config.reducer!r}")

@@ -25,7 +25,7 @@ from .. import device as device_mod
 from .. import parallel_state as ps
 from ..squinch import decode, decode_accumulate, encode_with_feedback
 from .grad_buffer import Bucket
-from .reducers import GradReducer
+from .grad_reducer import GradReducer
 
 
 class SquinchReducer(GradReducer):

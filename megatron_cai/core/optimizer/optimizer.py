@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import device as device_mod
 from .. import parallel_state as ps
 from ..distributed.ddp import DistributedDataParallel
+from .config import OptimizerConfig
 
 
 def _intersect(segments: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -41,11 +42,11 @@ class _Chunk:
 
 
 class DistributedAdamW:
-    def __init__(self, model_chunks: list[DistributedDataParallel], *, lr: float, weight_decay: float = 0.01,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, distributed: bool = False) -> None:
+    def __init__(self, model_chunks: list[DistributedDataParallel], config: OptimizerConfig) -> None:
         self.model_chunks = model_chunks
-        self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
-        self.distributed = distributed and ps.get_data_parallel_world_size() > 1
+        self.config = config
+        self.lr, self.weight_decay, self.betas, self.eps = config.lr, config.weight_decay, config.betas, config.adam_eps
+        self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
         self.step_count = 0
         self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         tp_rank = ps.get_tensor_model_parallel_rank()
@@ -53,8 +54,12 @@ class DistributedAdamW:
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
-            def decoupled(p) -> bool:
-                return getattr(p, "is_embedding_or_output_parameter", False)
+            # --decoupled-lr applies to these (Megatron's is_embedding_or_output_parameter)
+            special = {id(p) for name, p in ddp.module.named_parameters()
+                       if name.endswith(("word_embeddings.weight", "output_layer.weight"))}
+
+            def decoupled(p, special=special) -> bool:
+                return id(p) in special
 
             decay = buf.segments(lambda p: p.dim() > 1 and not decoupled(p))
             decoupled_decay = buf.segments(lambda p: p.dim() > 1 and decoupled(p))

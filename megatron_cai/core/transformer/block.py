@@ -17,13 +17,14 @@ from torch import nn
 from ..quantization.dynamic_clamp import NormOutputRMS
 from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
+from .lse_stats import LseStatsCollector
 from .mlp import MLP
 from .norms import build_norm
 from .self_attention import KVCache, SelfAttention
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config, layer_number: int) -> None:
+    def __init__(self, config, layer_number: int, lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
         self.config = config
         init = normal_init(config.init_method_std)
@@ -31,7 +32,7 @@ class TransformerLayer(nn.Module):
         sp = config.sequence_parallel
         eps = config.layernorm_epsilon
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
-        self.self_attention = SelfAttention(config, layer_number, init, out_init)
+        self.self_attention = SelfAttention(config, layer_number, init, out_init, lse_stats)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp)
         self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
                        init, out_init, sp)
@@ -53,12 +54,13 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config, layer_numbers: list[int], post_process: bool) -> None:
+    def __init__(self, config, layer_numbers: list[int], post_process: bool,
+                 lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i) for i in layer_numbers})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i, lse_stats) for i in layer_numbers})
         self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
                                            config.sequence_parallel) if post_process else None)
-        self.recompute = False
+        self.recompute = config.recompute_granularity == "full"
 
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:

@@ -19,6 +19,7 @@ from .. import parallel_state as ps
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import divide
+from .lse_stats import LseStatsCollector
 from .rope import apply_rotary
 
 
@@ -54,8 +55,10 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod) -> None:
+    def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod,
+                 lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
+        self.lse_stats = lse_stats  # where the interval path records [lse mean, max] (None: not recorded)
         tp = ps.get_tensor_model_parallel_world_size()
         self.config = config
         self.layer_number = layer_number
@@ -77,7 +80,6 @@ class SelfAttention(nn.Module):
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
-        self.last_lse_stats: torch.Tensor | None = None  # [lse mean, lse max] of the last interval-path call
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -129,14 +131,12 @@ class SelfAttention(nn.Module):
             idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
             visibility = (idx, torch.full_like(idx, t))
         start, limit = visibility
-        zreg = cfg.attention_zreg_coeff * getattr(self, "zreg_scale", 1.0)
+        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
         # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
         window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
                           position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
                           dropout_p=dropout)
-        with torch.no_grad():  # [mean, max] over rows with a finite lse; no host sync (read when logging)
-            finite = torch.isfinite(lse)
-            mean = torch.where(finite, lse, 0.0).sum() / finite.sum().clamp_min(1)
-            self.last_lse_stats = torch.stack([mean, torch.where(finite, lse, float("-inf")).amax()])
+        if self.lse_stats is not None:
+            self.lse_stats.record(self.layer_number, lse)
         return out

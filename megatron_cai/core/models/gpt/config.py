@@ -1,9 +1,16 @@
-"""The GPT model configuration (a dataclass; saved in every checkpoint)."""
+"""The GPT model configuration (a dataclass; saved in every checkpoint).
+
+Everything a model module needs is a field here, set once when the config is built
+(``megatron_cai.training.arguments.build_config``) and read by the modules' constructors and
+forwards: nothing pokes settings into a built model.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from ...quantization.qat_config import QATConfig
 
 
 @dataclass
@@ -31,9 +38,13 @@ class GPTConfig:
     sequence_parallel: bool = False
     attention_backend: str | None = None   # None: the best available (see core.transformer.attention)
     attention_zreg_coeff: float = 0.0
+    # Attention Z-Reg's per-micro-batch scale: the gradient injected in each micro-batch's backward is
+    # attention_zreg_coeff * attention_zreg_scale (1 / micro-batches per step, so a step adds w once).
+    attention_zreg_scale: float = 1.0
     output_zreg_coeff: float = 0.0
     window_size: int | None = None
-    qat: dict[str, Any] = field(default_factory=dict)  # quantization-aware training settings (empty: off)
+    recompute_granularity: str | None = None  # "full": recompute each layer in backward (training only)
+    qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -52,8 +63,11 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"num-query-groups {self.num_query_groups}")
+        if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
+            self.qat = QATConfig.from_dict(self.qat)
         choices = {"position_embedding_type": ("rope", "learned_absolute"),
-                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("relu2", "swiglu", "gelu")}
+                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("relu2", "swiglu", "gelu"),
+                   "recompute_granularity": (None, "full")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

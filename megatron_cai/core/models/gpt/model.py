@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ... import parallel_state as ps
+from ...quantization.qat_linear import attach_gemm_quantizers
 from ...tensor_parallel import mappings
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ...tensor_parallel.layers import (
@@ -22,6 +23,7 @@ from ...tensor_parallel.layers import (
 )
 from ...tensor_parallel.random import get_rng_tracker
 from ...transformer.block import TransformerBlock
+from ...transformer.lse_stats import LseStatsCollector
 from ...transformer.rope import rotary_cos_sin
 from ...transformer.self_attention import KVCache
 from .config import GPTConfig
@@ -61,7 +63,10 @@ class GPTEmbedding(nn.Module):
 
 class GPTModel(nn.Module):
     def __init__(self, config: GPTConfig, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: list[int] | None = None) -> None:
+                 layer_numbers: list[int] | None = None, lse_stats: LseStatsCollector | None = None) -> None:
+        """``lse_stats``: an explicit collector of per-layer attention lse statistics (None: not recorded).
+
+        With ``config.qat`` enabled, every linear except the LM head gets its GEMM quantizer here."""
         super().__init__()
         self.config = config
         self.pre_process, self.post_process = pre_process, post_process
@@ -69,7 +74,7 @@ class GPTModel(nn.Module):
             layer_numbers = list(range(config.num_layers))
         self.layer_numbers = list(layer_numbers)
         self.embedding = GPTEmbedding(config) if pre_process else None
-        self.decoder = TransformerBlock(config, self.layer_numbers, post_process)
+        self.decoder = TransformerBlock(config, self.layer_numbers, post_process, lse_stats)
         self.output_layer = None
         if post_process:
             init = normal_init(config.init_method_std)
@@ -86,6 +91,8 @@ class GPTModel(nn.Module):
         if pre_process and not post_process and not config.untie_embeddings_and_output_weights:
             self.embedding.word_embeddings.weight.shared_embedding = True  # summed with the last stage's copy
         self.input_tensor: torch.Tensor | None = None
+        if config.qat.enabled:  # the LM head stays in high precision
+            attach_gemm_quantizers(self, config.qat, exclude=("output_layer",))
 
     def initialize(self, seed: int) -> None:
         """Layout-invariant initialisation (see tensor_parallel.layers.initialize_parameters)."""
@@ -148,14 +155,16 @@ def stage_layer_numbers(num_layers: int, pp_rank: int, pp_size: int, vpp_rank: i
     return list(range(first, first + per_chunk))
 
 
-def build_model_chunks(config: GPTConfig, seed: int, vpp_size: int | None = None) -> list[GPTModel]:
+def build_model_chunks(config: GPTConfig, seed: int, vpp_size: int | None = None,
+                       lse_stats: LseStatsCollector | None = None) -> list[GPTModel]:
     """The model chunks of this rank (one per virtual pipeline stage), initialised layout-invariantly."""
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     chunks = []
     for v in range(vpp_size or 1):
         pre = pp_rank == 0 and v == 0
         post = pp_rank == pp_size - 1 and v == (vpp_size or 1) - 1
-        model = GPTModel(config, pre, post, stage_layer_numbers(config.num_layers, pp_rank, pp_size, v, vpp_size))
+        model = GPTModel(config, pre, post, stage_layer_numbers(config.num_layers, pp_rank, pp_size, v, vpp_size),
+                         lse_stats=lse_stats)
         model.initialize(seed)
         chunks.append(model)
     return chunks

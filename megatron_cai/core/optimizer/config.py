@@ -1,0 +1,72 @@
+"""Typed configuration of the optimizer (OptimizerConfig) and the learning-rate schedule (SchedulerConfig)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW settings (flags --lr, --weight-decay, --adam-*, --clip-grad, --use-distributed-optimizer)."""
+
+    lr: float = 3e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0                   # max global grad norm; 0: no clipping
+    use_distributed_optimizer: bool = False  # shard the Adam state over DP (ZeRO-1)
+
+    def __post_init__(self) -> None:
+        if not self.lr >= 0:
+            raise ValueError(f"--lr must be >= 0, got {self.lr}")
+        if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0):
+            raise ValueError(f"--adam-beta1/--adam-beta2 must be in [0, 1), got {self.adam_beta1}, "
+                             f"{self.adam_beta2}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return (self.adam_beta1, self.adam_beta2)
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate schedule (Megatron's OptimizerParamScheduler). Lengths are in samples, as Megatron
+    counts them: the builder turns --lr-*-iters into samples (x global batch size) or takes --lr-*-samples."""
+
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"
+    lr_warmup_samples: float = 0
+    lr_decay_samples: float = 1
+    lr_warmup_init: float = 0.0              # the rate at the start of warmup
+    lr_wsd_decay_samples: float | None = None  # WSD: the final anneal's length
+    lr_wsd_decay_style: str = "exponential"
+    decoupled_lr: float | None = None        # the input embedding and output layer's own peak ...
+    decoupled_min_lr: float | None = None    # ... and minimum (default: min_lr)
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must lie in [0, --lr {self.lr}]")
+        if self.lr_warmup_init > self.lr:
+            raise ValueError(f"--lr-warmup-init {self.lr_warmup_init} is larger than --lr {self.lr}")
+        if self.lr_warmup_samples < 0:
+            raise ValueError(f"--lr-warmup-iters / --lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}")
+        if self.lr_decay_samples <= 0:
+            raise ValueError(f"the LR decay length must be positive, got {self.lr_decay_samples} samples")
+        if self.lr_decay_style != "constant" and self.lr_warmup_samples >= self.lr_decay_samples:
+            raise ValueError(f"the LR warmup ({self.lr_warmup_samples} samples) must be shorter than the decay "
+                             f"({self.lr_decay_samples} samples): check --lr-warmup-* and --lr-decay-*")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_samples is None
+                                             or not 0 < self.lr_wsd_decay_samples <= self.lr_decay_samples):
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples) within "
+                             f"the decay length ({self.lr_decay_samples} samples), got {self.lr_wsd_decay_samples}")

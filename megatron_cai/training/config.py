@@ -1,0 +1,228 @@
+"""TrainConfig: the whole run's configuration, one typed dataclass per component.
+
+::
+
+    TrainConfig
+      model       GPTConfig        (core/models/gpt/config.py; its .qat is a QATConfig)
+      parallel    ParallelConfig   world size, TP / PP / VPP / DP, backend, device
+      training    TrainingConfig   batch sizes, iterations, seed, precision, exit conditions
+      ddp         DDPConfig        (core/distributed/config.py; its .squinch is a SquinchConfig)
+      optimizer   OptimizerConfig  (core/optimizer/config.py)
+      scheduler   SchedulerConfig  (core/optimizer/config.py)
+      data        DataConfig
+      tokenizer   TokenizerConfig
+      checkpoint  CheckpointConfig
+      logging     LoggingConfig    logging and evaluation
+      distill     DistillConfig
+      flags       the parsed command line it was built from (a record: nothing reads options from it)
+
+It is built once by the pure function :func:`megatron_cai.training.arguments.build_config` from the
+parsed flags and the world size (validation included), printed at start-up, saved in every checkpoint
+and compared field by field on resume (:func:`config_diff`). Each component receives its own part:
+``Trainer(config)``, ``DistributedDataParallel(module, reducer, config.ddp)``,
+``build_reducer(config.ddp, ...)``, ``DistributedAdamW(chunks, config.optimizer)``, ``GPTModel(config.model)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.distributed.config import DDPConfig
+from ..core.models.gpt.config import GPTConfig
+from ..core.num_microbatches_calculator import BatchRampup
+from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
+from ..core.optimizer.grad_scaler import LossScaleConfig
+
+__all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
+           "TokenizerConfig", "TrainConfig", "TrainingConfig", "config_diff", "flatten", "format_config"]
+
+
+class ArgumentError(ValueError):
+    """A flag value that cannot work; the message names the flag."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the ``world_size`` ranks are laid out (DP and VPP are derived by the builder)."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False           # only effective with TP > 1 (see GPTConfig.sequence_parallel)
+    distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
+    distributed_timeout_minutes: int = 10
+    ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
+    device: str | None = None                 # None: cuda when available
+
+
+@dataclass
+class TrainingConfig:
+    """The loop: batch sizes, length (resolved to iterations), seed, precision and exit conditions."""
+
+    micro_batch_size: int = 4
+    global_batch_size: int = 4
+    num_microbatches: int = 1                 # global / (micro x DP)
+    train_iters: int = 1                      # from --train-iters, or ceil(--train-samples / global batch)
+    train_samples: int | None = None          # the flag, when the length was given in samples
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False                        # fp16 autocast with loss scaling (fp32 master weights)
+    loss_scale: LossScaleConfig | None = None  # the --fp16 loss scaler (None without --fp16)
+    rampup_batch_size: BatchRampup | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    decrease_batch_size_if_needed: bool = False
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = True
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] | None = None
+    split: str = "969,30,1"
+    data_cache_path: str | None = None
+    mock_data: bool = False
+    num_workers: int = 0
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    data_format: str = "auto"
+    tree_loss_weighting: str = "token"
+
+
+@dataclass
+class TokenizerConfig:
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None             # the flag (NullTokenizer / mock data); the model's is in GPTConfig
+    make_vocab_size_divisible_by: int = 128
+    vocab_file: str | None = None             # GPT2BPETokenizer
+    merge_file: str | None = None
+    tiktoken_pattern: str | None = None       # TikTokenizer: v1 | v2
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: list[str] | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    load_optim: bool = True                   # not --no-load-optim
+    load_rng: bool = True                     # not --no-load-rng
+    save_optim: bool = True                   # not --no-save-optim
+    finetune: bool = False
+    exit_on_missing_checkpoint: bool = False
+    ckpt_step: int | None = None
+
+
+@dataclass
+class LoggingConfig:
+    """Logging and evaluation."""
+
+    log_interval: int = 10
+    tensorboard_dir: str | None = None
+    eval_interval: int = 1000
+    eval_iters: int = 10
+
+
+@dataclass
+class DistillConfig:
+    """Knowledge distillation: offline (``samples``) or online (``teacher_load``); off when neither."""
+
+    samples: str | None = None                # --distill-samples
+    teacher_load: str | None = None           # --distill-teacher-load
+    alpha: float = 0.5
+    temperature: float = 1.0
+    estimator: str = "priority"
+    k: int = 32
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.samples or self.teacher_load)
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.samples and self.teacher_load:
+            raise ArgumentError("use either --distill-samples (offline) or --distill-teacher-load (online), not both")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ArgumentError(f"--distill-alpha must be in [0, 1], got {self.alpha}")
+        if not self.temperature > 0:
+            raise ArgumentError(f"--distill-temperature must be > 0, got {self.temperature}")
+        if self.k < 1:
+            raise ArgumentError(f"--distill-k must be >= 1, got {self.k}")
+        if self.estimator == "full" and not self.teacher_load:
+            raise ArgumentError("--distill-estimator full needs the whole teacher distribution: use it with "
+                                "--distill-teacher-load (online); stored samples support priority|self-normalized|"
+                                "topk")
+
+
+@dataclass
+class TrainConfig:
+    model: GPTConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    flags: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dicts (JSON-serialisable apart from non-JSON leaf values, which json's default=str
+        handles); the form saved in checkpoints."""
+        return dataclasses.asdict(self)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model.hidden_size": 256, "model.qat.fmt": "none", ...}`` of a nested dict."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "flags":
+            out.update(flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+def _json_normalise(v: Any) -> Any:
+    """Values as they come back from JSON (tuples become lists), so saved and live configs compare."""
+    if isinstance(v, tuple):
+        return [_json_normalise(x) for x in v]
+    if isinstance(v, list):
+        return [_json_normalise(x) for x in v]
+    return v
+
+
+def config_diff(saved: dict[str, Any], current: dict[str, Any], *, skip: tuple[str, ...] = ("flags",)
+                ) -> list[tuple[str, Any, Any]]:
+    """``[(field, saved value, current value)]`` for every field (dotted name) that differs, including
+    fields present on one side only (shown as ``<absent>``). Top-level sections in ``skip`` are ignored."""
+    a = {k: v for k, v in flatten(saved).items() if k.split(".")[0] not in skip}
+    b = {k: v for k, v in flatten(current).items() if k.split(".")[0] not in skip}
+    out = []
+    for name in sorted(set(a) | set(b)):
+        va, vb = _json_normalise(a.get(name, "<absent>")), _json_normalise(b.get(name, "<absent>"))
+        if va != vb:
+            out.append((name, va, vb))
+    return out
+
+
+def format_config(config: TrainConfig) -> str:
+    """Megatron-style start-up listing: one dotted ``name ... value`` line per field."""
+    lines = ["------------------------ configuration ------------------------"]
+    for name, value in flatten(config.to_dict()).items():
+        if name == "flags":
+            continue
+        lines.append(f"  {name} {'.' * max(2, 48 - len(name))} {value}")
+    lines.append("-------------------- end of configuration ---------------------")
+    return "\n".join(lines)
