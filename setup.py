@@ -21,7 +21,11 @@ setup(
             "protobuf",
             "ruff",
             "matplotlib",
+            "tiktoken",
+            "regex",
         ],
         "gpu": ["triton"],
+        # Hugging Face export/import and the HF / GPT-2 BPE / tiktoken tokenizers
+        "hf": ["transformers", "safetensors", "tokenizers", "protobuf", "tiktoken"],
     },
 )
