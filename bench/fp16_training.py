@@ -39,16 +39,14 @@ def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
 
 def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:
     import pretrain_gpt
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
-    args = parse_args(training_argv(opts, data, tok, seed) + CONFIGS[name], world_size=1)
-    tokenizer = pretrain_gpt.build_tokenizer_from_args(args)
-    trainer = Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    config, tokenizer = pretrain_gpt.build_run(training_argv(opts, data, tok, seed) + CONFIGS[name], world_size=1)
+    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     start = time.time()
     state = trainer.train()
     seconds = time.time() - start
-    trainer.args.eval_iters = opts.final_eval_iters
+    trainer.config.logging.eval_iters = opts.final_eval_iters
     trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
     final = trainer.evaluate()["lm loss"]
     hist = state.extra["history"]
