@@ -49,11 +49,16 @@ def build_tokenizer_from_args(args):
     """The tokenizer the flags name (None for --mock-data without a tokenizer model)."""
     from megatron_cai.training.tokenizer import build_tokenizer
 
-    if args.tokenizer_model is None and args.tokenizer_type != "NullTokenizer":
+    needs = ("--vocab-file", args.vocab_file) if args.tokenizer_type == "GPT2BPETokenizer" else \
+        ("--tokenizer-model", args.tokenizer_model)
+    if needs[1] is None and args.tokenizer_type != "NullTokenizer":
         if args.mock_data:
             return None
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs {needs[0]}")
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
+                           merge_file=args.merge_file, tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                           tiktoken_special_tokens=args.tiktoken_special_tokens)
 
 
 def build_run(argv=None, world_size: int | None = None) -> tuple[TrainConfig, object]:

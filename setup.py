@@ -21,8 +21,12 @@ setup(
             "protobuf",
             "ruff",
             "matplotlib",
+            "tiktoken",
+            "regex",
         ],
         "gpu": ["triton"],
         "wandb": ["wandb"],  # --wandb-project (Weights & Biases logging)
+        # Hugging Face export/import and the HF / GPT-2 BPE / tiktoken tokenizers
+        "hf": ["transformers", "safetensors", "tokenizers", "protobuf", "tiktoken"],
     },
 )

@@ -246,7 +246,8 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
                vocab_size: int | None = None, json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
-               progress: bool | None = None, log=None, tree: bool = False) -> PreprocessStats:
+               progress: bool | None = None, log=None, tree: bool = False,
+               tokenizer_options: dict | None = None) -> PreprocessStats:
     """Tokenize ``input_path`` into ``<output_prefix>_<key>_document.{bin,idx}`` for every key.
 
     ``tree``: each line is one tree (see the module docstring); ``json_keys`` is the one node text key
@@ -256,7 +257,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
     Raises ``PreprocessError`` (``"<file>:<line>: <reason>"``) on a bad line unless
     ``skip_bad_lines``; then no output files exist for this run (earlier files at the output paths
     are left untouched). ``progress``: tqdm bar (``None``: only on a terminal); ``log``: a function
-    for progress lines when the bar is off (default: stderr).
+    for progress lines when the bar is off (default: stderr). ``tokenizer_options``: the other tokenizer
+    flags (``vocab_file``, ``merge_file``, ``tiktoken_pattern``, ...) as ``build_tokenizer`` takes them.
     """
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input {input_path}: file not found")
@@ -267,7 +269,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
     if tree and len(json_keys) != 1:
         raise ValueError(f"--tree takes one --json-keys key (the nodes' text), got {list(json_keys)}")
     tokenizer_kwargs = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
-                        "vocab_size": vocab_size}
+                        "vocab_size": vocab_size, **(tokenizer_options or {})}
     tokenizer = build_tokenizer(**tokenizer_kwargs)
     if append_eod:
         _ = tokenizer.eod  # fails early with a clear message when there is none
@@ -387,6 +389,12 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--tokenizer-model", default=None,
                        help="sentencepiece .model, or a local tokenizer.json / directory for HuggingFace")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="TikTokenizer: ids reserved for special tokens")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: special tokens")
     group.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
@@ -406,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stats = preprocess(args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
                            args.vocab_size, args.json_keys, args.append_eod, args.workers, args.log_interval,
-                           args.skip_bad_lines, progress=False if args.no_progress else None, tree=args.tree)
+                           args.skip_bad_lines, progress=False if args.no_progress else None, tree=args.tree,
+                           tokenizer_options={"vocab_file": args.vocab_file, "merge_file": args.merge_file,
+                                              "tiktoken_pattern": args.tiktoken_pattern,
+                                              "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+                                              "tiktoken_special_tokens": args.tiktoken_special_tokens})
     except PreprocessError as e:
         hint = "" if "vocabulary" in str(e) else "; use --skip-bad-lines to skip such lines"
         print(f"preprocess_data.py: error: {e}\n  (no output written{hint})", file=sys.stderr)

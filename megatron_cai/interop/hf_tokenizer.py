@@ -120,6 +120,7 @@ def save_hf_tokenizer(tokenizer_type: str, source: str, out_dir: str, model_max_
         specials = {"unk_token": _special(proto, t.unk_id), "bos_token": _special(proto, t.bos_id),
                     "eos_token": _special(proto, t.eos_id), "pad_token": _special(proto, t.pad_id)}
         hf = PreTrainedTokenizerFast(tokenizer_object=spm_to_tokenizers(source), clean_up_tokenization_spaces=False,
+                                     split_special_tokens=True,
                                      **{k: v for k, v in specials.items() if v})
         shutil.copy2(source, os.path.join(out_dir, "tokenizer.model"))
     else:

@@ -14,7 +14,9 @@ import re
 
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
+from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
+from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
 from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
 from . import divergence, startup_checks
@@ -270,10 +272,103 @@ def _logging(p: argparse.ArgumentParser) -> None:
                    help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
 
 
+def _megatron_numerics(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's fp16 loss scaling, batch-size ramp-up, tokenizers and LR-schedule flags (its names and
+    defaults); extends the choices of --tokenizer-type and --lr-decay-style defined above."""
+    from ..core.optimizer.config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
+    from .tokenizer import TOKENIZER_TYPES
+
+    for action in p._actions:
+        if action.dest == "tokenizer_type":
+            action.choices = list(dict.fromkeys([*action.choices, *TOKENIZER_TYPES]))
+        elif action.dest == "lr_decay_style":
+            action.choices = list(dict.fromkeys([*action.choices, *LR_DECAY_STYLES]))
+    g = p.add_argument_group("Megatron-LM numerics: fp16, batch ramp-up, tokenizers, LR schedules")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 autocast with loss scaling; fp32 master weights and grads")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="static loss scale (a positive power of 2 helps convergence); default: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="initial dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="clean iterations before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows before the dynamic loss scale halves")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES "
+                        "samples (Megatron's num-microbatches calculator)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="shrink the global batch to a multiple of micro batch x DP when it is not one")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2 (the pre-tokenizer regex)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens below the BPE ranks")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer: special tokens (default <unk> <s> </s>)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="warmup length with --train-samples")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="decay length with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
+                   help="WSD: the shape of the final anneal")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal length with --train-samples")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal length with --train-iters")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="a separate peak learning rate for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="a separate minimum learning rate for the input embedding and output layer")
+
+
+def _check_megatron_numerics(args: argparse.Namespace, layout: _Layout) -> None:
+    """Cross-flag checks of the ``_megatron_numerics`` flags (Megatron's rules)."""
+    if args.fp16 and args.bf16:
+        raise ArgumentError("set at most one of --fp16 and --bf16")
+    if args.attention_zreg_coeff and (args.fp16 or args.rampup_batch_size is not None):
+        raise ArgumentError("--attention-zreg-coeff injects a gradient that follows neither the fp16 loss scale nor "
+                            "a changing micro-batch count: not with --fp16 or --rampup-batch-size")
+    sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
+                    "--lr-warmup-samples": args.lr_warmup_samples != 0,
+                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
+                    "--rampup-batch-size": args.rampup_batch_size is not None}
+    if args.train_samples is None:
+        for flag, is_set in sample_flags.items():
+            if is_set:
+                raise ArgumentError(f"{flag} needs sample-based training (--train-samples), as in Megatron-LM")
+    elif args.lr_wsd_decay_iters is not None:
+        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters; use --lr-wsd-decay-samples")
+
+
+def _loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
+    """The --fp16 loss scaler's settings (None without --fp16)."""
+    if not args.fp16:
+        return None
+    cfg = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                          min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+                          hysteresis=args.hysteresis)
+    try:
+        build_grad_scaler(cfg)  # its own checks, with the flag names
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return cfg
+
+
+def _batch_rampup(args: argparse.Namespace, global_batch_size: int, micro_batch_size: int,
+                  data_parallel_size: int) -> NumMicroBatchesCalculator:
+    """The --rampup-batch-size calculator; every batch size of the ramp checked against micro batch x DP."""
+    try:
+        calc = NumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
+                                         parse_rampup(args.rampup_batch_size), args.decrease_batch_size_if_needed)
+        calc.check_ramp()
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return calc
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, divergence.add_arguments):
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, _megatron_numerics,
+                divergence.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -411,6 +506,10 @@ class _Layout:
             raise ArgumentError("set exactly one of --train-iters and --train-samples")
         self.train_iters = (args.train_iters if args.train_iters is not None
                             else math.ceil(args.train_samples / self.global_batch_size))
+        self.microbatches = _batch_rampup(args, self.global_batch_size, args.micro_batch_size,
+                                          self.data_parallel_size)
+        if self.microbatches.rampup is not None and args.train_samples is not None:
+            self.train_iters = self.microbatches.train_iters(args.train_samples)
 
 
 def _qat_config(args: argparse.Namespace) -> QATConfig:
@@ -491,6 +590,10 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         train_samples=args.train_samples,
         seed=args.seed,
         bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=_loss_scale_config(args),
+        rampup_batch_size=layout.microbatches.rampup,
+        decrease_batch_size_if_needed=args.decrease_batch_size_if_needed,
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
@@ -535,14 +638,30 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerConfig:
-    warmup = (int(args.lr_warmup_fraction * layout.train_iters) if args.lr_warmup_fraction is not None
-              else args.lr_warmup_iters)
+    """Megatron's get_optimizer_param_scheduler: lengths in samples, from --lr-*-iters x global batch size with
+    --train-iters, or from the --lr-*-samples flags with --train-samples."""
+    if args.train_samples is not None:
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+        wsd = args.lr_wsd_decay_samples
+    else:
+        gbs = layout.global_batch_size
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else layout.train_iters) * gbs
+        warmup = args.lr_warmup_iters * gbs
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
     return SchedulerConfig(
         lr=args.lr,
         min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style,
-        lr_warmup_iters=warmup,
-        lr_decay_iters=args.lr_decay_iters if args.lr_decay_iters is not None else layout.train_iters,
+        lr_warmup_samples=warmup,
+        lr_decay_samples=decay,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_wsd_decay_samples=wsd,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
     )
 
 
@@ -570,6 +689,11 @@ def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        tiktoken_special_tokens=args.tiktoken_special_tokens,
     )
 
 
@@ -637,6 +761,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     layout = _Layout(args, world_size)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     _check_flags(args, vocab)
+    _check_megatron_numerics(args, layout)
     try:
         config = TrainConfig(
             model=_model_config(args, layout, vocab),
@@ -683,6 +808,9 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
                             "or set --vocab-size")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    if args.use_torch_fsdp2 and args.fp16:
+        raise ArgumentError("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
+                            "use --bf16")
     if args.use_torch_fsdp2 and (args.save or args.load):
         raise ArgumentError(
             f"--use-torch-fsdp2 cannot {'save' if args.save else 'load'} checkpoints yet: FSDP2 parameters are "

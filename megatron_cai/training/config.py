@@ -30,7 +30,9 @@ from typing import Any
 
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
+from ..core.num_microbatches_calculator import BatchRampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
+from ..core.optimizer.grad_scaler import LossScaleConfig
 from .divergence import DivergenceConfig
 
 __all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
@@ -69,6 +71,10 @@ class TrainingConfig:
     train_samples: int | None = None          # the flag, when the length was given in samples
     seed: int = 1234
     bf16: bool = False
+    fp16: bool = False                        # fp16 autocast with loss scaling (fp32 master weights)
+    loss_scale: LossScaleConfig | None = None  # the --fp16 loss scaler (None without --fp16)
+    rampup_batch_size: BatchRampup | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    decrease_batch_size_if_needed: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = True
@@ -102,6 +108,11 @@ class TokenizerConfig:
     tokenizer_model: str | None = None
     vocab_size: int | None = None             # the flag (NullTokenizer / mock data); the model's is in GPTConfig
     make_vocab_size_divisible_by: int = 128
+    vocab_file: str | None = None             # GPT2BPETokenizer
+    merge_file: str | None = None
+    tiktoken_pattern: str | None = None       # TikTokenizer: v1 | v2
+    tiktoken_num_special_tokens: int = 1000
+    tiktoken_special_tokens: list[str] | None = None
 
 
 @dataclass

@@ -31,6 +31,8 @@ from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
+from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
+from ..core.optimizer.grad_scaler import build_grad_scaler
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
@@ -132,9 +134,13 @@ class Trainer:
                                                      bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
             self.optimizer = DistributedAdamW(self.model, config.optimizer)
-        sched = config.scheduler
-        self.scheduler = OptimizerParamScheduler(sched.lr, sched.min_lr, sched.lr_warmup_iters, sched.lr_decay_iters,
-                                                 sched.lr_decay_style)
+        self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
+        self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
+        self.scheduler = OptimizerParamScheduler(config.scheduler)
+        self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
+            run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
+            run.decrease_batch_size_if_needed)
+        self.num_microbatches = run.num_microbatches  # this iteration's (changes during a batch ramp-up)
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
@@ -204,7 +210,7 @@ class Trainer:
 
     def _next_microbatches(self, iterator) -> list[dict]:
         batches = []
-        for _ in range(self.config.training.num_microbatches):
+        for _ in range(self.num_microbatches):
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -214,7 +220,8 @@ class Trainer:
         return batches
 
     def _forward_context(self):
-        autocast = device_mod.autocast(self.device, self.config.training.bf16)
+        run = self.config.training
+        autocast = device_mod.autocast(self.device, run.bf16 or run.fp16, torch.float16 if run.fp16 else torch.bfloat16)
         qat = self.config.model.qat
         if qat.gemm_backend != "transformer_engine":
             return autocast
@@ -227,13 +234,22 @@ class Trainer:
         stack.enter_context(te_fp8_autocast(True, recipe=self._te_recipe))
         return stack
 
+    def _scaled_forward_step(self, data_iterator, model):
+        """The forward step with its loss multiplied by the fp16 loss scale (the stats stay unscaled)."""
+        output, loss_func = self.forward_step_func(data_iterator, model)
+        scale = self.grad_scaler.scale
+
+        def scaled_loss_func(output_tensor):
+            loss, stats = loss_func(output_tensor)
+            return loss * scale, stats
+        return output, scaled_loss_func
+
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> list[dict]:
         iters = [iter(batches) for _ in self.model]
-        step_func = self.forward_step_func
+        step_func = self._scaled_forward_step if self.grad_scaler and not forward_only else self.forward_step_func
         if self.config.training.calculate_per_token_loss:
-            step_func, iters = per_token_loss_step(step_func, batches, self.model,
-                                                   self.config.training.num_microbatches, self.device)
-        return self.forward_backward(step_func, iters, self.model, self.config.training.num_microbatches,
+            step_func, iters = per_token_loss_step(step_func, batches, self.model, self.num_microbatches, self.device)
+        return self.forward_backward(step_func, iters, self.model, self.num_microbatches,
                                      tensor_shape=self.tensor_shape, dtype=torch.float32,
                                      forward_only=forward_only, forward_context=self._forward_context)
 
@@ -244,6 +260,8 @@ class Trainer:
             m.train()
             m.zero_grad_buffer()
         self.lse_stats.reset()
+        self.microbatches.update(self.state.consumed_train_samples)
+        self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
         for m in self.model:
@@ -251,12 +269,16 @@ class Trainer:
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
+        if self.grad_scaler is not None:
+            self.optimizer.scale_grads(self.grad_scaler.inv_scale)
         grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not finite)
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
             finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
         if finite:
-            self.optimizer.step(self.scheduler.get_lr())
-            self.scheduler.step()
+            self.optimizer.step(self.scheduler.get_lr(), self.scheduler.get_lr(decoupled=True))
+            self.scheduler.step(self.microbatches.running_global_batch_size)  # in samples, as Megatron's
         else:
             for m in self.model:
                 m.reducer.step_skipped()
@@ -285,6 +307,8 @@ class Trainer:
             m.eval()
         totals: dict[str, float] = {}
         eval_iters = self.config.logging.eval_iters
+        train_microbatches = self.num_microbatches
+        self.num_microbatches = self.config.training.num_microbatches  # validation: the full global batch
         for _ in range(eval_iters):
             stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
             for k, v in stats.items():
@@ -292,6 +316,7 @@ class Trainer:
             self.state.consumed_valid_samples += self.config.training.global_batch_size
             if self.config.training.empty_unused_memory_level >= 1:
                 empty_device_cache(self.device)
+        self.num_microbatches = train_microbatches
         for m in self.model:
             m.train()
         return totals
@@ -332,20 +357,26 @@ class Trainer:
             lr = self.scheduler.get_lr()
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
-            st.consumed_train_samples += run.global_batch_size
+            batch = self.microbatches.running_global_batch_size
+            st.consumed_train_samples += batch
             self.profiler.after_step(st.iteration)
+            # an fp16 loss-scale overflow (finite loss, non-finite gradients) is only counted, as in Megatron
+            overflow = not finite and self.grad_scaler is not None and all(math.isfinite(v) for v in losses.values())
             if not finite:
                 st.skipped_iterations += 1
+            if not finite and not overflow:
                 print_rank_last(f" iteration {st.iteration}: non-finite loss or gradient (grad norm {grad_norm}) on "
                                 f"some rank; skipped the optimizer step on every rank")
-            spike = self.divergence.observe(st.iteration, losses, skipped=not finite)  # raises when diverged
+            # raises when the run has diverged
+            spike = self.divergence.observe(st.iteration, losses, skipped=not finite and not overflow)
             if spike:
                 print_rank_last(spike)
                 st.extra["loss_spikes"] = self.divergence.spikes
             comm_bytes = sum(m.grad_comm_bytes for m in self.model) - bytes_before
             window.add(losses, skipped=not finite)
+            loss_scale = {"loss scale": self.grad_scaler.scale} if self.grad_scaler else {}
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
-                            "grad comm bytes": comm_bytes})
+                            "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
             if len(history) == 1:
                 st.extra["memory"] = self._log_memory("after the first iteration")
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
@@ -398,7 +429,8 @@ class Trainer:
         run, log, st = self.config.training, self.config.logging, self.state
         device_mod.synchronize(self.device)
         elapsed = window.seconds_per_iteration()
-        tps = run.global_batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
+        batch = self.microbatches.running_global_batch_size  # this iteration's (--rampup-batch-size)
+        tps = batch * self.config.model.seq_length / max(elapsed, 1e-9)
         throughput = None
         if log.log_throughput:
             flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
@@ -411,7 +443,7 @@ class Trainer:
                           "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
         avg = window.averages()
         print_rank_last(training_log_line(
-            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr, run.global_batch_size,
+            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr, batch,
             avg, grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes, extra=line_extra,
             loss_scale=self._loss_scale(), nan_iters=window.nan, throughput_tflops=throughput))
         scalars = {**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr, "grad-norm": grad_norm,

@@ -62,11 +62,16 @@ def test_weighted_blend_draws_in_proportion_and_is_cached(tmp_path):
     np.testing.assert_array_equal(again.dataset_index, train.dataset_index)
 
 
-def test_unweighted_list_is_weighted_by_tokens(tmp_path):
+def test_unweighted_list_is_weighted_by_one_epoch_samples(tmp_path):
+    """Megatron: each prefix weighs the samples of one epoch, (tokens - 1) // seq; the blend is capped there."""
+    from megatron_cai.core.datasets.indexed_dataset import IndexedDataset
+
     a, b = _corpus(tmp_path, "a", 1, n_docs=30), _corpus(tmp_path, "b", 2, n_docs=10)
+    epoch = [(int(IndexedDataset(p).sequence_lengths.sum()) - 1) // 8 for p in (a, b)]
     cfg = GPTDatasetConfig(sequence_length=8)
-    train, _, _ = build_train_valid_test_datasets([a, b], "1", (200, 0, 0), cfg)
-    assert train.weights == pytest.approx([0.75, 0.25])
+    train, _, _ = build_train_valid_test_datasets([a, b], "1", (20, 0, 0), cfg)
+    assert train.weights == pytest.approx([epoch[0] / sum(epoch), epoch[1] / sum(epoch)])
+    assert len(train) == 20
 
 
 def test_single_prefix_and_split_membership(tmp_path):

@@ -58,7 +58,8 @@ def test_flags_land_in_their_component_configs():
     # derived from the world size: DP 4, global batch = micro x DP, length from samples, warmup fraction
     assert (cfg.parallel.data_parallel_size, cfg.training.global_batch_size, cfg.training.num_microbatches) == (4, 8, 1)
     assert cfg.training.train_iters == math.ceil(20 / 8) == 3
-    assert (cfg.scheduler.lr_warmup_iters, cfg.scheduler.lr_decay_iters) == (int(0.25 * 3), 3)
+    # the schedule counts samples, as Megatron's: decay over --train-samples, warmup a fraction of it
+    assert (cfg.scheduler.lr_warmup_samples, cfg.scheduler.lr_decay_samples) == (0.25 * 20, 20)
     assert cfg.ddp == DDPConfig(reducer="squinch", squinch=SquinchConfig(error_feedback=False))
     assert cfg.model.qat == QATConfig(fmt="fp8", alpha=16.0, fp8_format="hybrid")
     assert cfg.model.recompute_granularity == "full"
@@ -132,7 +133,7 @@ def test_the_config_is_saved_and_compared_field_by_field_on_resume(tmp_path, cap
     out = capsys.readouterr().out
     assert "configuration differs from checkpoint" in out
     for line in ("optimizer.lr: 0.001 (checkpoint) -> 0.0005", "scheduler.lr: 0.001 (checkpoint) -> 0.0005",
-                 "training.train_iters: 2 (checkpoint) -> 3", "scheduler.lr_decay_iters: 2 (checkpoint) -> 3"):
+                 "training.train_iters: 2 (checkpoint) -> 3", "scheduler.lr_decay_samples: 4 (checkpoint) -> 6"):
         assert line in out
 
 

@@ -44,7 +44,9 @@ def test_dtype_codes_and_optimal_dtype():
         assert DType.dtype_from_code(code) == dtype
         assert DType.size(code) == np.dtype(dtype).itemsize
     assert DType.optimal_dtype(32000) == np.uint16
-    assert DType.optimal_dtype(65536) == np.uint16  # ids 0..65535 fit
+    assert DType.optimal_dtype(65499) == np.uint16
+    assert DType.optimal_dtype(65500) == np.int32  # Megatron's margin: int32 from 65500 on
+    assert DType.optimal_dtype(65536) == np.int32
     assert DType.optimal_dtype(65537) == np.int32
     assert DType.optimal_dtype(None) == np.int32
 

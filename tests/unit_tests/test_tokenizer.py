@@ -38,6 +38,8 @@ def test_null_tokenizer():
 
 def test_build_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown --tokenizer-type"):
+        build_tokenizer("BertWordPieceCase")
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --vocab-file"):
         build_tokenizer("GPT2BPETokenizer")
     with pytest.raises(ValueError, match="--vocab-size"):
         build_tokenizer("NullTokenizer")

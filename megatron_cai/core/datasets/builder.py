@@ -42,9 +42,11 @@ def build_train_valid_test_datasets(
     A split is ``None`` when its weight in ``split`` is 0, it was asked for 0 samples, or it has
     no documents (a tiny corpus); the training loop then skips it. One prefix gives
     :class:`GPTDataset` objects (:class:`TreeDataset` for tree prefixes, see ``config.data_format``);
-    several give :class:`BlendedDataset` objects. An unweighted list
-    of prefixes is weighted by the token count of each prefix's split (Megatron weights by the
-    samples of one epoch and caps the blend at one epoch; here blends may span several epochs).
+    several give :class:`BlendedDataset` objects. An unweighted list of prefixes is blended as Megatron's
+    ``BlendedMegatronDatasetBuilder`` blends it: each prefix's split is one epoch, weighted by its samples,
+    and the blend has ``min(requested, total)`` samples (sample for sample Megatron's); only where more
+    samples are requested than one epoch of everything holds (where Megatron's data would run out) are the
+    components extended to further epochs.
     """
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must give (train, valid, test), got {num_samples}")
@@ -75,12 +77,14 @@ def build_train_valid_test_datasets(
                 logger.warning("%s: the %s split of --split %s has %d documents (%d tokens); skipped",
                                prefix, name, split, len(docs), tokens)
                 continue
-            parts.append((prefix, ds, docs, weights[i] if weights is not None else float(tokens)))
+            parts.append((prefix, ds, docs, weights[i] if weights is not None else None))
         if not parts:
             out.append(None)
         elif len(parts) == 1:
             prefix, ds, docs, _ = parts[0]
             out.append(dataset_class(ds, prefix, docs, n, name, config))
+        elif weights is None:
+            out.append(_build_unweighted_blend(parts, n, name, config, dataset_class))
         else:
             out.append(_build_blend(parts, n, name, config, dataset_class))
     return out[0], out[1], out[2]
@@ -104,6 +108,23 @@ def _dataset_class(prefixes: Sequence[str], config: GPTDatasetConfig) -> type:
                                   f"ones ({prefixes[has_tree.index(False)]}); blend only one kind, or pass "
                                   f"--data-format plain to read the trees as plain documents")
     return TreeDataset if all(has_tree) else GPTDataset
+
+
+def _build_unweighted_blend(parts: list[tuple[str, IndexedDataset, np.ndarray, None]], n: int | None, name: str,
+                            config: GPTDatasetConfig, dataset_class: type = GPTDataset) -> BlendedDataset:
+    """Megatron's unweighted blend: one-epoch components weighted by their lengths, ``min(n, total)`` samples."""
+    singles = [dataset_class(ds, prefix, docs, None, name, config) for prefix, ds, docs, _ in parts]
+    lengths = [len(d) for d in singles]
+    total = sum(lengths)
+    if n is None or n <= total:
+        return BlendedDataset(singles, [float(x) for x in lengths], total if n is None else n, name,
+                              config.path_to_cache)
+    logger.warning("%s: %d samples requested from an unweighted --data-path blend of %d samples (one epoch); "
+                   "continuing into further epochs (Megatron-LM would run out here)", name, n, total)
+    w = np.asarray(lengths, dtype=np.float64) / total
+    datasets = [dataset_class(ds, prefix, docs, int(math.ceil(wi * n)), name, config)
+                for (prefix, ds, docs, _), wi in zip(parts, w)]
+    return BlendedDataset(datasets, w.tolist(), n, name, config.path_to_cache)
 
 
 def _build_blend(parts: list[tuple[str, IndexedDataset, np.ndarray, float]], n: int | None, name: str,

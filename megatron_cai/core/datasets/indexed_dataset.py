@@ -72,8 +72,9 @@ class DType(enum.Enum):
 
     @staticmethod
     def optimal_dtype(vocab_size: int | None) -> type[np.number]:
-        """Smallest token dtype for ids in ``[0, vocab_size)``: uint16 when it fits, else int32."""
-        if vocab_size is not None and vocab_size <= np.iinfo(np.uint16).max + 1:
+        """Megatron's choice of token dtype: uint16 for vocabularies under 65500, else int32 (its margin keeps
+        the files of a 65500..65536-token vocabulary identical to Megatron's)."""
+        if vocab_size is not None and vocab_size < 65500:
             return np.uint16
         return np.int32
 

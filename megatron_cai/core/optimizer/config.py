@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclass
@@ -42,20 +43,38 @@ class OptimizerConfig:
 
 @dataclass
 class SchedulerConfig:
-    """The learning-rate schedule, in optimizer steps (warmup and decay lengths already resolved from
-    --lr-warmup-fraction / --train-samples by the config builder)."""
+    """The learning-rate schedule (Megatron's OptimizerParamScheduler). Lengths are in samples, as Megatron
+    counts them: the builder turns --lr-*-iters into samples (x global batch size) or takes --lr-*-samples."""
 
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_decay_style: str = "cosine"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int = 1
+    lr_warmup_samples: float = 0
+    lr_decay_samples: float = 1
+    lr_warmup_init: float = 0.0              # the rate at the start of warmup
+    lr_wsd_decay_samples: float | None = None  # WSD: the final anneal's length
+    lr_wsd_decay_style: str = "exponential"
+    decoupled_lr: float | None = None        # the input embedding and output layer's own peak ...
+    decoupled_min_lr: float | None = None    # ... and minimum (default: min_lr)
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {', '.join(LR_DECAY_STYLES)}, "
                              f"got {self.lr_decay_style!r}")
-        if self.min_lr > self.lr:
-            raise ValueError(f"--min-lr {self.min_lr} is larger than --lr {self.lr}")
-        if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
+            raise ValueError(f"--lr-wsd-decay-style must be one of {', '.join(LR_WSD_DECAY_STYLES)}")
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} must lie in [0, --lr {self.lr}]")
+        if self.lr_warmup_init > self.lr:
+            raise ValueError(f"--lr-warmup-init {self.lr_warmup_init} is larger than --lr {self.lr}")
+        if self.lr_warmup_samples < 0:
+            raise ValueError(f"--lr-warmup-iters / --lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}")
+        if self.lr_decay_samples <= 0:
+            raise ValueError(f"the LR decay length must be positive, got {self.lr_decay_samples} samples")
+        if self.lr_decay_style != "constant" and self.lr_warmup_samples >= self.lr_decay_samples:
+            raise ValueError(f"the LR warmup ({self.lr_warmup_samples} samples) must be shorter than the decay "
+                             f"({self.lr_decay_samples} samples): check --lr-warmup-* and --lr-decay-*")
+        if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_samples is None
+                                             or not 0 < self.lr_wsd_decay_samples <= self.lr_decay_samples):
+            raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples) within "
+                             f"the decay length ({self.lr_decay_samples} samples), got {self.lr_wsd_decay_samples}")

@@ -26,7 +26,8 @@ def _intersect(segments: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[
 class _Chunk:
     """One owned contiguous buffer range of one model chunk, with its Adam state."""
 
-    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, decay_segments, norm_segments) -> None:
+    def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, decay_segments, norm_segments,
+                 decoupled_segments=(), decoupled_decay_segments=()) -> None:
         buf = ddp.buffer
         self.lo, self.hi = lo, hi
         self.param = buf.param_data[lo:hi]
@@ -35,6 +36,9 @@ class _Chunk:
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.decay = [(s - lo, e - lo) for s, e in _intersect(decay_segments, lo, hi)]
         self.norm = [(s - lo, e - lo) for s, e in _intersect(norm_segments, lo, hi)]
+        # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
+        self.decoupled = [(s - lo, e - lo) for s, e in _intersect(list(decoupled_segments), lo, hi)]
+        self.decoupled_decay = [(s - lo, e - lo) for s, e in _intersect(list(decoupled_decay_segments), lo, hi)]
 
 
 class DistributedAdamW:
@@ -52,12 +56,22 @@ class DistributedAdamW:
         self.kind, self.sgd_momentum = config.optimizer, config.sgd_momentum
         self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
         self.step_count = 0
+        self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank()
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
-            decay = buf.segments(lambda p: p.dim() > 1)
+            # --decoupled-lr applies to these (Megatron's is_embedding_or_output_parameter)
+            special = {id(p) for name, p in ddp.module.named_parameters()
+                       if name.endswith(("word_embeddings.weight", "output_layer.weight"))}
+
+            def decoupled(p, special=special) -> bool:
+                return id(p) in special
+
+            decay = buf.segments(lambda p: p.dim() > 1 and not decoupled(p))
+            decoupled_decay = buf.segments(lambda p: p.dim() > 1 and decoupled(p))
+            decoupled_all = buf.segments(decoupled)
 
             def counts(p, ddp=ddp) -> bool:
                 # Each distinct gradient element counted once in the global norm: TP-replicated tensors on TP
@@ -70,7 +84,8 @@ class DistributedAdamW:
             norm = buf.segments(counts)
             if not self.distributed and dp_rank != 0:
                 norm = []
-            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm) for lo, hi in buf.owned_ranges(self.distributed)])
+            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all, decoupled_decay)
+                                for lo, hi in buf.owned_ranges(self.distributed)])
         self.overlap_param_gather = config.overlap_param_gather and self.distributed
         self._pending: dict[tuple[int, int], tuple] = {}  # (chunk, bucket) -> (work, local shard)
         if self.overlap_param_gather:
@@ -89,6 +104,13 @@ class DistributedAdamW:
             dist.all_reduce(total)
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
+        for chunk_list in self.chunks:
+            for c in chunk_list:
+                c.grad.mul_(factor)
+
     def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
         """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
         norm = self.grad_norm()
@@ -104,8 +126,10 @@ class DistributedAdamW:
 
     # --------------------------------------------------------------------------------------- update
     @torch.no_grad()
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
+        """One AdamW update at `lr`; the embedding / output parameters at `decoupled_lr` when given."""
         lr = self.lr if lr is None else lr
+        lr_emb = lr if decoupled_lr is None else decoupled_lr
         self.step_count += 1
         if self.kind == "sgd":
             self._sgd_step(lr)
@@ -121,10 +145,15 @@ class DistributedAdamW:
                 if self.weight_decay:
                     for s, e in c.decay:
                         c.param[s:e].mul_(1 - lr * self.weight_decay)
+                    for s, e in c.decoupled_decay:
+                        c.param[s:e].mul_(1 - lr_emb * self.weight_decay)
                 c.exp_avg.lerp_(g, 1 - b1)
                 c.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
                 denom = (c.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.eps)
                 c.param.addcdiv_(c.exp_avg, denom, value=-lr / bc1)
+                if lr_emb != lr:
+                    for s, e in c.decoupled:
+                        c.param[s:e].addcdiv_(c.exp_avg[s:e], denom[s:e], value=-(lr_emb - lr) / bc1)
         if self.distributed:
             self._all_gather_params()
 
@@ -211,11 +240,16 @@ class DistributedAdamW:
                 s, e = ddp.buffer.offsets[id(p)]
                 state[names[id(p)]] = {"exp_avg": ea[s:e].view_as(p).clone(),
                                        "exp_avg_sq": eas[s:e].view_as(p).clone()}
-        return {"step": self.step_count, "param_state": state,
-                "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}}
+        out = {"step": self.step_count, "param_state": state,
+               "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}}
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
 
     def load_state_dict(self, state: dict, param_names: list[dict[int, str]]) -> None:
         self.step_count = state["step"]
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
         for ddp, names, chunk_list in zip(self.model_chunks, param_names, self.chunks):
             full_ea = torch.zeros_like(ddp.buffer.param_data)
             full_eas = torch.zeros_like(ddp.buffer.param_data)

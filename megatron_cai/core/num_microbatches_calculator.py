@@ -1,0 +1,95 @@
+"""Micro-batches per iteration, constant or ramped up (Megatron-LM's ``--rampup-batch-size``).
+
+``--rampup-batch-size START INCREMENT SAMPLES`` grows the global batch from START to ``--global-batch-size``
+in steps of INCREMENT, spread evenly over the first SAMPLES consumed samples: with
+``n = (global - START) / INCREMENT`` increments, the batch is ``START + floor(consumed / (SAMPLES / n)) x
+INCREMENT`` while ``consumed <= SAMPLES``, and the full global batch after (the rules of Megatron's
+``RampupBatchsizeNumMicroBatchesCalculator``). Each batch must be a multiple of micro batch x DP, unless
+``--decrease-batch-size-if-needed`` rounds it down to one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchRampup:
+    start: int
+    increment: int
+    samples: int
+
+
+def parse_rampup(values: list[str] | None) -> BatchRampup | None:
+    """``--rampup-batch-size START INCREMENT SAMPLES`` as three non-negative integers."""
+    if values is None:
+        return None
+    if len(values) != 3:
+        raise ValueError(f"--rampup-batch-size takes START INCREMENT SAMPLES (3 integers), got {values}")
+    try:
+        start, inc, samples = (int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"--rampup-batch-size takes 3 integers, got {values}") from None
+    if start <= 0 or inc <= 0 or samples < 0:
+        raise ValueError(f"--rampup-batch-size: START and INCREMENT must be positive and SAMPLES >= 0, got {values}")
+    return BatchRampup(start, inc, samples)
+
+
+class NumMicroBatchesCalculator:
+    """The global batch and micro-batches per iteration as a function of consumed samples."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                 rampup: BatchRampup | None = None, decrease_batch_size_if_needed: bool = False) -> None:
+        self.global_batch_size, self.rampup = global_batch_size, rampup
+        self.micro_batch_size = micro_batch_size
+        self.unit = micro_batch_size * data_parallel_size
+        self.decrease = decrease_batch_size_if_needed
+        if rampup is not None:
+            diff = global_batch_size - rampup.start
+            if diff < 0 or diff % rampup.increment != 0:
+                raise ValueError(f"--rampup-batch-size: --global-batch-size {global_batch_size} minus START "
+                                 f"{rampup.start} must be a non-negative multiple of INCREMENT {rampup.increment}")
+            self.samples_per_increment = rampup.samples / (diff // rampup.increment) if diff else float("inf")
+        self.update(0, consistency_check=False)
+
+    def batch_at(self, consumed_samples: int) -> int:
+        """The nominal global batch size after `consumed_samples` samples."""
+        r = self.rampup
+        if r is None or consumed_samples > r.samples:
+            return self.global_batch_size
+        steps = int(consumed_samples / self.samples_per_increment)
+        return min(r.start + steps * r.increment, self.global_batch_size)
+
+    def update(self, consumed_samples: int, consistency_check: bool = True) -> None:
+        """Set ``current_global_batch_size`` (nominal), ``running_global_batch_size`` and ``num_microbatches``."""
+        current = self.batch_at(consumed_samples)
+        if consistency_check and not self.decrease and current % self.unit != 0:
+            raise ValueError(f"global batch size {current} (after {consumed_samples} samples) is not a multiple of "
+                             f"micro batch x DP = {self.unit}: change --rampup-batch-size or set "
+                             f"--decrease-batch-size-if-needed")
+        running = (current // self.unit) * self.unit if self.decrease else current
+        if consistency_check and running < self.unit:
+            raise ValueError(f"global batch size {current} is smaller than micro batch x DP = {self.unit}")
+        self.current_global_batch_size, self.running_global_batch_size = current, running
+        self.num_microbatches = running // self.unit
+
+    def check_ramp(self) -> None:
+        """Raise ValueError unless every global batch of the ramp divides into micro batch x DP."""
+        if self.rampup is None:
+            return
+        for batch in range(self.rampup.start, self.global_batch_size + 1, self.rampup.increment):
+            running = (batch // self.unit) * self.unit if self.decrease else batch
+            if running % self.unit or running < self.unit:
+                raise ValueError(f"--rampup-batch-size: global batch size {batch} is not a positive multiple of "
+                                 f"micro batch x DP = {self.unit} (or set --decrease-batch-size-if-needed)")
+
+    def train_iters(self, train_samples: int) -> int:
+        """Iterations for `train_samples` samples: the ramp, then full batches (a partial last one dropped)."""
+        if self.rampup is None:
+            return train_samples // self.global_batch_size
+        iterations = consumed = 0
+        while consumed <= self.rampup.samples and consumed <= train_samples:
+            consumed += self.batch_at(consumed)
+            iterations += 1
+        if train_samples > consumed:
+            iterations += (train_samples - consumed) // self.global_batch_size
+        return iterations
