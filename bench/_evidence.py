@@ -171,3 +171,14 @@ def _finite(x):
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def count_spikes(losses: list[float], window: int = 10, jump: float = 0.5) -> int:
+    """Iterations whose loss is non-finite or exceeds the median of the previous ``window`` by > ``jump``."""
+    spikes = 0
+    for i, v in enumerate(losses):
+        if not math.isfinite(v):
+            spikes += 1
+        elif i >= 2 and v - statistics.median(losses[max(0, i - window):i]) > jump:
+            spikes += 1
+    return spikes

@@ -142,9 +142,8 @@ def run_config(opts, name: str, seed: int, base: dict, lr: float, wd: float, res
         train_loss += [h["lm loss"] for h in hist]
         evaluate(tr.state.iteration)
     final = E.fixed_valid_loss(tr, opts.final_eval_iters)
-    spikes = sum(1 for a, b in zip(train_loss, train_loss[1:]) if b > a + 1.0) + sum(
-        1 for v in train_loss if not math.isfinite(v))
-    return {"final_valid_loss": final, "curve": curve, "train_loss": train_loss, "loss_spikes": spikes,
+    return {"final_valid_loss": final, "curve": curve, "train_loss": train_loss,
+            "loss_spikes": E.count_spikes(train_loss),
             "seconds": time.time() - t0}
 
 
@@ -174,7 +173,7 @@ def summarise(per_config: dict) -> dict:
         end = [per_seed[k]["curve"][-1] for k in per_seed]
         row = {"valid_loss": s, "paired_gap": gap, "seed_spread": spread,
                "gap_over_spread": (gap["diff_mean"] / spread if gap and spread > 0 else None),
-               "loss_spikes": sum(per_seed[k]["loss_spikes"] for k in per_seed)}
+               "loss_spikes": sum(E.count_spikes(per_seed[k]["train_loss"]) for k in per_seed)}
         for k in ("zeroed", "clipped", "rms"):
             if k in end[0]:
                 row[f"{k}_end"] = sum(e[k] for e in end) / len(end)
