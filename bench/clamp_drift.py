@@ -100,7 +100,7 @@ def train_base(opts, seed: int) -> dict:
     """The bf16 warm-start checkpoint of one seed (kept in the cache dir) and its fc2-input RMS growth."""
     import torch
 
-    path = os.path.join(opts._cache.dir, f"base_seed{seed}.pt")
+    path = os.path.join(opts._base_dir, f"base_seed{seed}.pt")
     if os.path.exists(path):
         return torch.load(path)
     tr = E.build_trainer(argv_for(opts, seed, opts.base_iters, BASE_LR, BASE_WD))
@@ -279,10 +279,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--base-iters", type=int, default=100)
-    p.add_argument("--iters", type=int, default=60, help="iterations of each configuration in the drift regime")
+    p.add_argument("--iters", type=int, default=40, help="iterations of each configuration in the drift regime")
     p.add_argument("--lr", type=float, default=4e-3, help="lr of the warm-start regimes (no weight decay)")
     p.add_argument("--rescale", type=float, default=0.1, help="s of the rescaled warm start")
-    p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--eval-iters", type=int, default=2)
     p.add_argument("--final-eval-iters", type=int, default=8)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -307,6 +307,10 @@ def main(argv=None) -> dict:
     o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
     settings = {k: v for k, v in vars(o).items() if not k.startswith("_") and k not in ("out", "configs", "seeds")}
     o._cache = E.RunCache(os.path.join(o.cache_dir, "clamp_drift"), E.settings_key(settings))
+    base_key = E.settings_key({k: settings[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
+                                                        "base_iters", "eval_iters", "final_eval_iters")})
+    o._base_dir = os.path.join(o.cache_dir, "clamp_drift", f"base_{base_key}")
+    os.makedirs(o._base_dir, exist_ok=True)
     bases = {s: train_base(o, s) for s in o.seeds}
     regime = choose_regime(o, o.seeds[0], bases[o.seeds[0]])
     print(f"regime: {regime['chosen']} ({ {k: round(v['growth'], 3) for k, v in regime['candidates'].items()} })",

@@ -360,7 +360,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--iters", type=int, default=150)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--eval-iters", type=int, default=2)
