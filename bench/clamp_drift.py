@@ -97,22 +97,30 @@ def argv_for(opts, seed: int, iters: int, lr: float, wd: float) -> list[str]:
 
 
 def train_base(opts, seed: int) -> dict:
-    """The bf16 warm-start checkpoint of one seed (kept in the cache dir) and its fc2-input RMS growth."""
+    """The bf16 warm-start checkpoint of one seed (a .pt in the cache) and its fc2-input RMS growth (JSON)."""
     import torch
 
-    path = os.path.join(opts._base_dir, f"base_seed{seed}.pt")
-    if os.path.exists(path):
-        return torch.load(path)
-    tr = E.build_trainer(argv_for(opts, seed, opts.base_iters, BASE_LR, BASE_WD))
-    probe = Fc2Probe(tr)
-    _, first = probe.measure(lambda: E.fixed_valid_loss(tr, opts.eval_iters))
-    E.train_chunk(tr, opts.base_iters)
-    loss, last = probe.measure(lambda: E.fixed_valid_loss(tr, opts.final_eval_iters))
-    base = {"state": {k: v.detach().clone() for k, v in E.core_model(tr).state_dict().items()},
-            "consumed": tr.state.consumed_train_samples, "valid_loss": loss,
-            "rms_growth": last["rms"] / first["rms"], "rms_curve": [(0, first["rms"]), (opts.base_iters, last["rms"])]}
-    torch.save(base, path)
-    return base
+    path = os.path.join(opts._bases.dir, f"base_seed{seed}.pt")
+    if not os.path.exists(path):
+        tr = E.build_trainer(argv_for(opts, seed, opts.base_iters, BASE_LR, BASE_WD))
+        probe = Fc2Probe(tr)
+        _, first = probe.measure(lambda: E.fixed_valid_loss(tr, opts.eval_iters))
+        E.train_chunk(tr, opts.base_iters)
+        loss, last = probe.measure(lambda: E.fixed_valid_loss(tr, opts.final_eval_iters))
+        base = {"state": {k: v.detach().clone() for k, v in E.core_model(tr).state_dict().items()},
+                "consumed": tr.state.consumed_train_samples, "valid_loss": loss,
+                "rms_growth": last["rms"] / first["rms"]}
+        torch.save(base, path + f".tmp{os.getpid()}")
+        os.replace(path + f".tmp{os.getpid()}", path)
+    base = torch.load(path)
+    return {"path": path, "consumed": base["consumed"], "valid_loss": base["valid_loss"],
+            "rms_growth": base["rms_growth"]}
+
+
+def load_base(meta: dict) -> dict:
+    import torch
+
+    return {**meta, "state": torch.load(meta["path"])["state"]}
 
 
 def run_config(opts, name: str, seed: int, base: dict, lr: float, wd: float, rescale: float) -> dict:
@@ -120,7 +128,7 @@ def run_config(opts, name: str, seed: int, base: dict, lr: float, wd: float, res
     t0 = time.time()
     tr = E.build_trainer(argv_for(opts, seed, opts.iters, lr, wd) + CONFIGS[name])
     model = E.core_model(tr)
-    missing, unexpected = model.load_state_dict(base["state"], strict=False)
+    missing, unexpected = model.load_state_dict(load_base(base)["state"], strict=False)
     bad = [k for k in missing if not k.endswith("_static_c")] + list(unexpected)
     if bad:
         raise RuntimeError(f"warm start of {name!r}: checkpoint keys do not match the model: {bad[:5]}")
@@ -151,10 +159,11 @@ def choose_regime(opts, seed: int, base: dict) -> dict:
     """Measure the fc2-input RMS growth of each candidate regime (bf16, first seed); pick the largest."""
     cands = {"from scratch (lr 2e-3, wd 0.1)": {"growth": base["rms_growth"], "lr": BASE_LR, "wd": BASE_WD,
                                                 "rescale": None}}
-    for label, rescale in (("warm, high lr, no wd", 1.0), (f"warm, rescaled fc1 x{opts.rescale:g}", opts.rescale)):
-        key = f"candidate {label}"
-        run = opts._cache.get_or_run(key, seed, lambda r=rescale: run_config(opts, "bf16", seed, base, opts.lr,
-                                                                            0.0, r))
+    labels = (("warm, high lr, no wd", 1.0), (f"warm, rescaled fc1 x{opts.rescale:g}", opts.rescale))
+    runs = opts._cache.run_all([(f"candidate {label}", seed, lambda r=rescale: run_config(
+        opts, "bf16", seed, base, opts.lr, 0.0, r)) for label, rescale in labels])
+    for label, rescale in labels:
+        run = runs[f"candidate {label}"][str(seed)]
         cands[label] = {"growth": run["curve"][-1]["rms"] / run["curve"][0]["rms"], "lr": opts.lr, "wd": 0.0,
                         "rescale": rescale, "final_valid_loss": run["final_valid_loss"]}
     warm = {k: v for k, v in cands.items() if v["rescale"] is not None}  # a regime must start from the checkpoint
@@ -285,6 +294,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=int, default=8)
     p.add_argument("--eval-iters", type=int, default=2)
     p.add_argument("--final-eval-iters", type=int, default=8)
+    p.add_argument("--regime-seed", type=int, default=None, help="seed of the regime choice (default: the first)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
     p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "clamp_drift"))
@@ -293,6 +303,7 @@ def parse(argv=None) -> argparse.Namespace:
         o.layers, o.hidden, o.heads, o.seq, o.batch = 1, 32, 2, 32, 2
         o.base_iters, o.iters, o.eval_interval, o.eval_iters, o.final_eval_iters = 6, 6, 3, 1, 1
         o.seeds = o.seeds[:2] if len(o.seeds) > 1 else o.seeds
+    o.regime_seed = o.seeds[0] if o.regime_seed is None else o.regime_seed
     if "bf16" not in o.configs:
         o.configs = ["bf16", *o.configs]
     return o
@@ -305,24 +316,24 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     t0 = time.time()
     o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
-    settings = {k: v for k, v in vars(o).items() if not k.startswith("_") and k not in ("out", "configs", "seeds")}
+    settings = {k: v for k, v in vars(o).items()
+                if not k.startswith("_") and k not in ("out", "configs", "seeds", "regime_seed")}
     o._cache = E.RunCache(os.path.join(o.cache_dir, "clamp_drift"), E.settings_key(settings))
     base_key = E.settings_key({k: settings[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
                                                         "base_iters", "eval_iters", "final_eval_iters")})
-    o._base_dir = os.path.join(o.cache_dir, "clamp_drift", f"base_{base_key}")
-    os.makedirs(o._base_dir, exist_ok=True)
-    bases = {s: train_base(o, s) for s in o.seeds}
-    regime = choose_regime(o, o.seeds[0], bases[o.seeds[0]])
+    o._bases = E.RunCache(os.path.join(o.cache_dir, "clamp_drift"), f"base_{base_key}")
+    # Several processes may run this at once (same flags): they share the runs through the cache's locks.
+    seeds = list(dict.fromkeys([o.regime_seed, *o.seeds]))
+    bases = {int(s): r for s, r in o._bases.run_all([("base", s, lambda s=s: train_base(o, s)) for s in seeds])[
+        "base"].items()}
+    regime = choose_regime(o, o.regime_seed, bases[o.regime_seed])
     print(f"regime: {regime['chosen']} ({ {k: round(v['growth'], 3) for k, v in regime['candidates'].items()} })",
           flush=True)
-    per = {}
-    for seed in o.seeds:  # seeds outermost: a partial run already has every configuration for some seeds
-        for name in o.configs:
-            run = o._cache.get_or_run(f"{regime['chosen']} {name}", seed, lambda n=name, s=seed: run_config(
-                o, n, s, bases[s], regime["lr"], regime["wd"], regime["rescale"]))
-            per.setdefault(name, {})[str(seed)] = run
-            print(f"seed {seed} {name}: final valid loss {run['final_valid_loss']:.4f} ({run['seconds']:.0f} s)",
-                  flush=True)
+    items = [(name, seed, lambda n=name, s=seed: run_config(o, n, s, bases[s], regime["lr"], regime["wd"],
+                                                            regime["rescale"]))
+             for seed in o.seeds for name in o.configs]  # seeds outermost: partial results cover whole seeds
+    per = o._cache.run_all(items, lambda n, s, r: print(
+        f"seed {s} {n}: final valid loss {r['final_valid_loss']:.4f} ({r['seconds']:.0f} s)", flush=True))
     res = {"seeds": o.seeds, "settings": settings, "regime": regime,
            "base": {str(s): {"valid_loss": b["valid_loss"], "rms_growth": b["rms_growth"]} for s, b in bases.items()},
            "per_seed": per, "seconds": time.time() - t0}

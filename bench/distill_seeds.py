@@ -251,6 +251,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=6)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
+    p.add_argument("--train-only", action="store_true", help="train (into the cache) and write no results")
     p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "distill_seeds"))
     o = p.parse_args(argv)
     if o.quick:
@@ -267,30 +268,37 @@ def main(argv=None) -> dict:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     t0 = time.time()
     o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
-    settings = {k: v for k, v in vars(o).items() if not k.startswith("_") and k not in ("out", "seeds")}
+    settings = {k: v for k, v in vars(o).items()
+                if not k.startswith("_") and k not in ("out", "seeds", "train_only")}
     teacher_key = E.settings_key({k: settings[k] for k in ("teacher", "seq", "batch", "vocab", "teacher_iters",
                                                            "teacher_lr", "teacher_eval_interval", "eval_batches")})
     folder = os.path.join(o.cache_dir, "distill_seeds", teacher_key)
     os.makedirs(folder, exist_ok=True)
-    teacher = train_teacher(o, folder)
+    # Concurrent processes (same flags) share the teacher, the stores and the students through locks.
+    teacher = E.RunCache(folder, "teacher_lock").get_or_run("teacher", 0, lambda: train_teacher(o, folder))
     print(f"teacher: {teacher['params']:,} params, valid loss {teacher['valid_loss']:.4f}", flush=True)
-    stores = {(s, k): dump_store(o, teacher["dir"], s, k, os.path.join(folder, f"stores_{o.student_iters}"))
-              for s in ("topk", "gumbel") for k in KS}
+    store_cache = E.RunCache(folder, f"stores_{o.student_iters}")
+    dumped = store_cache.run_all([(f"{s} k={k}", 0, lambda s=s, k=k: dump_store(o, teacher["dir"], s, k,
+                                                                                  store_cache.dir))
+                                  for s in ("topk", "gumbel") for k in KS])
+    stores = {(s, k): dumped[f"{s} k={k}"]["0"] for s in ("topk", "gumbel") for k in KS}
     print("stores: " + ", ".join(f"{s} k={k} {v['bytes_per_token']:.1f} B/token" for (s, k), v in stores.items()),
           flush=True)
     o._cache = E.RunCache(os.path.join(folder, "students"), E.settings_key(settings))
     cfgs = student_configs(teacher["dir"], {key: v["path"] for key, v in stores.items()}, o.alpha)
-    per = {}
-    for seed in o.seeds:
-        for name, flags in cfgs.items():
-            run = o._cache.get_or_run(name, seed, lambda n=name, f=flags, s=seed: train_student(o, n, f, s,
-                                                                                             teacher["dir"]))
-            per.setdefault(name, {})[str(seed)] = run
-            if teacher["params"] < 4 * run["params"]:
-                raise SystemExit(f"--teacher {o.teacher} has {teacher['params']:,} parameters, under 4x the "
-                                 f"student's {run['params']:,} (--student {o.student})")
-            print(f"seed {seed} {name}: valid loss {run['final_valid_loss']:.4f}, KL {run['kl_teacher_student']:.4f} "
-                  f"({run['seconds']:.0f} s)", flush=True)
+    items = [(name, seed, lambda n=name, f=flags, s=seed: train_student(o, n, f, s, teacher["dir"]))
+             for seed in o.seeds for name, flags in cfgs.items()]
+
+    def report(name: str, seed: int, run: dict) -> None:
+        if teacher["params"] < 4 * run["params"]:
+            raise SystemExit(f"--teacher {o.teacher} has {teacher['params']:,} parameters, under 4x the "
+                             f"student's {run['params']:,} (--student {o.student})")
+        print(f"seed {seed} {name}: valid loss {run['final_valid_loss']:.4f}, KL {run['kl_teacher_student']:.4f} "
+              f"({run['seconds']:.0f} s)", flush=True)
+
+    per = o._cache.run_all(items, report)
+    if o.train_only:
+        return {}
     student_params = next(iter(per["no KD"].values()))["params"]
     res = {"seeds": o.seeds, "settings": settings, "teacher": teacher, "student_params": student_params,
            "stores": {f"{s} k={k}": v for (s, k), v in stores.items()}, "per_seed": per}

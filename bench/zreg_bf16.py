@@ -369,6 +369,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--bin-width", type=int, default=1, help="lse bin width")
     p.add_argument("--sweep-scales", type=float, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
+    p.add_argument("--train-only", action="store_true", help="train (into the cache) and write no results")
     p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "zreg_bf16"))
     o = p.parse_args(argv)
     if o.quick:
@@ -386,15 +387,16 @@ def main(argv=None) -> dict:
     t0 = time.time()
     o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
     o._configs = configs(o.zreg)
-    settings = {k: v for k, v in vars(o).items() if not k.startswith("_") and k not in ("out", "seeds")}
+    settings = {k: v for k, v in vars(o).items()
+                if not k.startswith("_") and k not in ("out", "seeds", "train_only")}
     o._cache = E.RunCache(os.path.join(o.cache_dir, "zreg_bf16"), E.settings_key(settings))
-    per = {}
-    for seed in o.seeds:
-        for name in o._configs:
-            run = o._cache.get_or_run(name, seed, lambda n=name, s=seed: train_one(o, n, s))
-            per.setdefault(name, {})[str(seed)] = run
-            print(f"seed {seed} {name}: final valid loss {run['final_valid_loss']:.4f}, peak lse "
-                  f"{run['peak_lse_max']:.2f} ({run['seconds']:.0f} s)", flush=True)
+    # Several processes may run this at once (same flags): they share the runs through the cache's locks.
+    items = [(name, seed, lambda n=name, s=seed: train_one(o, n, s)) for seed in o.seeds for name in o._configs]
+    per = o._cache.run_all(items, lambda n, s, r: print(
+        f"seed {s} {n}: final valid loss {r['final_valid_loss']:.4f}, peak lse {r['peak_lse_max']:.2f} "
+        f"({r['seconds']:.0f} s)", flush=True))
+    if o.train_only:
+        return {}
     mech = {name: mechanism(o, name, o.seeds) for name in o._configs if name != "fp32 Z-Reg off"}
     res = {"seeds": o.seeds, "settings": settings, "per_seed": per, "mechanism": mech}
     res["summary"] = summarise(per)
