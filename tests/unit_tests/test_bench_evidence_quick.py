@@ -120,3 +120,4 @@ def test_statistics_helpers():
     assert g["rel_pct"] == pytest.approx([100.0, 100.0, 200.0])
     assert E.count_spikes([5.0, 4.9, 4.8, 4.7, 5.5, 4.6, float("nan")]) == 2
     assert E.count_spikes([5.0, 4.0, 3.0, 2.0]) == 0
+    assert E.count_spikes([4.0, 5.0, 5.0, 5.0, 5.2]) == 0  # against the median: one low loss makes no spikes
