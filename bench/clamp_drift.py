@@ -209,21 +209,26 @@ def markdown(res: dict) -> str:
               "## Final validation loss", "",
               f"Mean ± std over {len(res['seeds'])} seeds ({o['final_eval_iters']} fixed validation batches); "
               "paired gap: this configuration minus bf16 of the same seed, mean ± std over seeds; gap / spread: "
-              "the mean gap over the larger seed std of the two; fc2 input at the last evaluation (mean over seeds "
+              "the mean gap over the larger seed std of the two; gap / paired std: over the std of the paired "
+              "gaps; fc2 input at the last evaluation (mean over seeds "
               "and layers): values zeroed (non-zero -> 0) and clipped (|h| > c).", "",
-              "| configuration | valid loss | paired gap | gap (%) | gap / spread | zeroed | clipped | spikes |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| configuration | valid loss | paired gap | gap (%) | gap / spread | gap / paired std | zeroed "
+              "| clipped | spikes |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in res["summary"].items():
         g = s["paired_gap"]
         gap = f"{g['diff_mean']:+.4f} ± {g['diff_std']:.4f}" if g else "-"
         pct = f"{g['rel_pct_mean']:+.2f} ± {g['rel_pct_std']:.2f}" if g else "-"
-        z = f"{s['gap_over_spread']:+.1f}" if s["gap_over_spread"] is not None else "-"
+        z = f"{s['gap_over_spread']:+.1f} | {_paired_z(g):+.1f}" if s["gap_over_spread"] is not None else "- | -"
         zer = f"{s['zeroed_end']:.2%}" if "zeroed_end" in s else "-"
         cli = f"{s['clipped_end']:.3%}" if "clipped_end" in s else "-"
         lines.append(f"| {name} | {E.fmt_pm(s['valid_loss']['mean'], s['valid_loss']['std'])} | {gap} | {pct} | "
                      f"{z} | {zer} | {cli} | {s['loss_spikes']} |")
     lines += ["", "## Finding", "", *[f"- {f}" for f in res["findings"]], ""]
     return "\n".join(lines)
+
+
+def _paired_z(gap: dict) -> float:
+    return gap["diff_mean"] / gap["diff_std"] if gap["diff_std"] > 0 else float("inf")
 
 
 def findings(res: dict) -> list[str]:
@@ -234,12 +239,16 @@ def findings(res: dict) -> list[str]:
     out.append(f"Dynamic clamps within 1% of bf16: {len(ok)}/{len(dyn)} ("
                + ", ".join(f"{n} {g:+.2f}%" for n, g in dyn.items()) + ").")
     for n in s:
-        if n.endswith(("static", "absmax")):
-            g, z = s[n]["paired_gap"], s[n]["gap_over_spread"]
-            verdict = "worse by more than 3 seed stds" if z is not None and z > 3 else "NOT separated from bf16 " \
-                "by 3 seed stds"
-            out.append(f"{n}: {g['rel_pct_mean']:+.2f}% ({z:+.1f} spreads) — {verdict}." if z is not None else
-                       f"{n}: {g['rel_pct_mean']:+.2f}%.")
+        if n == "bf16":
+            continue
+        g, z = s[n]["paired_gap"], s[n]["gap_over_spread"]
+        sep = ("worse than bf16 by more than 3 seed stds" if z is not None and z > 3 else
+               "better than bf16 by more than 3 seed stds" if z is not None and z < -3 else
+               "not separated from bf16 by 3 seed stds")
+        clip = f"clips {s[n]['clipped_end']:.1%} / zeroes {s[n]['zeroed_end']:.1%} of the fc2 input at the end; " \
+            if "clipped_end" in s[n] else ""
+        out.append(f"{n}: {clip}loss {g['rel_pct_mean']:+.2f} ± {g['rel_pct_std']:.2f}% "
+                   f"({z:+.1f} seed stds, {_paired_z(g):+.1f} paired stds) — {sep}.")
     return out
 
 
