@@ -266,13 +266,15 @@ def plot(res: dict, path: str) -> None:
             c = runs[seed]["curve"]
             it = [p["iteration"] for p in c]
             lab = name if i == 0 else None
-            a_loss.plot(it, [p["valid_loss"] for p in c], ls=ls, color=colors[name], label=lab, alpha=0.8)
+            ref = res["per_seed"]["bf16"][seed]["curve"]
+            a_loss.plot(it, [p["valid_loss"] - r["valid_loss"] for p, r in zip(c, ref)], ls=ls, color=colors[name],
+                        label=lab, alpha=0.8)
             a_rms.plot(it, [p["rms"] for p in c], ls=ls, color=colors[name], label=lab, alpha=0.8)
             if "zeroed" in c[0]:
                 a_zero.plot(it, [p["zeroed"] for p in c], ls=ls, color=colors[name], label=lab, alpha=0.8)
                 a_clip.plot(it, [max(p["clipped"], 1e-7) for p in c], ls=ls, color=colors[name], label=lab,
                             alpha=0.8)
-    a_loss.set(title="validation loss (every seed)", xlabel="iteration")
+    a_loss.set(title="validation loss minus bf16 of the same seed (every seed)", xlabel="iteration")
     a_rms.set(title="fc2 input (ReLU^2 output) RMS, mean over layers", xlabel="iteration", yscale="log")
     a_zero.set(title="fc2 input: fraction of non-zero values quantized to 0", xlabel="iteration")
     a_clip.set(title="fc2 input: fraction clipped (|h| > c)", xlabel="iteration", yscale="log")
