@@ -35,15 +35,21 @@ DATA_SEED = 1234
 KS = (8, 32)
 
 
-def student_configs(teacher_dir: str, stores: dict, alpha: float) -> dict[str, list[str]]:
-    kd = ["--distill-alpha", str(alpha)]
-    out = {"no KD": [], "full KD": ["--distill-teacher-load", teacher_dir, "--distill-estimator", "full", *kd]}
+def student_configs(teacher_dir: str, alpha: float) -> dict[str, list[str]]:
+    """Every KD variant reads the teacher online (``--distill-teacher-load``): the estimators draw the same
+    samples a store would hold (``topk``: the k largest; ``priority``: Gumbel top-k), without the dump."""
+    kd = ["--distill-teacher-load", teacher_dir, "--distill-alpha", str(alpha)]
+    out = {"no KD": [], "full KD": [*kd, "--distill-estimator", "full"]}
     for k in KS:
-        out[f"top-k k={k}"] = ["--distill-samples", stores[("topk", k)], "--distill-estimator", "topk",
-                               "--distill-k", str(k), *kd]
-        out[f"Gumbel k={k}"] = ["--distill-samples", stores[("gumbel", k)], "--distill-estimator", "priority",
-                                "--distill-k", str(k), *kd]
+        out[f"top-k k={k}"] = [*kd, "--distill-estimator", "topk", "--distill-k", str(k)]
+        out[f"Gumbel k={k}"] = [*kd, "--distill-estimator", "priority", "--distill-k", str(k)]
     return out
+
+
+def store_bytes_per_token(k: int, vocab: int) -> int:
+    """Bytes per position of a store of tools/dump_teacher_samples.py (either sampler): k ids (uint16 up to
+    V = 65536, else int32), k fp16 logits, fp32 lse and fp32 kappa."""
+    return k * ((2 if vocab <= 1 << 16 else 4) + 2) + 8
 
 
 def argv_for(o, shape: str, iters: int, lr: float, batch: int) -> list[str]:
@@ -83,7 +89,7 @@ def train_teacher(o, folder: str) -> dict:
 
 
 def dump_store(o, teacher_dir: str, sampler: str, k: int, folder: str) -> dict:
-    """tools/dump_teacher_samples.py over the student's train split; bytes per token on disk."""
+    """tools/dump_teacher_samples.py over the student's train split; bytes per token on disk (--measure-stores)."""
     store = os.path.join(folder, f"store_{sampler}_k{k}")
     done = os.path.join(store, ".bench_done")
     if not os.path.exists(done):
@@ -153,9 +159,11 @@ def bytes_row(name: str, res: dict) -> str:
     if name == "no KD":
         return "0"
     if name == "full KD":
-        return f"online ({2 * v:,} as dense bf16)"
+        return f"{2 * v:,} (dense bf16)"
     sampler, k = ("topk" if name.startswith("top-k") else "gumbel"), int(name.split("=")[1])
-    return f"{res['stores'][f'{sampler} k={k}']['bytes_per_token']:.1f}"
+    st = res["stores"][f"{sampler} k={k}"]
+    measured = f" ({st['bytes_per_token']:.1f} on disk)" if "bytes_per_token" in st else ""
+    return f"{st['format_bytes_per_token']}{measured}"
 
 
 def findings(res: dict) -> list[str]:
@@ -245,19 +253,22 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher-lr", type=float, default=2e-3)
     p.add_argument("--teacher-eval-interval", type=int, default=50)
     p.add_argument("--flat-tol", type=float, default=0.01, help="flattened: last interval improved < this")
-    p.add_argument("--student-iters", type=int, default=120)
+    p.add_argument("--student-iters", type=int, default=60)
     p.add_argument("--student-lr", type=float, default=3e-3)
-    p.add_argument("--eval-interval", type=int, default=30)
+    p.add_argument("--eval-interval", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=6)
     p.add_argument("--alpha", type=float, default=0.5)
     p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
     p.add_argument("--train-only", action="store_true", help="train (into the cache) and write no results")
+    p.add_argument("--measure-stores", action="store_true",
+                   help="also write the four stores with tools/dump_teacher_samples.py and measure them on disk")
     p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "distill_seeds"))
     o = p.parse_args(argv)
     if o.quick:
         o.teacher, o.student, o.seq, o.batch = "2,64,2", "1,16,2", 32, 2
         o.teacher_iters, o.teacher_eval_interval, o.student_iters, o.eval_interval, o.eval_batches = 8, 4, 6, 3, 1
         o.seeds = o.seeds[:2] if len(o.seeds) > 1 else o.seeds
+        o.measure_stores = True
     return o
 
 
@@ -269,7 +280,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
     settings = {k: v for k, v in vars(o).items()
-                if not k.startswith("_") and k not in ("out", "seeds", "train_only")}
+                if not k.startswith("_") and k not in ("out", "seeds", "train_only", "measure_stores")}
     teacher_key = E.settings_key({k: settings[k] for k in ("teacher", "seq", "batch", "vocab", "teacher_iters",
                                                            "teacher_lr", "teacher_eval_interval", "eval_batches")})
     folder = os.path.join(o.cache_dir, "distill_seeds", teacher_key)
@@ -277,15 +288,19 @@ def main(argv=None) -> dict:
     # Concurrent processes (same flags) share the teacher, the stores and the students through locks.
     teacher = E.RunCache(folder, "teacher_lock").get_or_run("teacher", 0, lambda: train_teacher(o, folder))
     print(f"teacher: {teacher['params']:,} params, valid loss {teacher['valid_loss']:.4f}", flush=True)
-    store_cache = E.RunCache(folder, f"stores_{o.student_iters}")
-    dumped = store_cache.run_all([(f"{s} k={k}", 0, lambda s=s, k=k: dump_store(o, teacher["dir"], s, k,
-                                                                                  store_cache.dir))
-                                  for s in ("topk", "gumbel") for k in KS])
-    stores = {(s, k): dumped[f"{s} k={k}"]["0"] for s in ("topk", "gumbel") for k in KS}
-    print("stores: " + ", ".join(f"{s} k={k} {v['bytes_per_token']:.1f} B/token" for (s, k), v in stores.items()),
-          flush=True)
+    stores = {f"{s} k={k}": {"format_bytes_per_token": store_bytes_per_token(k, o.vocab)}
+              for s in ("topk", "gumbel") for k in KS}
+    if o.measure_stores:  # write the stores and measure them on disk
+        store_cache = E.RunCache(folder, f"stores_{o.student_iters}")
+        dumped = store_cache.run_all([(f"{s} k={k}", 0, lambda s=s, k=k: dump_store(o, teacher["dir"], s, k,
+                                                                                      store_cache.dir))
+                                      for s in ("topk", "gumbel") for k in KS])
+        for name in stores:
+            stores[name].update(dumped[name]["0"])
+    print("stores: " + ", ".join(f"{n} {v.get('bytes_per_token', v['format_bytes_per_token']):.1f} B/token"
+                                 for n, v in stores.items()), flush=True)
     o._cache = E.RunCache(os.path.join(folder, "students"), E.settings_key(settings))
-    cfgs = student_configs(teacher["dir"], {key: v["path"] for key, v in stores.items()}, o.alpha)
+    cfgs = student_configs(teacher["dir"], o.alpha)
     items = [(name, seed, lambda n=name, f=flags, s=seed: train_student(o, n, f, s, teacher["dir"]))
              for seed in o.seeds for name, flags in cfgs.items()]
 
@@ -301,7 +316,7 @@ def main(argv=None) -> dict:
         return {}
     student_params = next(iter(per["no KD"].values()))["params"]
     res = {"seeds": o.seeds, "settings": settings, "teacher": teacher, "student_params": student_params,
-           "stores": {f"{s} k={k}": v for (s, k), v in stores.items()}, "per_seed": per}
+           "stores": stores, "per_seed": per}
     res["summary"] = summarise(per)
     res["findings"] = findings(res)
     res["seconds"] = time.time() - t0
