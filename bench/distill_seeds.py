@@ -1,23 +1,24 @@
 """Distillation at three seeds: no KD, full-distribution KD, truncated top-k and Gumbel top-k at k = 8 and 32.
 
-    python bench/distill_seeds.py [--seeds 1 2 3] [--quick] [--out bench/results/distill_seeds]
+    python bench/distill_seeds.py [--seeds 1 2 3] [--quick] [--measure-stores] [--out bench/results/distill_seeds]
 
 One teacher (``--teacher`` layers,hidden,heads; at least 4x the student's parameters, checked) trains on the
 demo corpus until its validation loss flattens (cosine schedule; the curve and the last interval's
-improvement are reported), and is shared by every seed. ``tools/dump_teacher_samples.py`` writes four stores
-over the student's train split: truncated top-k (``--sampler topk``) and Gumbel top-k (``--sampler gumbel``)
-at k = 8 and 32. Per seed the student trains with
+improvement are reported), and is shared by every seed. Per seed the student trains with
 
 - ``no KD``;
-- ``full KD``: the whole teacher distribution, online (``--distill-teacher-load``, ``--distill-estimator full``);
-- ``top-k k``: the truncated store (``--distill-estimator topk``);
-- ``Gumbel k``: the Gumbel store (``--distill-estimator priority``);
+- ``full KD``: the whole teacher distribution (``--distill-estimator full``);
+- ``top-k k``: the k most likely teacher ids (``--distill-estimator topk``), a truncated store's content;
+- ``Gumbel k``: k ids drawn by Gumbel top-k (``--distill-estimator priority``), a Gumbel store's content;
 
-with loss (1 - alpha) CE + alpha KD (``--alpha``). The seed sets the student's initialisation; the data order
-(and so the stores, which are keyed by sample index) and the Gumbel noise are shared by all seeds. Reported:
-the student's validation loss and KL(teacher || student) on fixed held-out batches (mean ± std over seeds,
-paired gap to no KD and to full KD) and the stored bytes per token (measured on disk; dense bf16 logits
-for comparison). Writes ``--out``.{json,md,png}.
+all reading the teacher online (``--distill-teacher-load``): the estimators draw what
+``tools/dump_teacher_samples.py`` would store, without writing the stores (the dumps cost more CPU than
+the students here). Stored bytes per token: the store format (k uint16 ids + k fp16 logits + fp32 lse +
+fp32 kappa); ``--measure-stores`` (on in ``--quick``) also writes the four stores with the tool and
+measures them on disk. Loss: (1 - alpha) CE + alpha KD (``--alpha``). The seed sets the student's
+initialisation; the data order is shared by all seeds. Reported: the student's validation loss and
+KL(teacher || student) on fixed held-out batches (mean ± std over seeds, paired gap to no KD and to full
+KD) and the bytes per token. Writes ``--out``.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -195,7 +196,9 @@ def markdown(res: dict) -> str:
              f"{res['seeds']} (the student's initialisation; data order and Gumbel noise shared).", "",
              f"Validation loss and KL(teacher‖student) (exact, full vocabulary) on {o['eval_batches']} fixed held-out "
              "batches, mean ± std over seeds; paired gaps: minus the no-KD / full-KD student of the same seed. "
-             "Bytes per token: the store on disk per training token (ids, fp16 logits, lse, kappa, headers).", "",
+             "Every KD student reads the teacher online; bytes per token: what a store of "
+             "`tools/dump_teacher_samples.py` holds per training token (k uint16 ids, k fp16 logits, fp32 lse, "
+             "fp32 kappa; on disk too when measured), and dense bf16 logits for full KD.", "",
              "| student | valid loss | vs no KD | vs full KD | KL(teacher‖student) | bytes / token |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, r in res["summary"].items():

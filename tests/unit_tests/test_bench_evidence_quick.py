@@ -104,7 +104,8 @@ def test_distill_seeds_quick(tmp_path, cache):
     # plus a little shard header.
     for name, store in res["stores"].items():
         k = int(name.split("k=")[1])
-        assert 4 * k + 8 <= store["bytes_per_token"] < 4 * k + 8 + 2, (name, store)
+        assert store["format_bytes_per_token"] == 4 * k + 8
+        assert 4 * k + 8 <= store["bytes_per_token"] < 4 * k + 8 + 2, (name, store)  # measured on disk
     # Different student seeds start from different initialisations.
     nokd = res["per_seed"]["no KD"]
     assert nokd["1"]["final_valid_loss"] != nokd["2"]["final_valid_loss"]
