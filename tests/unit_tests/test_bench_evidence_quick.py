@@ -25,7 +25,12 @@ import _evidence as E  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("evidence_cache"))
+    path = tmp_path_factory.mktemp("evidence_cache")
+    src = os.environ.get("BENCH_EVIDENCE_DATA")  # optional: a built demo corpus + tokenizer (runs are never reused)
+    if src:
+        for name in ("corpus.jsonl", "tok.model", "tok.vocab", "demo_text_document.bin", "demo_text_document.idx"):
+            os.symlink(os.path.join(src, name), path / name)
+    return str(path)
 
 
 def run_quick(script: str, cache: str, out: str, *extra: str) -> dict:
