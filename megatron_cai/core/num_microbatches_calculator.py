@@ -19,7 +19,7 @@ class BatchRampup:
     samples: int
 
 
-def parse_rampup(values: list[str] | None) -> BatchRampup | None:
+def parse_rampup(values: list[int] | list[str] | None) -> BatchRampup | None:
     """``--rampup-batch-size START INCREMENT SAMPLES`` as three non-negative integers."""
     if values is None:
         return None

@@ -293,7 +293,7 @@ def _megatron_numerics(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loss-scale-window", type=float, default=1000,
                    help="clean iterations before the dynamic loss scale doubles")
     g.add_argument("--hysteresis", type=int, default=2, help="overflows before the dynamic loss scale halves")
-    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+    g.add_argument("--rampup-batch-size", nargs="*", type=int, default=None,
                    help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES "
                         "samples (Megatron's num-microbatches calculator)")
     g.add_argument("--decrease-batch-size-if-needed", action="store_true",
