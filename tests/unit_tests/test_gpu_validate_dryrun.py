@@ -18,7 +18,7 @@ def test_validate_dry_run(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([ROOT, *sys.path]), PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "validate.sh"), "--dry-run", "--out-dir",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=2400)
     summary = (tmp_path / "gpu_summary.md").read_text()
     assert proc.returncode == 0, summary + proc.stdout[-3000:] + proc.stderr[-3000:]
     for step in ("pytest -m gpu", "squinch codec", "attention", "training throughput", "QAT real GEMM"):
