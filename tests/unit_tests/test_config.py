@@ -187,3 +187,37 @@ def test_component_configs_are_dataclasses_composed_into_train_config():
     for name in fields:
         if name != "flags":
             assert dataclasses.is_dataclass(getattr(cfg, name)), name
+
+
+@pytest.mark.parametrize("granularity,forwards", [(None, 1), ("full", 2)])
+def test_recompute_granularity_is_a_model_config_field(granularity, forwards, monkeypatch):
+    """--recompute-granularity full reaches the block through GPTConfig: each layer's forward runs again
+    in backward; gradients are unchanged."""
+    from megatron_cai.core import parallel_state as ps
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.core.transformer.block import TransformerLayer
+
+    calls = []
+    forward = TransformerLayer.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(id(self))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerLayer, "forward", counted)
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    grads = []
+    for recompute in (None, granularity):
+        cfg = GPTConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
+                        hidden_dropout=0.0, attention_dropout=0.0, recompute_granularity=recompute)
+        model = GPTModel(cfg)
+        model.initialize(3)
+        calls.clear()
+        tokens = torch.arange(16).view(2, 8) % 32
+        model(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert len(calls) == forwards * cfg.num_layers
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
