@@ -47,15 +47,17 @@ def forward_step(data_iterator, model, distiller=None):
 
 def build_tokenizer_from_args(args):
     """The tokenizer the flags name (None for --mock-data without a tokenizer model)."""
+    from megatron_cai.training.arguments import tokenizer_type
     from megatron_cai.training.tokenizer import build_tokenizer
 
-    needs = ("--vocab-file", args.vocab_file) if args.tokenizer_type == "GPT2BPETokenizer" else \
+    ttype = tokenizer_type(args)
+    needs = ("--vocab-file", args.vocab_file) if ttype == "GPT2BPETokenizer" else \
         ("--tokenizer-model", args.tokenizer_model)
-    if needs[1] is None and args.tokenizer_type != "NullTokenizer":
+    if needs[1] is None and ttype != "NullTokenizer":
         if args.mock_data:
             return None
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs {needs[0]}")
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
+        raise ArgumentError(f"--tokenizer-type {ttype} needs {needs[0]}")
+    return build_tokenizer(ttype, args.tokenizer_model, args.vocab_size, vocab_file=args.vocab_file,
                            merge_file=args.merge_file, tiktoken_pattern=args.tiktoken_pattern,
                            tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
                            tiktoken_special_tokens=args.tiktoken_special_tokens)

@@ -198,8 +198,9 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="*", default=None, help="prefixes for test")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer",
-                   help="Megatron-LM: required; SentencePieceTokenizer is what tools/train_tokenizer.py makes",
+    g.add_argument("--tokenizer-type", default=None,
+                   help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given (as Megatron-LM's GPT "
+                        "example scripts), else SentencePieceTokenizer (what tools/train_tokenizer.py makes)",
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size for NullTokenizer / mock data")
@@ -328,8 +329,9 @@ def _check_megatron_numerics(args: argparse.Namespace, layout: _Layout) -> None:
                             "a changing micro-batch count: not with --fp16 or --rampup-batch-size")
     sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
                     "--lr-warmup-samples": args.lr_warmup_samples != 0,
-                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None,
-                    "--rampup-batch-size": args.rampup_batch_size is not None}
+                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None}
+    # --rampup-batch-size counts consumed samples either way, so it is taken with --train-iters too (Megatron-LM
+    # refuses that combination, yet its own GPT-3 175B example script uses it)
     if args.train_samples is None:
         for flag, is_set in sample_flags.items():
             if is_set:
@@ -683,9 +685,17 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     )
 
 
+def tokenizer_type(args: argparse.Namespace) -> str:
+    """--tokenizer-type, or its default: GPT2BPETokenizer with --vocab-file and --merge-file, else
+    SentencePieceTokenizer."""
+    if args.tokenizer_type is not None:
+        return args.tokenizer_type
+    return "GPT2BPETokenizer" if args.vocab_file and args.merge_file else "SentencePieceTokenizer"
+
+
 def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
     return TokenizerConfig(
-        tokenizer_type=args.tokenizer_type,
+        tokenizer_type=tokenizer_type(args),
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,

@@ -57,10 +57,15 @@ def test_bad_rampup_is_one_clear_error(flags, message):
         parse_rampup(["1", "2"])
 
 
-def test_rampup_needs_train_samples():
-    with pytest.raises(ArgumentError, match="--rampup-batch-size needs sample-based"):
-        parse_config(BASE + ["--global-batch-size", "32", "--train-iters", "5", "--rampup-batch-size", "8", "8", "60"],
-                   world_size=1)
+def test_rampup_with_train_iters_keeps_the_iteration_count():
+    """Megatron-LM refuses a ramp-up with --train-iters, yet its GPT-3 example uses one: taken here, the ramp
+    follows consumed samples and the run still has --train-iters iterations."""
+    cfg = parse_config(BASE + ["--global-batch-size", "32", "--train-iters", "5", "--rampup-batch-size", "8", "8",
+                               "60"], world_size=1)
+    assert cfg.training.train_iters == 5
+    calc = NumMicroBatchesCalculator(32, cfg.training.micro_batch_size, 1, parse_rampup([8, 8, 60]))
+    calc.update(0)
+    assert calc.running_global_batch_size == 8
 
 
 def _worker(rank, world_size, argv):
