@@ -818,6 +818,8 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
                             "or set --vocab-size")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    if args.use_torch_fsdp2 and args.decoupled_lr is not None:
+        raise ArgumentError("--decoupled-lr with --use-torch-fsdp2 is not supported yet")
     if args.use_torch_fsdp2 and args.fp16:
         raise ArgumentError("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
                             "use --bf16")

@@ -103,7 +103,10 @@ def test_alpha_zero_reproduces_the_plain_run(setup):
     for got in (offline, online):
         assert [h["lm loss"] for h in got] == [h["lm loss"] for h in plain]  # bit for bit
         assert [h["grad norm"] for h in got] == [h["grad norm"] for h in plain]
-        assert all(h["distill loss"] > 0 and h["distill kl"] > 0 for h in got)
+        assert all(h["distill loss"] > 0 for h in got)
+    # the exact (full-distribution) KL is positive; the sampled estimate is unbiased but may dip below 0
+    assert all(h["distill kl"] > 0 for h in online)
+    assert all(abs(h["distill kl"]) < 1.0 for h in offline)
     assert "distill loss" not in plain[0]
 
 

@@ -239,7 +239,8 @@ class FullyShardedAdamW:
         return norm, True
 
     @torch.no_grad()
-    def step(self, lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
+        """One AdamW step at `lr` (--decoupled-lr is refused with FSDP2 at start-up, so `decoupled_lr` is unused)."""
         if lr is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = lr

@@ -71,9 +71,8 @@ class SchedulerConfig:
             raise ValueError(f"--lr-warmup-iters / --lr-warmup-samples must be >= 0, got {self.lr_warmup_samples}")
         if self.lr_decay_samples <= 0:
             raise ValueError(f"the LR decay length must be positive, got {self.lr_decay_samples} samples")
-        if self.lr_decay_style != "constant" and self.lr_warmup_samples >= self.lr_decay_samples:
-            raise ValueError(f"the LR warmup ({self.lr_warmup_samples} samples) must be shorter than the decay "
-                             f"({self.lr_decay_samples} samples): check --lr-warmup-* and --lr-decay-*")
+        # A warmup as long as the decay is allowed (Megatron-LM asserts against it): a short debug run with the
+        # usual warmup then just warms up, and the LR is --min-lr after the decay length.
         if self.lr_decay_style == "WSD" and (self.lr_wsd_decay_samples is None
                                              or not 0 < self.lr_wsd_decay_samples <= self.lr_decay_samples):
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples) within "
