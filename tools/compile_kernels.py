@@ -86,7 +86,8 @@ def _write(args, targets: list[str], rows: list[dict], t0: float, partial: bool)
     import triton
 
     summary = {
-        "targets": targets, "subset": args.subset, "only": args.only, "kernels_compiled": len(records), "failures": len(failed),
+        "targets": targets, "subset": args.subset, "only": args.only, "kernels_compiled": len(records),
+        "failures": len(failed),
         "max_registers": max((r.registers or 0) for r in records),
         "wall_s": round(time.perf_counter() - t0, 1), "triton": triton.__version__,
         "unexercised_table_candidates": unexercised, "partial": partial,
@@ -97,9 +98,10 @@ def _write(args, targets: list[str], rows: list[dict], t0: float, partial: bool)
         with open(args.out + ".json", "w") as f:
             json.dump({"summary": summary, "kernels": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
+            only = f" --only '{args.only}'" if args.only else ""
             note = " PARTIAL (interrupted before every target finished)" if partial else ""
             f.write(f"# Ahead-of-time Triton kernel check{note}\n\n`python tools/compile_kernels.py --targets "
-                    f"{','.join(targets)}{f' --only {chr(39)}{args.only}{chr(39)}' if args.only else ''}` (subset {args.subset}, triton {triton.__version__}): "
+                    f"{','.join(targets)}{only}` (subset {args.subset}, triton {triton.__version__}): "
                     f"{len(records)} compiled kernels, {len(failed)} failures, {summary['wall_s']} s.\n\n"
                     f"{table}\n")
     if partial:
