@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated targets (default: sm_80,sm_86,sm_89,sm_90 and sm_100 if known)")
     p.add_argument("--subset", choices=("full", "ci"), default="full",
                    help="ci: bf16/fp32 at head dims 64/128, plain and tree layouts, all Squinch kernels")
+    p.add_argument("--only", default=None,
+                   help="comma-separated substrings of case labels to keep, e.g. 'float32 d128,bfloat16 d64 "
+                        "plain window' (iterating on table rows; the acceptance run takes every case)")
     p.add_argument("--jobs", type=int, default=1, help="targets compiled in parallel processes")
     p.add_argument("--out", default="bench/results/compile_kernels", help="output prefix (.json, .md)")
     p.add_argument("--progress", default=None,
@@ -35,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_target(name: str, subset: str, progress_prefix: str | None = None) -> list[dict]:
-    return triton_aot.to_json(triton_aot.run_check([name], subset, progress_prefix=progress_prefix))
+def _one_target(name: str, subset: str, progress_prefix: str | None = None, only: str | None = None) -> list[dict]:
+    return triton_aot.to_json(triton_aot.run_check([name], subset, progress_prefix=progress_prefix, only=only))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     done: list[str] = []
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = {pool.submit(_one_target, t, args.subset, args.progress): t for t in targets}
+            futures = {pool.submit(_one_target, t, args.subset, args.progress, args.only): t for t in targets}
             for fut in as_completed(futures):
                 rows += fut.result()
                 done.append(futures[fut])
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     _write(args, done, rows, t0, partial=True)
     else:
         for t in targets:
-            rows += _one_target(t, args.subset, args.progress)
+            rows += _one_target(t, args.subset, args.progress, args.only)
             done.append(t)
             if len(done) < len(targets):
                 _write(args, done, rows, t0, partial=True)
@@ -78,11 +81,13 @@ def _write(args, targets: list[str], rows: list[dict], t0: float, partial: bool)
     if not partial:
         print(table)
     failed = [r for r in records if r.problems()]
-    unexercised = triton_aot.unexercised_candidates(records) if args.subset == "full" and not partial else []
+    complete = args.subset == "full" and not args.only
+    unexercised = triton_aot.unexercised_candidates(records) if complete and not partial else []
     import triton
 
     summary = {
-        "targets": targets, "subset": args.subset, "kernels_compiled": len(records), "failures": len(failed),
+        "targets": targets, "subset": args.subset, "only": args.only, "kernels_compiled": len(records),
+        "failures": len(failed),
         "max_registers": max((r.registers or 0) for r in records),
         "wall_s": round(time.perf_counter() - t0, 1), "triton": triton.__version__,
         "unexercised_table_candidates": unexercised, "partial": partial,
@@ -93,9 +98,10 @@ def _write(args, targets: list[str], rows: list[dict], t0: float, partial: bool)
         with open(args.out + ".json", "w") as f:
             json.dump({"summary": summary, "kernels": rows}, f, indent=1)
         with open(args.out + ".md", "w") as f:
+            only = f" --only '{args.only}'" if args.only else ""
             note = " PARTIAL (interrupted before every target finished)" if partial else ""
             f.write(f"# Ahead-of-time Triton kernel check{note}\n\n`python tools/compile_kernels.py --targets "
-                    f"{','.join(targets)}` (subset {args.subset}, triton {triton.__version__}): "
+                    f"{','.join(targets)}{only}` (subset {args.subset}, triton {triton.__version__}): "
                     f"{len(records)} compiled kernels, {len(failed)} failures, {summary['wall_s']} s.\n\n"
                     f"{table}\n")
     if partial:

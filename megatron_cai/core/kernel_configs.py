@@ -86,9 +86,10 @@ class Tiles:
 
 
 ATTENTION_KERNELS = ("fwd", "bwd_dq", "bwd_dkdv")
-# Table roles: the forward and dQ kernels share one row (dQ walks the forward's key-block lists, so both
-# need the same tiles); the dK/dV kernel has its own (it walks query blocks per key block).
-ATTENTION_ROLES = {"fwd": "fwd+dq", "bwd_dq": "fwd+dq", "bwd_dkdv": "dkdv"}
+# Table roles: one row per kernel. dQ walks the forward's key-block lists, so the "fwd" and "dq" rows must
+# choose the same BLOCK_M x BLOCK_N on every target (attention_tiles enforces it); their warps and stages
+# are their own. The dK/dV kernel walks query blocks per key block and has free tiles.
+ATTENTION_ROLES = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ATTENTION_HEAD_DIMS = (64, 128, 256)  # BLOCK_D buckets: head dims <= 64 use the 64 row, etc.
 INTERPRETER_TILES = Tiles(16, 16, 4, 1)
@@ -100,24 +101,33 @@ INTERPRETER_TILES = Tiles(16, 16, 4, 1)
 # - 16-bit, d128: dK/dV at 64 x 64 with 4 warps and 3 stages used 107,520 B on sm_89 (over its 101,376 B)
 #   and spilled (255 registers); 8 warps and 1 stage: 73,728 B, no spill. fwd/dQ at 64 x 64 with 4 warps
 #   spilled in dQ on sm_80/sm_89; 8 warps do not.
-# - fp32 (ieee dots on FMA units) needs 8 warps at 32 x 32 (4 warps spilled ~2-15 KB); its d128 dK/dV
-#   spills at 32 x 32 on sm_89/sm_90 (~310 B) and at 16 x 32 on sm_80 (64 B): sm_89+ has its own row.
+# - fp32 (ieee dots on FMA units) needs 8 warps at 32 x 32 (4 warps spilled ~2-15 KB). d128 forward
+#   spilled 768 B on sm_86/sm_89 with 2 stages; 1 stage fixes it but makes dQ spill, hence separate fwd
+#   and dq rows. d128 dK/dV spills at 32 x 32 on sm_86..sm_90 (~310 B), at 16 x 32 with a window on
+#   sm_86/sm_89 (32 B) and at 16 x 32 on sm_80 (64 B): sm_86+ take 16 x 16 (33,792 B, ~64 registers).
+#   d64 dK/dV at 32 x 32 spilled 32 B with a window on sm_80 with 1 stage; 2 stages do not.
 # - d256 may spill (not a failure) but must fit: the 64 x 32 rows need ~131 KB, so sm_86/sm_89 take 32 x 32.
 _T = Tiles
 ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple, ...]] = {
     # ---- bf16 / fp16 inputs
-    ("fwd+dq", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
-    ("dkdv", "16bit", 64): ((40_000, _T(64, 32, 8, 1)),),  # 64x64 w8 spilled 36 B on sm_89
-    ("fwd+dq", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
+    ("fwd", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
+    ("dq", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
+    ("dkdv", "16bit", 64): ((44_000, _T(64, 32, 8, 1)),),  # 40,960 B; 64x64 w8 spilled 36 B on sm_89
+    ("fwd", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
+    ("dq", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
     ("dkdv", "16bit", 128): ((80_000, _T(64, 64, 8, 1)),),
-    ("fwd+dq", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
+    ("fwd", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
+    ("dq", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
     ("dkdv", "16bit", 256): ((136_000, _T(32, 64, 8, 1)), (72_000, _T(32, 32, 4, 1))),
     # ---- fp32 (and fp64 computed in fp32)
-    ("fwd+dq", "fp32", 64): ((60_000, _T(32, 32, 4, 2)),),
-    ("dkdv", "fp32", 64): ((60_000, _T(32, 32, 8, 1)),),
-    ("fwd+dq", "fp32", 128): ((76_000, _T(32, 32, 8, 2)),),
-    ("dkdv", "fp32", 128): ((60_000, _T(16, 32, 8, 1), 89), (76_000, _T(32, 32, 8, 1))),
-    ("fwd+dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
+    ("fwd", "fp32", 64): ((60_000, _T(32, 32, 4, 2)),),
+    ("dq", "fp32", 64): ((60_000, _T(32, 32, 4, 2)),),
+    ("dkdv", "fp32", 64): ((60_000, _T(32, 32, 8, 2)),),  # s1 spilled 32 B with a window on sm_80
+    ("fwd", "fp32", 128): ((76_000, _T(32, 32, 8, 1)),),  # s2 spilled 768 B on sm_86/sm_89
+    ("dq", "fp32", 128): ((76_000, _T(32, 32, 8, 2)),),  # s1 spilled
+    ("dkdv", "fp32", 128): ((40_000, _T(16, 16, 8, 1), 86), (76_000, _T(32, 32, 8, 1))),
+    ("fwd", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
+    ("dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
     ("dkdv", "fp32", 256): ((101_376, _T(16, 32, 4, 1)),),  # 100,352 B compiled
 }
 
@@ -154,6 +164,18 @@ def attention_tiles(kernel: str, dtype: torch.dtype, head_dim: int, target: Targ
     the first candidate of its table row whose shared memory fits the target."""
     if target is None:
         return INTERPRETER_TILES
+    tiles = _first_fit(kernel, dtype, head_dim, target)
+    if kernel == "bwd_dq":
+        fwd = _first_fit("fwd", dtype, head_dim, target)
+        if (fwd.block_m, fwd.block_n) != (tiles.block_m, tiles.block_n):
+            raise RuntimeError(
+                f"triton attention: the dq row for {dtype}, head_dim {head_dim} on {target.name} chose "
+                f"{tiles.block_m}x{tiles.block_n} but fwd chose {fwd.block_m}x{fwd.block_n}; dQ walks the forward's "
+                "key-block lists, so kernel_configs.ATTENTION_TABLE's fwd and dq rows must agree on tiles")
+    return tiles
+
+
+def _first_fit(kernel: str, dtype: torch.dtype, head_dim: int, target: Target) -> Tiles:
     for candidate in attention_candidates(kernel, dtype, head_dim):
         if fits(candidate, target):
             return candidate[1]

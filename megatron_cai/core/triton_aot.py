@@ -333,16 +333,30 @@ def all_cases(subset: str = "full"):
         raise ValueError(f"subset must be 'full' or 'ci', got {subset!r}")
 
 
+def filter_cases(cases, only: str | None):
+    """The cases whose label contains one of the comma-separated substrings of `only` (None: all)."""
+    if not only:
+        yield from cases
+        return
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    for case in cases:
+        if any(w in case[0] for w in wanted):
+            yield case
+
+
 def run_check(targets: list[str], subset: str = "full", log: Callable[[str], None] = print,
-              progress_prefix: str | None = None) -> list[KernelRecord]:
-    """Compile the cases for each named target ("sm_80", ...); returns every record."""
+              progress_prefix: str | None = None, only: str | None = None) -> list[KernelRecord]:
+    """Compile the cases for each named target ("sm_80", ...); returns every record. ``only``: keep the
+    cases whose label ("float32 d128 plain window", "encode bfloat16 res=float32", ...) contains one of
+    these comma-separated substrings (for iterating on a few table rows)."""
     out: list[KernelRecord] = []
     for name in targets:
         if name not in kc.AOT_TARGETS:
             raise ValueError(f"unknown target {name!r}: expected one of {sorted(kc.AOT_TARGETS)}")
         t0 = time.perf_counter()
         progress = f"{progress_prefix}.{name}.progress.json" if progress_prefix else None
-        recs = check_target(kc.Target.for_capability(kc.AOT_TARGETS[name]), all_cases(subset), log, progress)
+        recs = check_target(kc.Target.for_capability(kc.AOT_TARGETS[name]),
+                            filter_cases(all_cases(subset), only), log, progress)
         log(f"{name}: {len(recs)} kernels in {time.perf_counter() - t0:.1f} s")
         out.extend(recs)
     return out

@@ -60,7 +60,7 @@ import compile_kernels
 from megatron_cai.core import kernel_configs as kc
 # a dK/dV block far over sm_89's shared memory (declared as fitting), and a fwd/dq row that spills
 kc.ATTENTION_TABLE[("dkdv", "16bit", 128)] = ((90_000, kc.Tiles(128, 128, 8, 2)),)
-kc.ATTENTION_TABLE[("fwd+dq", "16bit", 128)] = ((90_000, kc.Tiles(64, 64, 4, 2)),)
+kc.ATTENTION_TABLE[("dq", "16bit", 128)] = ((90_000, kc.Tiles(64, 64, 4, 2)),)
 sys.exit(compile_kernels.main(["--targets", "sm_89", "--subset", "ci", "--out", {out!r}]))
 """
 

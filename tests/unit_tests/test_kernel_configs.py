@@ -37,11 +37,26 @@ def test_selection_follows_shared_memory_and_capability() -> None:
     # fp32 d128 dK/dV: sm_89+ has its own candidate
     assert kc.attention_tiles("bwd_dkdv", torch.float32, 128, SM90) != kc.attention_tiles("bwd_dkdv", torch.float32,
                                                                                           128, SM80)
-    # fwd and dq always share tiles (dq walks the forward's key-block lists)
+    # fwd and dq always share BLOCK_M x BLOCK_N (dq walks the forward's key-block lists); warps and stages
+    # are their own: fp32 d128 forward spilled with 2 stages, dQ with 1
     for dtype in kc.ATTENTION_DTYPES:
         for dim in (16, 64, 80, 128, 200, 256):
             for t in (SM80, SM86, SM89, SM90):
-                assert kc.attention_tiles("fwd", dtype, dim, t) == kc.attention_tiles("bwd_dq", dtype, dim, t)
+                fwd, dq = kc.attention_tiles("fwd", dtype, dim, t), kc.attention_tiles("bwd_dq", dtype, dim, t)
+                assert (fwd.block_m, fwd.block_n) == (dq.block_m, dq.block_n)
+    for t in (SM80, SM86, SM89, SM90):
+        assert kc.attention_tiles("fwd", torch.float32, 128, t).num_stages == 1
+        assert kc.attention_tiles("bwd_dq", torch.float32, 128, t).num_stages == 2
+    # fp32 d128 dK/dV: sm_86 takes the sm_89+ row (32 x 32 spilled there) and it fits its shared memory
+    assert kc.attention_tiles("bwd_dkdv", torch.float32, 128, SM86) == kc.attention_tiles("bwd_dkdv", torch.float32,
+                                                                                          128, SM89)
+
+
+def test_fwd_and_dq_rows_that_disagree_on_tiles_are_one_clear_error(monkeypatch) -> None:
+    monkeypatch.setitem(kc.ATTENTION_TABLE, ("dq", "16bit", 128), ((50_000, kc.Tiles(32, 64, 8, 2)),))
+    with pytest.raises(RuntimeError, match="fwd and dq rows must agree"):
+        kc.attention_tiles("bwd_dq", torch.bfloat16, 128, SM90)
+    assert kc.attention_tiles("fwd", torch.bfloat16, 128, SM90).block_m == 64
 
 
 def test_no_candidate_or_too_wide_head_is_one_clear_error() -> None:
