@@ -54,7 +54,8 @@ def small_gpt_argv(*, layers: int, hidden: int, heads: int, seq: int, batch: int
             "--data-cache-path", os.path.join(cache, "index"), "--eval-interval", str(iters),
             "--eval-iters", str(valid_batches),
             "--log-interval", str(max(1, iters)), "--device", "cpu", "--make-vocab-size-divisible-by", "128",
-            "--no-exit-signal-handler"]
+            "--no-exit-signal-handler",
+            "--position-embedding-type", "rope", "--num-workers", "0"]
     return argv + (["--bf16"] if bf16 else [])
 
 

@@ -189,7 +189,8 @@ def main(argv=None) -> int:
               "--attention-dropout", "0", "--data-path", prefix, "--tokenizer-model", tok, "--split", args.split,
               "--micro-batch-size", str(gbs), "--global-batch-size", str(gbs), "--eval-interval", "0",
               "--eval-iters", "0", "--seed", "1234", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
-              "--no-save-optim", "--device", "cpu"]
+              "--no-save-optim", "--device", "cpu", "--position-embedding-type", "rope",
+              "--num-workers", "0"]
     teacher_dir = os.path.join(runs_dir, "teacher")
     timings = {}
     print("== teacher", flush=True)

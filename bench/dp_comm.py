@@ -26,7 +26,8 @@ from megatron_cai.testing.distributed import run_distributed  # noqa: E402
 MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
          "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
-         "--attention-dropout", "0"]
+         "--attention-dropout", "0", "--position-embedding-type", "rope", "--lr-decay-style", "cosine",
+         "--num-workers", "0"]
 
 REDUCERS = {
     "all-reduce fp32": [],

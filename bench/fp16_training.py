@@ -34,7 +34,8 @@ def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok, "--split", "949,50,1",
             "--data-cache-path", os.path.join(opts.cache_dir, "index"), "--eval-interval", str(opts.iters + 1),
             "--eval-iters", "1", "--log-interval", str(opts.iters), "--device", "cpu",
-            "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler"]
+            "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler",
+            "--position-embedding-type", "rope", "--num-workers", "0"]
 
 
 def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:

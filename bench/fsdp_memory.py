@@ -31,7 +31,8 @@ from megatron_cai.testing.distributed import run_distributed  # noqa: E402
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "2048", "--make-vocab-size-divisible-by", "8",
          "--mock-data", "--micro-batch-size", "1", "--train-iters", "2", "--log-interval", "100",
-         "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0"]
+         "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 QUICK_MODEL = [a if a != "512" else "256" for a in MODEL]
 PATHS = {"DDP": [], "distributed optimizer": ["--use-distributed-optimizer"], "FSDP2": ["--use-torch-fsdp2"]}
 

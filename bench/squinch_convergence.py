@@ -211,7 +211,8 @@ def main() -> None:
                     "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
                     "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
                     "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
-                    "--eval-iters", str(opts.eval_iters), "--seed", str(seed)]
+                    "--eval-iters", str(opts.eval_iters), "--seed", str(seed),
+                    "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
             print(f"== {key}", flush=True)
             r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
                                 env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]

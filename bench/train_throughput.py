@@ -38,7 +38,8 @@ CONFIGS = {
 def run_config(name: str, flags: list[str], steps: int, rounds: int) -> dict:
     argv = flags + ["--mock-data", "--vocab-size", "4096", "--train-iters", str(10_000), "--lr", "1e-3",
                     "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000",
-                    "--eval-interval", "0", "--eval-iters", "0", "--clip-grad", "1.0"]
+                    "--eval-interval", "0", "--eval-iters", "0", "--clip-grad", "1.0",
+                    "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
     config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
     trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     plain = GPTModel(trainer.config.model)

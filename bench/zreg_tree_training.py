@@ -46,7 +46,8 @@ def model_args(args, data: dict) -> list[str]:
             "--data-path", data["prefix"], "--data-format", "tree", "--split", "95,5,0",
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data["tokenizer"],
             "--log-interval", str(args.log_interval), "--eval-interval", str(args.iters),
-            "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.workdir, "cache")]
+            "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.workdir, "cache"),
+            "--position-embedding-type", "rope", "--num-workers", "0"]
 
 
 def _run(rank, world_size, argv, tb_dir):
