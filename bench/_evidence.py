@@ -1,7 +1,7 @@
 """Shared machinery of the seed-repeated benches (clamp_drift, zreg_bf16, distill_seeds).
 
 - ``build_trainer``: the one place these benches touch the training configuration: Megatron flags ->
-  ``parse_args`` -> ``pretrain_gpt``'s tokenizer, datasets and forward step -> ``Trainer``;
+  ``pretrain_gpt.build_run`` (TrainConfig + tokenizer) -> its datasets and forward step -> ``Trainer``;
 - ``small_gpt_argv``: the flags of the small GPT they all train (demo corpus, bf16 autocast, CPU);
 - ``fixed_valid_loss``: the validation loss over the same first batches of the valid split every time;
 - ``seed_summary`` / ``paired_gap``: mean +- standard deviation over seeds and the per-seed gap to a baseline;
@@ -63,14 +63,12 @@ def build_trainer(argv: list[str]):
     """A ``Trainer`` for these Megatron flags, through ``pretrain_gpt``'s public pieces (world size 1)."""
     import pretrain_gpt
     from megatron_cai.core import parallel_state as ps
-    from megatron_cai.training.arguments import parse_args
     from megatron_cai.training.training import Trainer
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    args = parse_args(argv, world_size=1)
-    tokenizer = pretrain_gpt.build_tokenizer_from_args(args)
-    return Trainer(args, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
+    return Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
 
 
 def core_model(trainer):
@@ -80,19 +78,21 @@ def core_model(trainer):
 
 def fixed_valid_loss(trainer, batches: int) -> float:
     """Validation ``lm loss`` over the first ``batches`` batches of the valid split (the same every call)."""
-    saved = trainer.args.eval_iters, trainer.state.consumed_valid_samples
-    trainer.args.eval_iters = batches
+    log = trainer.config.logging
+    saved = log.eval_iters, trainer.state.consumed_valid_samples
+    log.eval_iters = batches
     trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
     try:
         return float(trainer.evaluate()["lm loss"])
     finally:
-        trainer.args.eval_iters, trainer.state.consumed_valid_samples = saved
+        log.eval_iters, trainer.state.consumed_valid_samples = saved
 
 
 def train_chunk(trainer, iters: int) -> list[dict]:
     """Train ``iters`` more iterations (``--train-iters`` is the schedule's end); return their history."""
-    trainer.args.train_iters = trainer.state.iteration + iters
-    trainer.args.save, trainer.args.eval_interval = None, 0  # the benches evaluate between chunks themselves
+    trainer.config.training.train_iters = trainer.state.iteration + iters
+    trainer.config.checkpoint.save = None  # the benches save and evaluate between chunks themselves
+    trainer.config.logging.eval_interval = 0
     return list(trainer.train().extra["history"])
 
 

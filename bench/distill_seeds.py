@@ -79,10 +79,10 @@ def train_teacher(o, folder: str) -> dict:
     while tr.state.iteration < o.teacher_iters:
         E.train_chunk(tr, min(o.teacher_eval_interval, o.teacher_iters - tr.state.iteration))
         curve.append((tr.state.iteration, E.fixed_valid_loss(tr, o.eval_batches)))
-    tr.args.save = os.path.join(folder, "teacher")
+    tr.config.checkpoint.save = os.path.join(folder, "teacher")
     tr.save()
     last_gain = (curve[-2][1] - curve[-1][1]) / curve[-2][1]
-    out = {"dir": tr.args.save, "params": n_params(tr), "curve": curve, "valid_loss": curve[-1][1],
+    out = {"dir": tr.config.checkpoint.save, "params": n_params(tr), "curve": curve, "valid_loss": curve[-1][1],
            "last_interval_rel_gain": last_gain, "flattened": last_gain < o.flat_tol}
     with open(meta, "w") as f:
         json.dump(out, f)

@@ -56,6 +56,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def empty_cache(device: torch.device) -> None:
+    """Release the CUDA caching allocator's unused blocks (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def default_device_name() -> str:
     """"cuda" when a GPU is available, else "cpu" (the default of --device flags)."""
     return "cuda" if torch.cuda.is_available() else "cpu"

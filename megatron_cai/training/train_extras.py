@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..core import device as device_mod
 from ..core import parallel_state as ps
 from .logging import is_last_rank, print_rank_0
 
@@ -82,8 +83,7 @@ def per_token_loss_step(step_func: Callable, batches: list[dict], model_chunks: 
 
 def empty_device_cache(device: torch.device) -> None:
     """--empty-unused-memory-level: release the CUDA caching allocator's unused blocks (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    device_mod.empty_cache(device)
 
 
 class StepProfiler:
@@ -101,7 +101,7 @@ class StepProfiler:
     def before_step(self, iteration: int) -> None:
         if self.enabled and self.prof is None and iteration == self.start:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
+            if device_mod.cuda_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=True,
                                                on_trace_ready=torch.profiler.tensorboard_trace_handler(self.dir))

@@ -31,7 +31,8 @@ FINAL = 6
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--lr", "1e-3", "--lr-decay-style", "constant", "--log-interval", "1",
-         "--eval-interval", "0", "--make-vocab-size-divisible-by", "8"]
+         "--eval-interval", "0", "--make-vocab-size-divisible-by", "8", "--position-embedding-type", "rope",
+         "--num-workers", "0"]
 BASE = ["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", str(FINAL)]
 
 
