@@ -10,6 +10,7 @@ Usage in a test::
 """
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
@@ -38,7 +39,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", _to_bytes(result)))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -50,6 +51,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(obj: Any) -> bytes:
+    """Serialise a result with torch.save: tensors travel as bytes, not as shared-memory handles that
+    vanish when the rank exits before the parent has opened them (FileNotFoundError under load)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict | None = None,
@@ -83,7 +96,7 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict |
             if status == "error":
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
-            results[rank] = payload
+            results[rank] = _from_bytes(payload)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
