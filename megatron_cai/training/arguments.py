@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import re
 
 from ..core.distributed.config import DDPConfig, SquinchConfig
@@ -506,8 +505,13 @@ class _Layout:
                                         f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
         if (args.train_iters is None) == (args.train_samples is None):
             raise ArgumentError("set exactly one of --train-iters and --train-samples")
-        self.train_iters = (args.train_iters if args.train_iters is not None
-                            else math.ceil(args.train_samples / self.global_batch_size))
+        if args.train_iters is not None:
+            self.train_iters = args.train_iters
+        else:  # Megatron's update_train_iters: whole global batches only (floor)
+            self.train_iters = args.train_samples // self.global_batch_size
+            if self.train_iters == 0:
+                raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
+                                    f"(--global-batch-size {self.global_batch_size}): nothing to train")
         self.microbatches = _batch_rampup(args, self.global_batch_size, args.micro_batch_size,
                                           self.data_parallel_size)
         if self.microbatches.rampup is not None and args.train_samples is not None:

@@ -57,7 +57,7 @@ def test_flags_land_in_their_component_configs():
     cfg = build_config(parse_args(FLAGS), 4)
     # derived from the world size: DP 4, global batch = micro x DP, length from samples, warmup fraction
     assert (cfg.parallel.data_parallel_size, cfg.training.global_batch_size, cfg.training.num_microbatches) == (4, 8, 1)
-    assert cfg.training.train_iters == math.ceil(20 / 8) == 3
+    assert cfg.training.train_iters == 20 // 8 == 2  # Megatron floors (update_train_iters)
     # the schedule counts samples, as Megatron's: decay over --train-samples, warmup a fraction of it
     assert (cfg.scheduler.lr_warmup_samples, cfg.scheduler.lr_decay_samples) == (0.25 * 20, 20)
     assert cfg.ddp == DDPConfig(reducer="squinch", squinch=SquinchConfig(error_feedback=False))
@@ -104,14 +104,14 @@ def _train_samples_worker(rank, world_size, argv):
 
 
 def test_train_samples_with_two_processes_and_a_world_size_that_differs_from_the_guess():
-    argv = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-samples", "10", "--log-interval", "100",
+    argv = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-samples", "11", "--log-interval", "100",
                          "--eval-interval", "0", "--eval-iters", "0", "--no-exit-signal-handler"]
     results = run_distributed(_train_samples_worker, 2, (argv,))
     for r in results:
-        assert r["guessed"] == math.ceil(10 / 2)  # a world of one: global batch 2
+        assert r["guessed"] == 11 // 2  # a world of one: global batch 2 (whole batches, as Megatron)
         assert r["dp"] == 2 and r["used"].global_batch_size == 4  # rebuilt for two ranks: global batch 4
-        assert r["used"].train_iters == math.ceil(10 / 4) == 3 and r["used"] == r["built"] and r["equal"]
-        assert r["iterations"] == 3 and r["consumed"] == 12
+        assert r["used"].train_iters == 11 // 4 == 2 and r["used"] == r["built"] and r["equal"]
+        assert r["iterations"] == 2 and r["consumed"] == 8
 
 
 # ------------------------------------------------------------------------------------ checkpoints

@@ -83,3 +83,22 @@ def test_training_follows_the_ramp():
         expected.append(1e-3 * consumed / 20 if consumed <= 20 else 1e-3 * (1 - (consumed - 20) / 180))
         consumed += batch
     assert [h["lr"] for h in hist] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_train_samples_counts_whole_global_batches_as_megatron():
+    """Megatron's update_train_iters floors train_samples / global_batch_size; fewer samples than one batch
+    is refused here (Megatron would train zero iterations)."""
+    config = parse_config(BASE + ["--global-batch-size", "32", "--train-samples", "203"], world_size=1)
+    assert config.training.train_iters == 203 // 32 == 6  # not ceil (7)
+    with pytest.raises(ArgumentError, match="less than one global batch"):
+        parse_config(BASE + ["--global-batch-size", "32", "--train-samples", "31"], world_size=1)
+    import types
+    import typing
+
+    if not hasattr(typing, "override"):
+        typing.override = lambda f: f
+    training = pytest.importorskip("megatron.training.training")
+    theirs = types.SimpleNamespace(train_iters=None, train_samples=203, global_batch_size=32,
+                                   step_batch_size_schedule=None, rampup_batch_size=None)
+    training.update_train_iters(theirs)
+    assert theirs.train_iters == config.training.train_iters
