@@ -64,6 +64,15 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append("gpt2 needs kv_channels x num_attention_heads = hidden_size")
     if arch != "megatron_cai" and c.window_size is not None:
         why.append(f"{arch} has no sliding-window attention (window_size={c.window_size})")
+    # options no exported architecture (nor the megatron_cai remote code) implements
+    if c.position_embedding_type == "none":
+        why.append(f"{arch} needs position embeddings (the model has --position-embedding-type none)")
+    if c.rotary_percent != 1.0:
+        why.append(f"{arch} rotates whole heads (the model has --rotary-percent {c.rotary_percent})")
+    if c.qk_layernorm:
+        why.append(f"{arch} has no query/key layernorm (the model has --qk-layernorm)")
+    if c.apply_layernorm_1p:
+        why.append(f"{arch} stores plain norm weights (the model has --apply-layernorm-1p)")
     return why
 
 
@@ -73,7 +82,11 @@ def choose_architecture(config: GPTConfig, requested: str = "auto") -> str:
         if why:
             raise ConversionError(f"--hf-architecture {requested} cannot represent this model: " + "; ".join(why))
         return requested
-    return next(a for a in ARCHITECTURES if not unsupported_reasons(config, a))
+    fits = [a for a in ARCHITECTURES if not unsupported_reasons(config, a)]
+    if not fits:
+        raise ConversionError("no Hugging Face architecture can represent this model: "
+                              + "; ".join(unsupported_reasons(config, "megatron_cai")))
+    return fits[0]
 
 
 # ------------------------------------------------------------------------------------ weights out

@@ -209,3 +209,24 @@ def test_cli_errors(tmp_path):
         assert convert_checkpoint.main(["--to", "hf", "--load", str(tmp_path / "none"), "--save", str(tmp_path)]) == 2
         assert convert_checkpoint.main(["--from", "hf", "--load", str(tmp_path), "--save", str(tmp_path / "o")]) == 2
     assert "latest_checkpointed_iteration.txt" in err.getvalue() and "config.json" in err.getvalue()
+
+
+@pytest.mark.parametrize("option,message", [
+    ({"rotary_percent": 0.5}, "--rotary-percent 0.5"), ({"qk_layernorm": True}, "--qk-layernorm"),
+    ({"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
+    ({"position_embedding_type": "none"}, "--position-embedding-type none")])
+def test_export_refuses_model_options_no_hf_architecture_has(option, message):
+    """The export must not write a model that computes something else: options the HF architectures (and our
+    remote code) do not implement are refused with the option's flag."""
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.interop.hf import ARCHITECTURES, choose_architecture
+
+    config = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8,
+                       normalization="RMSNorm", activation="swiglu", **option)
+    with pytest.raises(ConversionError, match=message):
+        choose_architecture(config)
+    for arch in ARCHITECTURES:
+        with pytest.raises(ConversionError, match=message):
+            choose_architecture(config, arch)
+    assert choose_architecture(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32,
+                                         seq_length=8, normalization="RMSNorm", activation="swiglu")) == "llama"
