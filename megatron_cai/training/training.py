@@ -273,7 +273,11 @@ class Trainer:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
         grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
         if self.grad_scaler is not None:
+            old_scale = self.grad_scaler.scale
             self.grad_scaler.update(not finite)
+            if finite and self.grad_scaler.scale != old_scale:  # error feedback follows the loss scale
+                for m in self.model:
+                    m.reducer.rescale_feedback(self.grad_scaler.scale / old_scale)
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
             finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
         if finite:

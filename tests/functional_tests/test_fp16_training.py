@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 from dist_utils import run_distributed
 from train_utils import TINY_MODEL, train
 
@@ -76,3 +77,28 @@ def test_fp16_and_bf16_exclusive():
 
     with pytest.raises(ArgumentError, match="--fp16 and --bf16"):
         parse_config(BASE + ["--fp16", "--bf16", "--train-iters", "1"], world_size=1)
+
+
+def _residual_worker(rank, world_size, argv):
+    held = {}
+    out = train(argv, world_size, trainer_hook=lambda t: held.setdefault("trainer", t))
+    trainer = held["trainer"]
+    residuals = {k: v.clone() for m in trainer.model for k, v in m.reducer.residuals.items()}
+    return {"residuals": residuals, "scale": trainer.grad_scaler.scale, "skipped": out["skipped"]}
+
+
+def test_squinch_error_feedback_follows_a_loss_scale_change():
+    """Squinch residuals are cut from loss-scaled gradients. Step 1 is identical under a constant scale S
+    and under a dynamic one starting at S that grows to 2S after it (--loss-scale-window 1), so the dynamic
+    run's residuals after the growth must be exactly twice the constant run's."""
+    common = ["--fp16", "--squinch", "--train-iters", "1", "--global-batch-size", "8"]
+    const = run_distributed(_residual_worker, 2, (BASE + common + ["--loss-scale", "1024"],))
+    grown = run_distributed(_residual_worker, 2, (BASE + common + ["--initial-loss-scale", "1024",
+                                                                   "--loss-scale-window", "1"],))
+    for c, g in zip(const, grown):
+        assert c["skipped"] == g["skipped"] == 0
+        assert (c["scale"], g["scale"]) == (1024.0, 2048.0)
+        assert c["residuals"] and c["residuals"].keys() == g["residuals"].keys()
+        for k in c["residuals"]:
+            assert c["residuals"][k].abs().sum() > 0
+            assert torch.equal(g["residuals"][k], 2 * c["residuals"][k]), k

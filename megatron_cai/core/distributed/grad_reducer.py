@@ -38,6 +38,10 @@ class GradReducer:
         """Called when the optimizer step was skipped (non-finite gradients somewhere)."""
         return None
 
+    def rescale_feedback(self, factor: float) -> None:
+        """The loss scale changed by ``factor`` (--fp16): carried state in gradient units follows it."""
+        return None
+
     def state_dict(self) -> dict:
         return {}
 

@@ -362,6 +362,14 @@ class SquinchReducer(GradReducer):
         for r in self.residuals.values():
             r.zero_()
 
+    def rescale_feedback(self, factor: float) -> None:
+        """Residuals are in the units of the gradients they were cut from: loss-scaled ones under --fp16.
+        When the loss scale changes by ``factor``, the next step's gradients are ``factor`` x larger, so
+        the residuals carried into it are scaled alike (else growth would halve their weight and backoff
+        double it)."""
+        for r in self.residuals.values():
+            r.mul_(factor)
+
     def state_dict(self) -> dict:
         state = {"residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
         if self.generator is not None:
