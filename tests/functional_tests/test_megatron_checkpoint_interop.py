@@ -60,6 +60,7 @@ def _shim_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.current_stream = lambda *a, **k: None  # read, not used, by megatron DDP's grad sync (no overlap)
     for p in (ROOT, os.path.join(ROOT, "tools")):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -232,3 +233,140 @@ def test_logit_parity_both_ways(layout, tp, tmp_path):
         assert r["counters"]["iteration"] == ITERATION and r["counters"]["consumed_train_samples"] == 2 * ITERATION
         assert r["args"] == {"padded_vocab_size": 64, "iteration": ITERATION, "swiglu": layout == "llama",
                              "untie_embeddings_and_output_weights": layout == "llama"}
+
+
+# --------------------------------------------------------------------------- training continues alike
+STEPS = 5
+
+
+class _CpuTorch:
+    """``torch`` for megatron-core's optimizer modules, with ``device='cuda'`` tensors made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kw):
+        if str(kw.get("device", "")).startswith("cuda") or kw.get("device") == "cpu":
+            kw["device"] = "cpu"
+        return kw
+
+    def tensor(self, *a, **kw):
+        return torch.tensor(*a, **self._cpu(kw))
+
+    def zeros(self, *a, **kw):
+        return torch.zeros(*a, **self._cpu(kw))
+
+
+def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assertion: the same scaling."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(clip_coeff)
+
+
+def _megatron_train(model, args, batches: list[dict]) -> list[tuple[float, float]]:
+    """Megatron-LM's train step on megatron-core: its DistributedDataParallel (fp32 grad buffer), its
+    optimizer (get_megatron_optimizer: AdamW, grad clipping with its TP-aware norm), its LR/weight-decay
+    scheduler (weight decay off for biases and norms) and its no-pipelining forward/backward schedule."""
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moptim
+    import megatron.core.utils as mutils
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    cpu_torch = _CpuTorch()  # scalars (loss scale, norms, token count) are made on 'cuda' there
+    moptim.torch = mclip.torch = schedules.torch = mutils.torch = cpu_torch
+    moptim.clip_grad_by_total_norm_fp32 = _clip_by_total_norm  # its own asserts torch.cuda.FloatTensor grads
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr,
+                                                 weight_decay=args.weight_decay, adam_beta1=0.9, adam_beta2=0.999,
+                                                 adam_eps=1e-8, clip_grad=args.clip_grad, params_dtype=torch.float32),
+                                 [ddp])
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    # Megatron-LM's scheduler sets each group's lr and weight decay (x wd_mult: 0 for biases and norms)
+    scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=args.lr, min_lr=args.lr, lr_warmup_steps=0,
+                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=args.weight_decay,
+                                        end_wd=args.weight_decay, wd_incr_steps=100, wd_incr_style="constant")
+
+    def forward_step(data_iterator, m):
+        b = next(data_iterator)
+        out = _megatron_logits(m, b["tokens"], b["position_ids"], labels=b["labels"])
+
+        def loss_func(output):
+            mask = b["loss_mask"].float()
+            loss = (output.float() * mask).sum() / mask.sum()
+            return loss, {"lm loss": loss.detach()}
+
+        return out, loss_func
+
+    history = []
+    for b in batches:
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        losses = schedules.forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter([b]),
+                                                          model=[ddp], num_microbatches=1, seq_length=SEQ,
+                                                          micro_batch_size=2)
+        ddp.finish_grad_sync()
+        ok, grad_norm, _ = opt.step()
+        assert ok
+        scheduler.step(increment=2)  # one global batch of 2 samples
+        history.append((losses[0]["lm loss"].item(), float(grad_norm)))
+    return history
+
+
+def _training_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
+    args, theirs, meg = _setup(rank, world, tmp, layout)
+    ours_dir = os.path.join(tmp, "ours")
+    if rank == 0:
+        _convert(["--from-megatron", "--load", meg, "--save", ours_dir])
+    torch.distributed.barrier()
+    from train_utils import train
+
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.interop.hf import pretrain_flags
+    from megatron_cai.training.checkpointing import read_metadata
+
+    config = GPTConfig.from_dict(read_metadata(ours_dir, ITERATION)["model_config"])
+    argv = pretrain_flags(config) + [
+        "--vocab-size", str(config.vocab_size), "--make-vocab-size-divisible-by", str(DIVISIBLE), "--seq-length",
+        str(SEQ), "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters",
+        str(ITERATION + STEPS), "--lr", "3e-3", "--lr-decay-style", "constant", "--weight-decay", "0.01",
+        "--clip-grad", "1.0", "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--load",
+        ours_dir, "--no-load-optim", "--no-load-rng", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--tensor-model-parallel-size", str(world), "--num-workers", "0"]
+    batches: list[dict] = []
+
+    def record(trainer):
+        inner = trainer.forward_step_func
+
+        def forward_step(data_iterator, model):
+            b = next(data_iterator)
+            batches.append({k: b[k].clone() for k in ("tokens", "labels", "loss_mask", "position_ids")})
+            return inner(iter([b]), model)
+
+        trainer.forward_step_func = forward_step
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        ours = train(argv, world, trainer_hook=record)
+    args.lr, args.weight_decay, args.clip_grad = 3e-3, 0.01, 1.0
+    theirs.train()
+    return {"ours": [(h["lm loss"], h["grad norm"]) for h in ours["history"]], "iteration": ours["iteration"],
+            "theirs": _megatron_train(theirs, args, batches)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_training_continues_as_in_megatron_core(layout, tp, tmp_path):
+    results = run_distributed(_training_worker, tp, (str(tmp_path), layout))
+    for r in results:
+        assert r["iteration"] == ITERATION + STEPS and len(r["ours"]) == len(r["theirs"]) == STEPS
+        for i, ((loss, norm), (mloss, mnorm)) in enumerate(zip(r["ours"], r["theirs"])):
+            assert abs(loss - mloss) < 1e-4, f"iteration {ITERATION + i + 1}: lm loss {loss} vs megatron-core {mloss}"
+            assert norm == pytest.approx(mnorm, rel=1e-4), f"iteration {ITERATION + i + 1}: grad norm {norm} vs {mnorm}"
+        assert min(n for _, n in r["ours"]) > 1.0  # every step clipped: megatron-core's clipping is compared too
