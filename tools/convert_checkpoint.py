@@ -13,6 +13,11 @@ Initialise a training checkpoint from a local Hugging Face Llama / GPT-2 / Nemot
 
     python tools/convert_checkpoint.py --from hf --load hf_model --save ckpt_init \\
         --target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2
+
+Import a Megatron-LM GPT checkpoint (torch or torch_dist format), or write ours as a Megatron-LM one::
+
+    python tools/convert_checkpoint.py --from-megatron --load megatron_ckpt --save ckpt_from_megatron
+    python tools/convert_checkpoint.py --to-megatron --load ckpt --save megatron_ckpt [--megatron-spec local]
 """
 from __future__ import annotations
 
@@ -63,7 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="--to hf: override the checkpoint's tokenizer file")
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    _add_megatron_flags(p)
     return p
+
+
+def _add_megatron_flags(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM checkpoints (megatron_cai.interop.megatron; docs/conversion.md)."""
+    g = p.add_argument_group("Megatron-LM checkpoints")
+    g.add_argument("--from-megatron", action="store_true",
+                   help="--load is a Megatron-LM GPT checkpoint (torch or torch_dist format): convert it into ours "
+                        "(at the target TP/PP; default: the source's)")
+    g.add_argument("--to-megatron", action="store_true",
+                   help="write our checkpoint in --load as a Megatron-LM torch checkpoint (mp_rank_* files)")
+    g.add_argument("--megatron-spec", choices=["local", "transformer_engine"], default="local",
+                   help="--to-megatron: the megatron-core layer spec whose parameter names to write")
+    g.add_argument("--megatron-trust-pickle", action="store_true",
+                   help="--from-megatron: allow rank files that do not load with torch.load(weights_only=True)")
+
+
+def _convert_megatron(a: argparse.Namespace) -> int:
+    from megatron_cai.interop import megatron as mlm
+
+    if a.from_megatron and (a.to_megatron or a.to or a.from_):
+        raise ConversionError("--from-megatron cannot be combined with --to-megatron, --to or --from")
+    if a.to_megatron and (a.to or a.from_):
+        raise ConversionError("--to-megatron cannot be combined with --to or --from")
+    if a.from_megatron:
+        mlm.import_from_megatron(a.load, a.save, tp=a.target_tensor_parallel_size,
+                                 pp=a.target_pipeline_model_parallel_size,
+                                 vp_layers=a.target_num_layers_per_virtual_pipeline_stage, step=a.ckpt_step,
+                                 trust_pickle=a.megatron_trust_pickle)
+    else:
+        mlm.export_to_megatron(a.load, a.save, tp=a.target_tensor_parallel_size,
+                               pp=a.target_pipeline_model_parallel_size, step=a.ckpt_step, spec=a.megatron_spec,
+                               make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    return 0
 
 
 _SIZE_FLAGS = ("target_tensor_parallel_size", "target_pipeline_model_parallel_size",
@@ -81,6 +120,8 @@ def _convert(a: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ConversionError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     check_conversion_target(a.load, a.save, a.overwrite)  # never replace the source or another run
+    if a.from_megatron or a.to_megatron:
+        return _convert_megatron(a)
     if a.to == "hf":
         from megatron_cai.interop.hf import export_to_hf
 
