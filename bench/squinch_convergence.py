@@ -134,12 +134,12 @@ def _summary(results: dict, variants: list[str], seeds: list[int], opts) -> list
         lines += ["", "Goal (FSDP2 + Squinch + EF within 0.5% of bf16 DDP's final validation loss at every seed): "
                   f"{'met' if met else 'NOT met'} (gaps {', '.join(f'{g:+.3f}%' for g in fs)}). Its grad bytes are "
                   "those of the reduce-scatter alone: FSDP2 all-gathers parameters, not gradients."]
-    dates = {r.get("run_at", "before run dates were recorded")
-             for k, r in results.items() if k.rsplit("@", 1)[0] in variants}
-    if len(dates) > 1:
-        lines += ["", "Runs were made at different times and reused (the script skips finished runs): "
-                  + "; ".join(f"{k}: {results[k].get('run_at', 'earlier results file')}" for k in sorted(results)
-                              if k.rsplit("@", 1)[0] in variants) + "."]
+    ran = sorted(k for k, r in results.items() if "run_at" in r and k.rsplit("@", 1)[0] in variants)
+    reused = sorted({k.rsplit("@", 1)[0] for k, r in results.items() if "run_at" not in r} & set(variants))
+    if ran and reused:
+        lines += ["", f"Reused from the earlier results file (run before run dates were recorded, not rerun): "
+                  f"{', '.join(reused)}, including the paired bf16 baseline. Run later: "
+                  + "; ".join(f"{k} at {results[k]['run_at']}" for k in ran) + "."]
     return lines
 
 
