@@ -4,13 +4,16 @@ A small GPT on the demo corpus, DP = 4 on this CPU (gloo), trained for --iters i
 cosine schedule (so the curve flattens), once per gradient reducer and seed:
 
     fp32 all-reduce | bf16 all-reduce | Squinch + error feedback | Squinch, no error feedback |
-    Squinch + stochastic rounding (no EF) | Squinch hierarchical (2 simulated nodes of 2) + EF
+    Squinch + stochastic rounding (no EF) | Squinch hierarchical (2 simulated nodes of 2) + EF |
+    FSDP2 (--use-torch-fsdp2) with Squinch + EF as its reduce-scatter
 
 Within a seed every variant has the same initialisation and data order; only the reduction differs.
 The validation set is fixed: the same --eval-iters x global-batch held-out sequences (built with one
 fixed shuffle seed, whatever --seeds says) at every evaluation of every run. The report gives, per
 seed, the paired gap of each variant's final validation loss to bf16 at that seed, then the mean and
-standard deviation of the paired gap over seeds, and bf16's own seed-to-seed spread.
+standard deviation of the paired gap over seeds, and bf16's own seed-to-seed spread. Finished runs
+(in ``<out>.partial.json``, else in ``<out>.json`` when it has the same --iters) are reused, not rerun;
+each new run records when it ran, and the report lists the dates when they differ.
 
     python bench/squinch_convergence.py --seeds 1 2 3 --iters 400   # results/squinch_convergence.*
     python bench/squinch_convergence.py --quick                       # a 20-iteration smoke run
@@ -40,6 +43,7 @@ VARIANTS = {
     "squinch no-EF": ["--squinch", "--no-squinch-error-feedback"],
     "squinch stochastic": ["--squinch", "--no-squinch-error-feedback", "--squinch-stochastic-rounding"],
     "squinch hierarchical+EF": ["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
+    "fsdp2 squinch+EF": ["--use-torch-fsdp2", "--squinch"],
 }
 
 
@@ -123,6 +127,19 @@ def _summary(results: dict, variants: list[str], seeds: list[int], opts) -> list
             met = abs(statistics.mean(ef)) <= 0.2 and abs(statistics.mean(ef)) < spread
             lines += ["", f"Goal (Squinch + EF mean paired gap <= 0.2% and smaller than bf16's seed-to-seed std "
                       f"{spread:.3f}%): {'met' if met else 'NOT met'} ({statistics.mean(ef):+.3f}%)."]
+    fs = [100 * (_final(results, "fsdp2 squinch+EF", s) / _final(results, "bf16", s) - 1) for s in seeds
+          if _final(results, "fsdp2 squinch+EF", s) is not None and _final(results, "bf16", s) is not None]
+    if fs:
+        met = max(abs(g) for g in fs) <= 0.5
+        lines += ["", "Goal (FSDP2 + Squinch + EF within 0.5% of bf16 DDP's final validation loss at every seed): "
+                  f"{'met' if met else 'NOT met'} (gaps {', '.join(f'{g:+.3f}%' for g in fs)}). Its grad bytes are "
+                  "those of the reduce-scatter alone: FSDP2 all-gathers parameters, not gradients."]
+    ran = sorted(k for k, r in results.items() if "run_at" in r and k.rsplit("@", 1)[0] in variants)
+    reused = sorted({k.rsplit("@", 1)[0] for k, r in results.items() if "run_at" not in r} & set(variants))
+    if ran and reused:
+        lines += ["", f"Reused from the earlier results file (run before run dates were recorded, not rerun): "
+                  f"{', '.join(reused)}, including the paired bf16 baseline. Run later: "
+                  + "; ".join(f"{k} at {results[k]['run_at']}" for k in ran) + "."]
     return lines
 
 
@@ -178,7 +195,8 @@ def main() -> None:
     p.add_argument("--eval-iters", type=int, default=8, help="validation set = eval-iters x 16 sequences (>= 4)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--variants", nargs="*", default=["bf16", "squinch+EF", "squinch no-EF",
-                                                     "squinch hierarchical+EF"], choices=list(VARIANTS))
+                                                     "squinch hierarchical+EF", "fsdp2 squinch+EF"],
+                   choices=list(VARIANTS))
     p.add_argument("--runs", nargs="*", default=None, metavar="VARIANT@SEED",
                    help="run only these, in this order (e.g. to split the work over two processes with "
                         "different --out, then merge their .partial.json files)")
@@ -194,6 +212,10 @@ def main() -> None:
         opts.variants = ["bf16"] + opts.variants
     partial = opts.out + ".partial.json"
     results = json.load(open(partial)) if os.path.exists(partial) else {}
+    if not results and os.path.exists(opts.out + ".json"):  # reuse finished runs of the same length
+        previous = json.load(open(opts.out + ".json"))
+        if previous.get("iters") == opts.iters:
+            results = previous["runs"]
     if opts.replot:
         results = json.load(open(opts.out + ".json"))["runs"]
     else:
@@ -217,6 +239,7 @@ def main() -> None:
             r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
                                 env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]
             r["iters"] = opts.iters
+            r["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             results[key] = r
             json.dump(results, open(partial, "w"))
             print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s",

@@ -1,4 +1,4 @@
-"""The Squinch compressed reduce-scatter, as functions over flat tensors (no buckets, no wrappers).
+"""The Squinch compressed collectives, as functions over flat tensors: one codec path for both callers.
 
 ::
 
@@ -6,54 +6,97 @@
     all_to_all_single(recv, send)                    # row r goes to rank r
     decode_sum_into(recv, shard)                     # shard = sum_w decode(row from w), rank order, fp32
 
-``compressed_reduce_scatter`` strings the three together for a flat input of ``world * chunk``
-elements. Chunks that are not a multiple of the Squinch block (8) are zero-padded per row, so every
-row starts on a block boundary; the padding is sent and discarded. These are the same steps
-``SquinchReducer`` (DDP buckets) runs in its ``_encode_rows`` / ``_decode_sum_into``; FSDP2's custom
-reduce-scatter (``squinch_fsdp``) calls them here.
+That is the compressed reduce-scatter. The all-reduce continues with an owner-side re-encode of the
+reduced shard (``encode_rows(shard, 1, owner_residual)``, its own error feedback), an all-gather of the
+payloads and ``decode_rows_into`` (every owner's row decoded into its chunk of the full tensor).
+
+Callers: ``SquinchReducer`` (DDP buckets; it stages these steps asynchronously, with phase timers and
+persistent buffers passed as ``out=`` / ``scratch=``), and FSDP2's reduce-scatter hooks
+(``squinch_fsdp``) through ``compressed_reduce_scatter`` / ``compressed_all_reduce``, which string the
+steps together synchronously. FSDP2's chunks need not be a multiple of the Squinch block (8): they are
+zero-padded per row (``padded_chunk``), so every row starts on a block boundary; the padding is sent and
+discarded.
+
+Non-finite values never make the host wait here: every row carries the device-side OR of the sender's
+non-finite flags, and a receiver fills its result with NaN (``masked_fill_``) when any sender flagged.
+The caller skips the step on every rank (the global grad-norm check) and then zeroes the residuals
+(``step_skipped``), which hold NaN/Inf after a flagged encode.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import device as device_mod
-from ..squinch import BLOCK, decode_accumulate, encode_with_feedback
-
-
-def encode_rows(x: torch.Tensor, rows: int, residual: torch.Tensor | None, *, stochastic: bool = False,
-                generator: torch.Generator | None = None, backend: str | None = None) -> torch.Tensor:
-    """Encode flat x (``rows`` equal, block-aligned chunks) with error feedback into a uint8
-    ``[rows, 1 + nbytes]`` send buffer whose first column is the non-finite flag. A non-finite input
-    zeroes the residual (the step is skipped everywhere, so its feedback is dropped)."""
-    if x.numel() % rows or (x.numel() // rows) % BLOCK:
-        raise ValueError(f"squinch: {x.numel()} elements do not split into {rows} rows of whole "
-                         f"{BLOCK}-element blocks")
-    payload, nonfinite = encode_with_feedback(x, residual, stochastic=stochastic, generator=generator,
-                                              backend=backend)
-    nb = payload.numel() // rows
-    send = torch.empty(rows, 1 + nb, dtype=torch.uint8, device=x.device)
-    send[:, 1:] = payload.view(rows, nb)
-    send[:, 0] = nonfinite.to(torch.uint8)
-    if residual is not None and bool(nonfinite):
-        residual.zero_()
-    return send
-
-
-def decode_sum_into(recv: torch.Tensor, out: torch.Tensor, backend: str | None = None) -> None:
-    """out = sum over rows of decode(row) (rank order, fp32), or NaN everywhere if any row is flagged."""
-    target = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(
-        out.numel(), dtype=torch.float32, device=out.device)
-    target.zero_()
-    decode_accumulate(recv[:, 1:], target.view(-1), backend=backend)
-    if bool(recv[:, 0].any()):
-        target.fill_(float("nan"))
-    if target is not out:
-        out.copy_(target.view_as(out))
+from ..squinch import BLOCK, decode, decode_accumulate, encode_with_feedback, payload_nbytes
 
 
 def padded_chunk(chunk: int) -> int:
     """Elements per row on the wire: the chunk rounded up to whole Squinch blocks."""
     return -(-chunk // BLOCK) * BLOCK
+
+
+def encode_rows(x: torch.Tensor, rows: int, residual: torch.Tensor | None, *, out: torch.Tensor | None = None,
+                stochastic: bool = False, generator: torch.Generator | None = None,
+                backend: str | None = None) -> torch.Tensor:
+    """Encode flat x (``rows`` equal chunks), each row on its own and with error feedback (``residual``:
+    x's layout, updated in place, or None), into the uint8 ``[rows, 1 + payload_nbytes(chunk)]`` send
+    buffer (``out``, or a new one). Column 0 of every row is the OR of the rows' non-finite flags."""
+    if x.numel() % rows:
+        raise ValueError(f"squinch: {x.numel()} elements do not split into {rows} equal rows")
+    c = x.numel() // rows
+    shape = (rows, 1 + payload_nbytes(c))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8, device=x.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.uint8:
+        raise ValueError(f"squinch: send buffer must be uint8 {shape}, got {out.dtype} {tuple(out.shape)}")
+    flags = []
+    for r in range(rows):
+        res = residual[r * c:(r + 1) * c] if residual is not None else None
+        _, nonfinite = encode_with_feedback(x[r * c:(r + 1) * c], res, stochastic=stochastic, generator=generator,
+                                            backend=backend, out=out[r, 1:])
+        flags.append(nonfinite)
+    flag = flags[0] if rows == 1 else torch.stack(flags).any()
+    out[:, 0] = flag.to(device=x.device, dtype=torch.uint8)
+    return out
+
+
+def decode_sum_into(recv: torch.Tensor, out: torch.Tensor, *, scratch: torch.Tensor | None = None,
+                    backend: str | None = None) -> None:
+    """out = sum over rows of decode(row) (rank order, fp32), cut to out's length (rows may carry block
+    padding); NaN everywhere if any row is flagged. ``scratch`` (fp32, out.numel()) is used when out is
+    not a contiguous fp32 tensor."""
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    if direct:
+        target = out.view(-1)
+    else:
+        target = scratch if scratch is not None else torch.empty(out.numel(), dtype=torch.float32,
+                                                                   device=out.device)
+    target.zero_()
+    decode_accumulate(recv[:, 1:], target, backend=backend)
+    target.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+    if not direct:
+        out.copy_(target.view_as(out))
+
+
+def decode_rows_into(recv: torch.Tensor, full: torch.Tensor, *, backend: str | None = None) -> None:
+    """The all-gather side: row r of ``recv`` (owner r's payload) decodes into chunk r of flat ``full``;
+    NaN everywhere if any owner flagged."""
+    size = recv.shape[0]
+    chunk = full.numel() // size
+    fp32 = full.dtype == torch.float32 and full.is_contiguous()
+    for r in range(size):
+        dst = full.view(-1)[r * chunk:(r + 1) * chunk]
+        if fp32:
+            decode(recv[r, 1:], chunk, out=dst, backend=backend)
+        else:
+            dst.copy_(decode(recv[r, 1:], chunk, backend=backend))
+    full.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+
+
+def _pad_rows(x: torch.Tensor, world: int, chunk: int) -> torch.Tensor:
+    row = padded_chunk(chunk)
+    x = x.reshape(-1)
+    return x if row == chunk else torch.nn.functional.pad(x.view(world, chunk), (0, row - chunk)).view(-1)
 
 
 def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, world: int,
@@ -67,17 +110,34 @@ def compressed_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, 
     if input.numel() != world * chunk:
         raise ValueError(f"squinch reduce-scatter: input has {input.numel()} elements, expected "
                          f"{world} x {chunk}")
-    row = padded_chunk(chunk)
-    x = input.reshape(-1)
-    if row != chunk:
-        x = torch.nn.functional.pad(x.view(world, chunk), (0, row - chunk)).view(-1)
-    send = encode_rows(x, world, residual, stochastic=stochastic, generator=generator, backend=backend)
+    send = encode_rows(_pad_rows(input, world, chunk), world, residual, stochastic=stochastic,
+                       generator=generator, backend=backend)
     recv = torch.empty_like(send)
     device_mod.all_to_all_single(recv, send, group=group)
-    if row == chunk:
-        decode_sum_into(recv, output, backend)
-    else:
-        full = torch.empty(row, dtype=torch.float32, device=output.device)
-        decode_sum_into(recv, full, backend)
-        output.copy_(full[:chunk].view_as(output))
+    decode_sum_into(recv, output, backend=backend)
     return send.numel() * (world - 1) // world
+
+
+def compressed_all_reduce(x: torch.Tensor, group, world: int, residual: torch.Tensor | None,
+                          owner_residual: torch.Tensor | None, *, stochastic: bool = False,
+                          generator: torch.Generator | None = None, backend: str | None = None) -> int:
+    """Sum-all-reduce flat ``x`` in place over ``group`` through Squinch, as ``SquinchReducer`` does for
+    a DDP bucket: the compressed reduce-scatter into this rank's chunk, the owner's re-encode of its
+    chunk (``owner_residual``: padded_chunk elements), an all-gather of the payloads and the decode of
+    every owner's chunk. Every rank ends with identical values. ``residual``: world * padded_chunk
+    elements. Returns the bytes this rank sent."""
+    n = x.numel()
+    chunk = -(-n // world)
+    flat = x.reshape(-1)
+    padded = flat if chunk * world == n else torch.nn.functional.pad(flat, (0, chunk * world - n))
+    shard = torch.empty(padded_chunk(chunk), dtype=torch.float32, device=x.device)
+    sent = compressed_reduce_scatter(shard[:chunk], padded, group, world, residual, stochastic=stochastic,
+                                     generator=generator, backend=backend)
+    shard[chunk:] = 0
+    send = encode_rows(shard, 1, owner_residual, stochastic=stochastic, generator=generator, backend=backend)
+    recv = torch.empty(world, send.numel(), dtype=torch.uint8, device=x.device)
+    device_mod.all_gather_into_tensor(recv.view(-1), send.view(-1), group=group)
+    full = torch.empty(world * shard.numel(), dtype=torch.float32, device=x.device)
+    decode_rows_into(recv, full, backend=backend)
+    flat.copy_(full.view(world, -1)[:, :chunk].reshape(-1)[:n].to(flat.dtype))
+    return sent + send.numel() * (world - 1)

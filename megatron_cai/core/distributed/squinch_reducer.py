@@ -7,7 +7,10 @@ Reduce-scatter (with the distributed optimizer)::
 
 All-reduce (plain DP) continues with an owner-side re-encode (its own error feedback), an all-gather
 of the payloads and a decode into the full bucket, so every replica ends with identical gradients.
-Nothing is ever reduced in a ring over compressed data.
+Nothing is ever reduced in a ring over compressed data. The codec steps (per-row encode with the flag
+byte, decode-accumulate, the all-gather decode) are ``squinch_collectives``' functions, the ones FSDP2's
+reduce-scatter hooks call; this class adds the buckets, the asynchronous staging, the persistent
+buffers, the phase timers and the per-bucket residuals (keys ``b<i>`` and ``o<i>`` for the owner).
 
 Hierarchical mode: an uncompressed reduce-scatter inside each node, the Squinch all-to-all across
 nodes among ranks with the same local index (the inter-node group), and (all-reduce mode) the
@@ -60,10 +63,11 @@ import torch.distributed as dist
 
 from .. import device as device_mod
 from .. import parallel_state as ps
-from ..squinch import decode, decode_accumulate, encode_with_feedback, payload_nbytes
+from ..squinch import payload_nbytes
 from .comm_timing import PhaseTimers
 from .grad_buffer import Bucket
 from .grad_reducer import GradReducer
+from .squinch_collectives import decode_rows_into, decode_sum_into, encode_rows
 
 _NULL = contextlib.nullcontext()
 _INF = float("inf")
@@ -154,31 +158,17 @@ class SquinchReducer(GradReducer):
         return self._comm_stream if self._comm_stream is not None else _NULL
 
     def _encode_rows(self, x: torch.Tensor, rows: int, key: str) -> torch.Tensor:
-        """Encode x (rows equal chunks) with error feedback straight into the [rows, 1 + nbytes] send
-        buffer; the flag byte of every row is the device-side OR of the rows' non-finite flags."""
-        c = x.numel() // rows
+        """``squinch_collectives.encode_rows`` with this key's residual, into its persistent send buffer."""
         residual = self._residual(key, x.numel(), x.device)
-        send = self._buf(("send", key), (rows, 1 + payload_nbytes(c)), torch.uint8, x.device)
-        gen = self._gen(x.device)
-        flags = []
-        for r in range(rows):
-            res = residual[r * c:(r + 1) * c] if residual is not None else None
-            _, nonfinite = encode_with_feedback(x[r * c:(r + 1) * c], res, stochastic=self.stochastic,
-                                                generator=gen, backend=self.backend, out=send[r, 1:])
-            flags.append(nonfinite)
-        flag = flags[0] if rows == 1 else torch.stack(flags).any()
-        send[:, 0] = flag.to(device=x.device, dtype=torch.uint8)
-        return send
+        send = self._buf(("send", key), (rows, 1 + payload_nbytes(x.numel() // rows)), torch.uint8, x.device)
+        return encode_rows(x, rows, residual, out=send, stochastic=self.stochastic, generator=self._gen(x.device),
+                           backend=self.backend)
 
     def _decode_sum_into(self, recv: torch.Tensor, out: torch.Tensor, key: str) -> None:
-        """out = sum over rows of decode(row) (rank order), or NaN if any sender flagged non-finite."""
-        target = out if out.dtype == torch.float32 else self._buf(("fp32", key), (out.numel(),), torch.float32,
-                                                                   out.device)
-        target.zero_()
-        decode_accumulate(recv[:, 1:], target, backend=self.backend)
-        target.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
-        if target is not out:
-            out.copy_(target)
+        """``squinch_collectives.decode_sum_into``, with a persistent fp32 accumulator for bf16 buckets."""
+        scratch = None if out.dtype == torch.float32 else self._buf(("fp32", key), (out.numel(),), torch.float32,
+                                                                     out.device)
+        decode_sum_into(recv, out, scratch=scratch, backend=self.backend)
 
     def _count(self, nbytes: int, inter: bool) -> None:
         self.bytes_sent += nbytes
@@ -293,17 +283,8 @@ class SquinchReducer(GradReducer):
 
     def _decode_gathered(self, bucket: Bucket, full: torch.Tensor, recv: torch.Tensor) -> None:
         """All ranks decode every owner's payload into `full` (NaN if any owner flagged)."""
-        size = recv.shape[0]
-        chunk = full.numel() // size
         with self.timers.phase(bucket.index, "decode"):
-            fp32 = full.dtype == torch.float32
-            for r in range(size):
-                dst = full[r * chunk:(r + 1) * chunk]
-                if fp32:
-                    decode(recv[r, 1:], chunk, out=dst, backend=self.backend)
-                else:
-                    dst.copy_(decode(recv[r, 1:], chunk, backend=self.backend))
-            full.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+            decode_rows_into(recv, full, backend=self.backend)
         return None
 
     # ------------------------------------------------------------------------------ hierarchical
