@@ -17,7 +17,8 @@ Initialise a training checkpoint from a local Hugging Face Llama / GPT-2 / Nemot
 Import a Megatron-LM GPT checkpoint (torch or torch_dist format), or write ours as a Megatron-LM one::
 
     python tools/convert_checkpoint.py --from-megatron --load megatron_ckpt --save ckpt_from_megatron
-    python tools/convert_checkpoint.py --to-megatron --load ckpt --save megatron_ckpt [--megatron-spec local]
+    python tools/convert_checkpoint.py --to-megatron --load ckpt --save megatron_ckpt \\
+        [--megatron-ckpt-format torch_dist]
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def _add_megatron_flags(p: argparse.ArgumentParser) -> None:
                         "(at the target TP/PP; default: the source's)")
     g.add_argument("--to-megatron", action="store_true",
                    help="write our checkpoint in --load as a Megatron-LM torch checkpoint (mp_rank_* files)")
+    g.add_argument("--megatron-ckpt-format", choices=["torch", "torch_dist"], default="torch",
+                   help="--to-megatron: legacy per-rank files (torch) or megatron-core dist_checkpointing (torch_dist)")
     g.add_argument("--megatron-spec", choices=["local", "transformer_engine"], default="local",
                    help="--to-megatron: the megatron-core layer spec whose parameter names to write")
     g.add_argument("--megatron-trust-pickle", action="store_true",
@@ -101,7 +104,8 @@ def _convert_megatron(a: argparse.Namespace) -> int:
     else:
         mlm.export_to_megatron(a.load, a.save, tp=a.target_tensor_parallel_size,
                                pp=a.target_pipeline_model_parallel_size, step=a.ckpt_step, spec=a.megatron_spec,
-                               make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+                               make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                               ckpt_format=a.megatron_ckpt_format)
     return 0
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import re
 import shutil
@@ -318,7 +319,7 @@ def read_tracker_or_step(root: str, step: int | None) -> tuple[str, int]:
         raise ConversionError(f"{path} holds {text!r}, not an iteration number") from None
 
 
-def _load_pickle(path: str, trust_pickle: bool) -> dict:
+def _load_pickle(path, trust_pickle: bool, what: str | None = None) -> Any:
     """A Megatron-LM rank file: ``weights_only`` with Megatron's own safe classes (argparse.Namespace for
     ``args``, and megatron-core's enums when it is installed); arbitrary pickles only with ``trust_pickle``."""
     safe = [argparse.Namespace]
@@ -332,8 +333,10 @@ def _load_pickle(path: str, trust_pickle: bool) -> dict:
         with torch.serialization.safe_globals(safe):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
+        if hasattr(path, "seek"):
+            path.seek(0)
         if not trust_pickle:
-            raise ConversionError(f"{path}: cannot be read as weights only ({str(e).splitlines()[0]}); if you "
+            raise ConversionError(f"{what or path}: cannot be read as weights only ({str(e).splitlines()[0]}); if you "
                                   "trust this file, pass --megatron-trust-pickle") from None
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -400,45 +403,92 @@ def _local_name(name: str, first_layer: int) -> str:
     return f"decoder.layers.{int(m.group(1)) - first_layer}.{m.group(2)}"
 
 
-def read_torch_dist(it_dir: str, iteration: int, *, trust_pickle: bool = False) -> MegatronCheckpoint:
-    """A ``torch_dist`` checkpoint (megatron.core.dist_checkpointing): DCP shards of *global* tensors
-    (TP shards joined as megatron-core's ``sharded_state_dict`` declares them), plus ``common.pt``
-    (``args``, ``iteration``). Read with ``torch.distributed.checkpoint`` only: megatron-core is not needed."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_TORCH_DIST_META = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+_COMMON_KEY = "common_state/shard_0_1"  # megatron-core's ShardedObject of the non-tensor state
 
-    common = os.path.join(it_dir, "common.pt")
-    if not os.path.exists(common):
-        raise ConversionError(f"{common} is missing: not a megatron-core torch_dist checkpoint")
-    meta_common = _load_pickle(common, trust_pickle)
-    args = meta_common.get("args")
+
+def _safe_planner(trust_pickle: bool):
+    """A DCP load planner whose byte objects (megatron-core's common state) load as weights only."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            self.original_state_dict[read_item.dest_index.fqn] = _load_pickle(value, trust_pickle, "common_state")
+
+    return Planner(flatten_state_dict=False)
+
+
+def read_torch_dist(it_dir: str, iteration: int, *, trust_pickle: bool = False) -> MegatronCheckpoint:
+    """A ``torch_dist`` checkpoint (megatron.core.dist_checkpointing), read with
+    ``torch.distributed.checkpoint`` alone (megatron-core is not needed): DCP shards of *global* tensors
+    as megatron-core's ``sharded_state_dict`` declares them, plus the common state (``args``,
+    ``iteration``) as a byte object ``common_state`` (or a legacy ``common.pt``). Optimizer and RNG
+    entries are not read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(it_dir)
+    md = reader.read_metadata().state_dict_metadata
+    legacy_common = os.path.join(it_dir, "common.pt")
+    if os.path.exists(legacy_common):
+        common = _load_pickle(legacy_common, trust_pickle)
+    elif _COMMON_KEY in md:
+        state: dict[str, Any] = {_COMMON_KEY: None}
+        dcp.load(state, storage_reader=reader, planner=_safe_planner(trust_pickle), no_dist=True)
+        common = state[_COMMON_KEY]
+        common = common[0] if isinstance(common, list) and common else common  # megatron-core wraps it in a list
+    else:
+        raise ConversionError(f"{it_dir}: no common state (common.pt or {_COMMON_KEY}): not a megatron-core "
+                              "torch_dist checkpoint")
+    args = common.get("args") if isinstance(common, dict) else None
     if args is None:
-        raise ConversionError(f"{common} has no 'args'")
-    reader = FileSystemReader(it_dir)
-    md = reader.read_metadata()
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
-             if isinstance(v, TensorStorageMetadata) and not k.startswith("optimizer.")}
-    _load_state_dict(state, storage_reader=reader, no_dist=True)
-    config_args = args
+        raise ConversionError(f"{it_dir}: the common state has no 'args'")
+    wanted = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+              if isinstance(v, TensorStorageMetadata) and k.startswith(("embedding.", "decoder.", "output_layer."))}
+    dcp.load(wanted, storage_reader=reader, no_dist=True)
     shards: dict[str, list[torch.Tensor]] = {}
-    for key, tensor in state.items():
-        name = key[len("model."):] if key.startswith("model.") else key
-        if name.endswith("._extra_state") or "/" in name:
-            continue
-        shards.update(_from_torch_dist_tensor(name, tensor, config_args))
-    return MegatronCheckpoint(args=args, iteration=int(meta_common.get("iteration", iteration)), tp=1, pp=1,
+    for key, tensor in wanted.items():
+        m = re.match(r"^decoder\.layers\.(?!\d)(.*)$", key)
+        if m:  # layers stacked along a leading dimension
+            shards.update({f"decoder.layers.{i}.{m.group(1)}": [tensor[i]] for i in range(tensor.shape[0])})
+        else:
+            shards[key] = [tensor]
+    return MegatronCheckpoint(args=args, iteration=int(common.get("iteration", iteration)), tp=1, pp=1,
                               shards=shards, ckpt_format="torch_dist")
 
 
-def _from_torch_dist_tensor(name: str, tensor: torch.Tensor, args) -> dict[str, list[torch.Tensor]]:
-    """One global torch_dist tensor as a TP = 1 entry. Layers are either saved per layer (global numbers)
-    or stacked along a leading layer dimension (``decoder.layers.<param>``); SwiGLU's fc1 is saved as
-    [gate; up] over the whole ffn dimension (megatron-core's swiglu sharded factory), i.e. a TP = 1 fc1."""
-    m = re.match(r"^decoder\.layers\.(?!\d)(.*)$", name)
-    if m:  # stacked: [num_layers, ...]
-        return {f"decoder.layers.{i}.{m.group(1)}": [tensor[i]] for i in range(tensor.shape[0])}
-    return {name: [tensor]}
+def write_torch_dist(it_dir: str, config: GPTConfig, full: dict[str, Any], common: dict, spec: str) -> None:
+    """Write a megatron-core ``torch_dist`` checkpoint with ``torch.distributed.checkpoint`` (one writer):
+    the global tensors under megatron-core's ``sharded_state_dict`` keys (norms under the fused names,
+    layers stacked along a leading dimension, SwiGLU's fc1 as [gate; up] over the whole ffn dimension,
+    i.e. the TP = 1 tensors), the modules' ``_extra_state`` objects per layer, the common state and
+    ``metadata.json``. ``full``: a TP = 1 megatron state dict (:func:`to_megatron_state_dict`)."""
+    import torch.distributed.checkpoint as dcp
+
+    L = config.num_layers
+    state: dict[str, Any] = {}
+    per_layer: dict[str, list] = defaultdict(lambda: [None] * L)
+    for name, value in full.items():
+        if name.endswith("._extra_state"):
+            continue
+        for te, ours in _TE_NORMS.items():
+            name = name.replace("." + ours, "." + te)  # megatron-core's sharded keys: the fused names
+        m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+        if m:
+            per_layer[m.group(2)][int(m.group(1))] = value
+        else:
+            state[name] = value
+    for suffix, layers in per_layer.items():
+        state[f"decoder.layers.{suffix}"] = torch.stack(layers)
+    linears = _LINEARS + (("self_attention.core_attention",) if spec == "transformer_engine" else ())
+    for module in linears:
+        for i in range(L):
+            state[f"decoder.layers.{module}._extra_state/shard_{i}_{L}"] = [None]
+    state[_COMMON_KEY] = [common]  # megatron-core stores a ShardedObject as torch.save([data, ...])
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(it_dir), no_dist=True,
+             planner=dcp.DefaultSavePlanner(flatten_state_dict=False))  # keys exactly as megatron-core's
+    write_text(os.path.join(it_dir, "metadata.json"), json.dumps(_TORCH_DIST_META))
 
 
 # ------------------------------------------------------------------------------------------ import
@@ -484,9 +534,13 @@ def _our_names(config: GPTConfig) -> set[str]:
 # ------------------------------------------------------------------------------------------ export
 def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int | None = None,
                        step: int | None = None, spec: str = "local", make_vocab_size_divisible_by: int | None = None,
-                       log=print) -> str:
-    """Write our checkpoint in ``load`` as a Megatron-LM ``torch`` checkpoint (legacy ``mp_rank_*`` files)
-    in ``save``; megatron-core's GPTModel of the same architecture loads each rank's ``model``."""
+                       ckpt_format: str = "torch", log=print) -> str:
+    """Write our checkpoint in ``load`` as a Megatron-LM checkpoint in ``save``: ``torch`` (legacy
+    ``mp_rank_*`` files for TP x PP ranks; megatron-core's GPTModel loads each rank's ``model``) or
+    ``torch_dist`` (global tensors; megatron-core's ``dist_checkpointing.load`` reads them into any
+    layout; TP sets the vocabulary padding recorded in ``args``)."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ConversionError(f"unknown Megatron-LM checkpoint format {ckpt_format!r} (torch or torch_dist)")
     ck = load_canonical(load, step, load_optimizer=False)
     c = ck.config
     tp = tp or ck.source.tp
@@ -501,12 +555,19 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
         if name in model:
             model[name] = fit_vocab_rows(model[name][: c.vocab_size], padded)
     args = megatron_args(c, tp=tp, pp=pp, padded_vocab_size=padded, divisible=divisible, iteration=ck.iteration,
-                         counters=ck.counters, spec=spec, tokenizer_type=ck.args.get("tokenizer_type"))
-    ranks = to_megatron_state_dict(c, model, tp, spec)
+                         counters=ck.counters, spec=spec, ckpt_format=ckpt_format,
+                         tokenizer_type=ck.args.get("tokenizer_type"))
     final = iteration_dir(save, ck.iteration)
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
+    if ckpt_format == "torch_dist":
+        common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": ck.iteration,
+                  "num_floating_point_operations_so_far": 0}
+        write_torch_dist(tmp, c, to_megatron_state_dict(c, model, 1, spec)[0], common, spec)
+        return _publish(tmp, final, save, ck.iteration, log,
+                        f"a Megatron-LM torch_dist checkpoint ({spec} spec, padded vocabulary {padded})", spec)
+    ranks = to_megatron_state_dict(c, model, tp, spec)
     tied = not c.untie_embeddings_and_output_weights
     for t in range(tp):
         for p in range(pp):
@@ -530,13 +591,18 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
             rdir = os.path.join(tmp, rank_dir_name(t, p, pp))
             os.makedirs(rdir, exist_ok=True)
             save_torch(payload, os.path.join(rdir, "model_optim_rng.pt"))
+    return _publish(tmp, final, save, ck.iteration, log,
+                    f"a Megatron-LM torch checkpoint ({spec} spec, TP={tp}, PP={pp}, padded vocabulary {padded})", spec)
+
+
+def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, spec: str) -> str:
     if os.path.exists(final):  # only with --overwrite (tools/convert_checkpoint.py checks --save)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    write_text(os.path.join(save, TRACKER), str(ck.iteration), fsync=True)
-    log(f" wrote iteration {ck.iteration} as a Megatron-LM torch checkpoint ({spec} spec, TP={tp}, PP={pp}, padded "
-        f"vocabulary {padded}) to {final}; continue in Megatron-LM with --load {save} --no-load-optim "
-        f"--no-load-rng --use-checkpoint-args" + (" --transformer-impl local" if spec == "local" else ""))
+    write_text(os.path.join(save, TRACKER), str(iteration), fsync=True)
+    impl = " --transformer-impl local" if spec == "local" else ""
+    log(f" wrote iteration {iteration} as {what} to {final}; continue in Megatron-LM with --load {save} "
+        f"--no-load-optim --no-load-rng --use-checkpoint-args{impl}")
     return final
 
 

@@ -143,8 +143,10 @@ def _read_tracker(path: str) -> tuple[int, bool]:
 def _convert(argv: list[str]) -> None:
     import convert_checkpoint
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert convert_checkpoint.main(argv) == 0
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = convert_checkpoint.main(argv)
+    assert rc == 0, out.getvalue()
 
 
 def _our_model(root: str, tp: int):
@@ -370,3 +372,54 @@ def test_training_continues_as_in_megatron_core(layout, tp, tmp_path):
             assert abs(loss - mloss) < 1e-4, f"iteration {ITERATION + i + 1}: lm loss {loss} vs megatron-core {mloss}"
             assert norm == pytest.approx(mnorm, rel=1e-4), f"iteration {ITERATION + i + 1}: grad norm {norm} vs {mnorm}"
         assert min(n for _, n in r["ours"]) > 1.0  # every step clipped: megatron-core's clipping is compared too
+
+
+# ------------------------------------------------------------------------------------ torch_dist format
+def _torch_dist_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
+    args, theirs, _ = _setup(rank, world, tmp, layout)
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+    from megatron.core import dist_checkpointing
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    fs_async._process_memory = lambda: 0  # memory logging only (psutil is not installed)
+    meg, ours_dir, back = (os.path.join(tmp, n) for n in ("megatron_td", "ours_td", "megatron_td_back"))
+    it_dir = os.path.join(meg, f"iter_{ITERATION:07d}")
+    os.makedirs(it_dir, exist_ok=True)
+    # what Megatron-LM's save_checkpoint hands dist_checkpointing with --ckpt-format torch_dist (model only)
+    dist_checkpointing.save({"model": theirs.sharded_state_dict(), "args": args, "iteration": ITERATION,
+                             "checkpoint_version": 3.0}, it_dir)
+    if rank == 0:
+        with open(os.path.join(meg, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+        _convert(["--from-megatron", "--load", meg, "--save", ours_dir, "--target-tensor-parallel-size", str(world)])
+    torch.distributed.barrier()
+    ours, counters = _our_model(ours_dir, world)
+    tokens, pos = _tokens(1)
+    with torch.no_grad():
+        ref = _megatron_logits(theirs, tokens, pos)
+        got = ours(tokens, pos)
+    out = {"import": (got - ref).abs().max().item(), "iteration": counters["iteration"]}
+    if rank == 0:
+        _convert(["--to-megatron", "--megatron-ckpt-format", "torch_dist", "--load", ours_dir, "--save", back,
+                  "--target-tensor-parallel-size", str(world)])
+    torch.distributed.barrier()
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(99)
+    fresh = _megatron_model(args).eval()
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(back, f"iter_{ITERATION:07d}"))
+    fresh.load_state_dict(loaded["model"], strict=True)
+    with torch.no_grad():
+        again = _megatron_logits(fresh, tokens, pos)
+    out["export"] = (again - got).abs().max().item()
+    out["common"] = (loaded["iteration"], loaded["args"].padded_vocab_size, loaded["args"].ckpt_format)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torch_dist_both_ways(layout, tp, tmp_path):
+    for rank, r in enumerate(run_distributed(_torch_dist_worker, tp, (str(tmp_path), layout))):
+        assert r["import"] < 1e-5, f"rank {rank}: Megatron torch_dist -> ours logits differ by {r['import']}"
+        assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron torch_dist logits differ by {r['export']}"
+        assert r["iteration"] == ITERATION and r["common"] == (ITERATION, 64, "torch_dist")
