@@ -13,6 +13,11 @@ reduce-scatter before the last micro-batch's backward of the chunk), ``zero_grad
 TP-partial gradients, on the local DP shards), ``reducer`` (the reduce-scatter hooks' state) and
 ``grad_comm_bytes``. ``FullyShardedAdamW`` is ``torch.optim.AdamW`` over the DTensor shards with
 the DDP path's grad-norm clip and non-finite check.
+
+HSDP (``--squinch --squinch-hierarchical``): the shard mesh is this node's DP ranks (parallel_state's
+intra-node DP group); each unit's ``HierarchicalSquinch`` reduce-scatters inside the node and, as the
+unit's all-reduce hook, sums the shard across nodes with Squinch; FSDP2 then divides by the whole DP
+size. The grad norm counts the first node's shards only.
 """
 from __future__ import annotations
 
