@@ -234,7 +234,6 @@ def test_bf16_compute_fp32_master_weights(reference):
     (["--save", "/tmp/x"], "distributed checkpoint format"),
     (["--load", "/tmp/x"], "distributed checkpoint format"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
-    (["--squinch", "--squinch-hierarchical"], "--squinch-hierarchical"),
 ])
 def test_unsupported_flags_refused(flag, message):
     with pytest.raises(ArgumentError, match=message):

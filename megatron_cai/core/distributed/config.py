@@ -46,9 +46,6 @@ class DDPConfig:
             self.squinch = SquinchConfig(**self.squinch)
         if self.use_torch_fsdp2 and self.use_distributed_optimizer:
             raise ValueError("--use-torch-fsdp2 already shards the optimizer state: drop --use-distributed-optimizer")
-        if self.use_torch_fsdp2 and self.reducer == "squinch" and self.squinch.hierarchical:
-            raise ValueError("--squinch-hierarchical (HSDP with Squinch across nodes) is not supported with "
-                             "--use-torch-fsdp2 yet")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.bucket_size}")
 

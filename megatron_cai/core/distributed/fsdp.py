@@ -13,6 +13,11 @@ reduce-scatter before the last micro-batch's backward of the chunk), ``zero_grad
 TP-partial gradients, on the local DP shards), ``reducer`` (the reduce-scatter hooks' state) and
 ``grad_comm_bytes``. ``FullyShardedAdamW`` is ``torch.optim.AdamW`` over the DTensor shards with
 the DDP path's grad-norm clip and non-finite check.
+
+HSDP (``--squinch --squinch-hierarchical``): the shard mesh is this node's DP ranks (parallel_state's
+intra-node DP group); each unit's ``HierarchicalSquinch`` reduce-scatters inside the node and, as the
+unit's all-reduce hook, sums the shard across nodes with Squinch; FSDP2 then divides by the whole DP
+size. The grad norm counts the first node's shards only.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from .. import parallel_state as ps
 from ..optimizer.config import OptimizerConfig
 from .config import DDPConfig
-from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
+from .squinch_fsdp import CountingReduceScatter, HierarchicalSquinch, SquinchReduceScatter
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,13 @@ class FSDPSettings:
     squinch: bool = False
     squinch_error_feedback: bool = True
     squinch_stochastic: bool = False
+    hierarchical: bool = False          # HSDP: shard within a node, Squinch all-reduce across nodes
     seed: int = 0
+
+    @property
+    def hsdp(self) -> bool:
+        """--squinch-hierarchical: FSDP2 within a node, Squinch all-reduce across nodes."""
+        return self.squinch and self.hierarchical
 
     def mp_policy(self) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.bf16 else None,
@@ -65,11 +76,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def build_dp_mesh(device: torch.device) -> DeviceMesh:
-    """The DP dimension of a (PP, DP, TP) mesh over parallel_state's existing process groups."""
+def build_dp_mesh(device: torch.device, hierarchical: bool = False) -> DeviceMesh:
+    """The DP dimension of a (PP, DP, TP) mesh over parallel_state's existing process groups; with
+    ``hierarchical`` (HSDP) the DP ranks of this node only (parallel_state's intra-node DP group)."""
     if not dist.is_initialized():
         raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun (a world of one works)")
     world = ps.get_world_size()
+    if hierarchical and world > 1:
+        return DeviceMesh.from_group(ps.get_data_parallel_intra_node_group(), device.type,
+                                     mesh_dim_names=("dp_shard",))
     if world == 1:
         return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
     pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
@@ -111,6 +126,9 @@ class FullyShardedChunk(nn.Module):
                 m.set_force_sum_reduction_for_comms(True)
                 comm = self._make_comm(len(self.comms))
                 m.set_custom_reduce_scatter(comm)
+                if isinstance(comm, HierarchicalSquinch):  # sum over the nodes, then divide by all of DP
+                    m.set_all_reduce_hook(comm.all_reduce_hook)
+                    m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size()))
                 self.comms[name or "root"] = comm
         self.reducer = CommState(self.comms)
         named = dict(module.named_parameters())
@@ -121,6 +139,10 @@ class FullyShardedChunk(nn.Module):
         s = self.settings
         if not s.squinch:
             return CountingReduceScatter()
+        if s.hsdp:
+            inter = ps.get_data_parallel_inter_node_group() if ps.get_world_size() > 1 else None
+            return HierarchicalSquinch(inter, error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
+                                       seed=s.seed * 1000 + index)
         return SquinchReduceScatter(error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
                                     seed=s.seed * 1000 + index)
 
@@ -151,7 +173,11 @@ class FullyShardedChunk(nn.Module):
 
     def counted_in_norm(self, name: str) -> bool:
         """Each distinct gradient element once in the global norm (as in the DDP path): TP-replicated
-        tensors on TP rank 0 only, the last stage's copy of tied embeddings not at all."""
+        tensors on TP rank 0 only, the last stage's copy of tied embeddings not at all; under HSDP the
+        shards of the first node only (the other nodes hold identical copies)."""
+        if self.settings.hsdp and ps.get_world_size() > 1 and \
+                dist.get_rank(ps.get_data_parallel_inter_node_group()) != 0:
+            return False
         m = self.meta[name]
         if m.shared_embedding and not self.module.pre_process:
             return False
@@ -172,9 +198,17 @@ class CommState:
     def bytes_sent(self) -> int:
         return sum(c.bytes_sent for c in self.comms.values())
 
+    @property
+    def inter_node_bytes_sent(self) -> int:
+        return sum(c.inter_node_bytes_sent for c in self.comms.values())
+
     def step_skipped(self) -> None:
         for c in self.comms.values():
             c.step_skipped()
+
+    def rescale_feedback(self, factor: float) -> None:
+        for c in self.comms.values():
+            c.rescale_feedback(factor)
 
     def state_dict(self) -> dict:
         return {name: c.state_dict() for name, c in self.comms.items()}
@@ -190,7 +224,7 @@ class CommState:
 def wrap_model_chunks(chunks: list[nn.Module], device: torch.device,
                       settings: FSDPSettings) -> list[FullyShardedChunk]:
     """Shard every model chunk of this rank over DP (after ``chunk.to(device)``)."""
-    mesh = build_dp_mesh(device)
+    mesh = build_dp_mesh(device, settings.hsdp)
     return [FullyShardedChunk(c, mesh, settings) for c in chunks]
 
 
@@ -260,7 +294,8 @@ def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, o
     """The trainer's hook: shard this rank's chunks as ``ddp`` says and build AdamW over the shards."""
     settings = FSDPSettings(bf16=bf16, reduce_in_bf16=ddp.grad_reduce_in_bf16, squinch=ddp.reducer == "squinch",
                             squinch_error_feedback=ddp.squinch.error_feedback,
-                            squinch_stochastic=ddp.squinch.stochastic_rounding, seed=seed)
+                            squinch_stochastic=ddp.squinch.stochastic_rounding,
+                            hierarchical=ddp.squinch.hierarchical, seed=seed)
     model = wrap_model_chunks(chunks, device, settings)
     return model, FullyShardedAdamW(model, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
                                     betas=optimizer.betas, eps=optimizer.adam_eps)

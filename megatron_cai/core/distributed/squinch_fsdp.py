@@ -9,6 +9,13 @@ FSDP2 hands each hook the flat, padded gradients of one parameter group (one ``f
 - ``SquinchReduceScatter``: encode (error feedback) into DP rows, one ``all_to_all_single`` of uint8
   payloads, decode-accumulate into the shard (``squinch_collectives.compressed_reduce_scatter``).
   Each instance serves one FSDP parameter group and owns that group's residual.
+- ``HierarchicalSquinch`` (``--squinch-hierarchical``, HSDP): FSDP2 shards over the DP ranks of one
+  node; this is the uncompressed intra-node reduce-scatter (counted as intra-node bytes) and, as the
+  unit's ``set_all_reduce_hook``, the Squinch all-reduce of the reduced shard across nodes, among the
+  ranks with the same local index (``squinch_collectives.compressed_all_reduce``: error feedback on the
+  all-to-all rows and on the owner's re-encode). FSDP2's native HSDP (a 2-D mesh) cannot be used: it
+  always runs its own ``dist.all_reduce`` over the replicate dimension and calls an all-reduce hook
+  only after it, so a compressed cross-node reduction has to be the hook of a 1-D (intra-node) mesh.
 """
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import device as device_mod
-from .squinch_collectives import compressed_reduce_scatter, padded_chunk
+from .squinch_collectives import compressed_all_reduce, compressed_reduce_scatter, padded_chunk
 
 
 def _check_sum(op) -> None:
@@ -39,6 +46,7 @@ class CountingReduceScatter(ReduceScatter):
 
     def __init__(self) -> None:
         self.bytes_sent = 0
+        self.inter_node_bytes_sent = 0  # without nodes (flat DP) every byte counts as inter-node
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -47,10 +55,15 @@ class CountingReduceScatter(ReduceScatter):
                  async_op: bool = False):
         _check_sum(op)
         n = group.size()
-        self.bytes_sent += (n - 1) * input_tensor.numel() * input_tensor.element_size() // n
+        nbytes = (n - 1) * input_tensor.numel() * input_tensor.element_size() // n
+        self.bytes_sent += nbytes
+        self.inter_node_bytes_sent += nbytes
         return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
     def step_skipped(self) -> None:
+        return None
+
+    def rescale_feedback(self, factor: float) -> None:
         return None
 
     def state_dict(self) -> dict:
@@ -87,15 +100,21 @@ class SquinchReduceScatter(CountingReduceScatter):
         residual = self._residual(world * padded_chunk(output_tensor.numel()), input_tensor.device)
         if self.stochastic and self.generator is None:
             self.generator = torch.Generator(device=input_tensor.device).manual_seed(self._seed)
-        self.bytes_sent += compressed_reduce_scatter(output_tensor, input_tensor, group, world, residual,
-                                                     stochastic=self.stochastic, generator=self.generator,
-                                                     backend=self.backend)
+        nbytes = compressed_reduce_scatter(output_tensor, input_tensor, group, world, residual,
+                                           stochastic=self.stochastic, generator=self.generator, backend=self.backend)
+        self.bytes_sent += nbytes
+        self.inter_node_bytes_sent += nbytes
         return _Done() if async_op else None
 
     def step_skipped(self) -> None:
         """A skipped step discards its gradients, including what error feedback carried."""
         if self.residual is not None:
             self.residual.zero_()
+
+    def rescale_feedback(self, factor: float) -> None:
+        """Residuals follow a loss-scale change (they are in loss-scaled units), as in SquinchReducer."""
+        if self.residual is not None:
+            self.residual.mul_(factor)
 
     def state_dict(self) -> dict:
         state = {"residual": None if self.residual is None else self.residual.detach().cpu().clone()}
@@ -106,6 +125,74 @@ class SquinchReduceScatter(CountingReduceScatter):
     def load_state_dict(self, state: dict) -> None:
         r = state.get("residual")
         self.residual = None if r is None else r.clone()
+        if "generator" in state:
+            self.generator = torch.Generator().manual_seed(self._seed)
+            self.generator.set_state(state["generator"])
+
+
+class HierarchicalSquinch(CountingReduceScatter):
+    """HSDP with Squinch across nodes only: the uncompressed intra-node reduce-scatter (this object as
+    FSDP2's reduce-scatter over the node's DP ranks) and :meth:`all_reduce_hook`, the Squinch sum
+    all-reduce of the reduced shard over ``inter_group`` (one rank per node), with error feedback.
+    FSDP2 then divides by the whole DP size (``set_gradient_divide_factor``)."""
+
+    def __init__(self, inter_group, *, error_feedback: bool = True, stochastic: bool = False, seed: int = 0,
+                 backend: str | None = None) -> None:
+        super().__init__()
+        self.inter_group = inter_group
+        self.nodes = dist.get_world_size(inter_group) if inter_group is not None else 1
+        self.error_feedback, self.stochastic, self.backend = error_feedback, stochastic, backend
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.generator: torch.Generator | None = None
+        self._seed = seed
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        _check_sum(op)
+        n = group.size()
+        self.bytes_sent += (n - 1) * input_tensor.numel() * input_tensor.element_size() // n
+        return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    def _residual(self, key: str, numel: int, device: torch.device) -> torch.Tensor | None:
+        if not self.error_feedback:
+            return None
+        r = self.residuals.get(key)
+        if r is None or r.numel() != numel:
+            r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
+        elif r.device != device:  # restored from a checkpoint on the CPU
+            r = self.residuals[key] = r.to(device)
+        return r
+
+    def all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
+        """Sum ``reduce_output`` (this rank's intra-node-reduced shard) over the nodes, in place."""
+        if self.nodes == 1:
+            return
+        m, dev = self.nodes, reduce_output.device
+        row = padded_chunk(-(-reduce_output.numel() // m))
+        if self.stochastic and self.generator is None:
+            self.generator = torch.Generator(device=dev).manual_seed(self._seed)
+        nbytes = compressed_all_reduce(reduce_output, self.inter_group, m, self._residual("rows", m * row, dev),
+                                       self._residual("owner", row, dev), stochastic=self.stochastic,
+                                       generator=self.generator, backend=self.backend)
+        self.bytes_sent += nbytes
+        self.inter_node_bytes_sent += nbytes
+
+    def step_skipped(self) -> None:
+        for r in self.residuals.values():
+            r.zero_()
+
+    def rescale_feedback(self, factor: float) -> None:
+        for r in self.residuals.values():
+            r.mul_(factor)
+
+    def state_dict(self) -> dict:
+        state = {"residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
         if "generator" in state:
             self.generator = torch.Generator().manual_seed(self._seed)
             self.generator.set_state(state["generator"])
