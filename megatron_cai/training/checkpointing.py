@@ -139,21 +139,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         os.makedirs(rdir, exist_ok=True)
         _atomic_torch_save(reducer_states, os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt"))
     if ps.get_rank() == 0:
-        meta = {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
-                "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-                "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-                "data_parallel_size": ps.get_data_parallel_world_size(),
-                "model_config": config.to_dict(),
-                "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
-                "args": train_config.flags}
-        write_json(os.path.join(tmp, "metadata.json"), meta)
-        if tokenizer_files:
-            tok_dir = os.path.join(tmp, "tokenizer")
-            os.makedirs(tok_dir, exist_ok=True)
-            for src in tokenizer_files:
-                if src and os.path.isfile(src):
-                    shutil.copy2(src, tok_dir)
+        write_json(os.path.join(tmp, "metadata.json"), run_metadata(iteration, train_config))
+        copy_tokenizer_files(tmp, tokenizer_files)
     _barrier()
     if ps.get_rank() == 0:
         if os.path.exists(final):
@@ -162,6 +149,29 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
         write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
     _barrier()
     return final
+
+
+def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
+    """The ``metadata.json`` of a checkpoint of this run (rank 0 writes it): layout, configs, flags."""
+    return {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "model_config": train_config.model.to_dict(),
+            "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
+            "args": train_config.flags}
+
+
+def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> None:
+    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing)."""
+    if not tokenizer_files:
+        return
+    tok_dir = os.path.join(ckpt_dir, "tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    for src in tokenizer_files:
+        if src and os.path.isfile(src):
+            shutil.copy2(src, tok_dir)
 
 
 def read_metadata(root: str, iteration: int) -> dict:

@@ -37,7 +37,7 @@ from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import checkpointing, divergence, run_dirs, startup_checks
+from . import checkpointing, dist_checkpoint, divergence, run_dirs, startup_checks
 from .arguments import rebuild_for_world_size
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
@@ -120,6 +120,8 @@ class Trainer:
         vpp = config.parallel.virtual_pipeline_model_parallel_size
         chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
         dp = ps.get_data_parallel_world_size()
+        # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
+        self.param_layout = checkpointing.tp_layout(chunks)
         self.model = []
         for m in chunks:
             m.to(self.device)
@@ -146,11 +148,9 @@ class Trainer:
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
         if ckpt.load:
-            counters = checkpointing.load_checkpoint(
-                ckpt.load, self.model, self.optimizer, self.scheduler, model_cfg,
-                load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
-                step=ckpt.ckpt_step, exit_on_missing=ckpt.exit_on_missing_checkpoint,
-                reducers=[m.reducer for m in self.model], train_config=config)
+            counters = dist_checkpoint.load_checkpoint(  # either format (--ckpt-format, --auto-detect-ckpt-format)
+                config, self.model, self.optimizer, self.scheduler, self.param_layout,
+                reducers=[m.reducer for m in self.model])
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
@@ -337,12 +337,18 @@ class Trainer:
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         tok_model = self.config.tokenizer.tokenizer_model
-        path = checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer,
-                                             self.scheduler, self.config,
-                                             {**self.state.to_dict(), **self.divergence.state_dict()},
-                                             reducer_states=[m.reducer.state_dict() for m in self.model],
-                                             save_optim=ckpt.save_optim,
-                                             tokenizer_files=[tok_model] if tok_model else [])
+        counters = {**self.state.to_dict(), **self.divergence.state_dict()}
+        reducer_states = [m.reducer.state_dict() for m in self.model]
+        tok_files = [tok_model] if tok_model else []
+        if ckpt.ckpt_format == dist_checkpoint.FORMAT:
+            path = dist_checkpoint.save_dist_checkpoint(
+                ckpt.save, self.state.iteration, self.model, self.optimizer, self.scheduler, self.config, counters,
+                self.param_layout, reducer_states=reducer_states, save_optim=ckpt.save_optim,
+                tokenizer_files=tok_files)
+        else:
+            path = checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer,
+                                                 self.scheduler, self.config, counters, reducer_states=reducer_states,
+                                                 save_optim=ckpt.save_optim, tokenizer_files=tok_files)
         self.divergence.last_good_checkpoint = path
         print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {ckpt.save}")
 
