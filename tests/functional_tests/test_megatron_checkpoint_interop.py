@@ -66,7 +66,7 @@ def _shim_cpu() -> None:
             sys.path.insert(0, p)
 
 
-def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
+def _megatron_args(flags: list[str], tp: int, extra: list[str] = (), world: int | None = None):
     """Megatron-LM's args for these flags, through its own parser and validate_args."""
     import megatron.training.arguments as margs
     from megatron.training.vocab_utils import calculate_padded_vocab_size
@@ -78,7 +78,7 @@ def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
-            args.world_size = tp
+            args.world_size = world or tp
             margs.validate_args(args, {})
     finally:
         sys.argv = argv
@@ -86,7 +86,7 @@ def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
     return args
 
 
-def _megatron_model(args):
+def _megatron_model(args, pre_process: bool = True, post_process: bool = True):
     """megatron-core's GPTModel as Megatron-LM's GPT builder makes it (local spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -96,7 +96,8 @@ def _megatron_model(args):
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     tied = not args.untie_embeddings_and_output_weights
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    parallel_output=True, share_embeddings_and_output_weights=tied,
+                    pre_process=pre_process, post_process=post_process, parallel_output=True,
+                    share_embeddings_and_output_weights=tied,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                     rotary_base=args.rotary_base)
 
@@ -249,7 +250,7 @@ class _CpuTorch:
 
     @staticmethod
     def _cpu(kw):
-        if str(kw.get("device", "")).startswith("cuda") or kw.get("device") == "cpu":
+        if str(kw.get("device", "")).startswith("cuda"):
             kw["device"] = "cpu"
         return kw
 
@@ -423,3 +424,71 @@ def test_torch_dist_both_ways(layout, tp, tmp_path):
         assert r["import"] < 1e-5, f"rank {rank}: Megatron torch_dist -> ours logits differ by {r['import']}"
         assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron torch_dist logits differ by {r['export']}"
         assert r["iteration"] == ITERATION and r["common"] == (ITERATION, 64, "torch_dist")
+
+
+# ----------------------------------------------------------------------------------- pipeline stages
+def _pp_worker(rank: int, world: int, tmp: str) -> dict:
+    """Megatron-LM PP = 2 (mp_rank_00_00P files, stage-local layer numbers, the last stage's copy of the
+    tied embeddings): imported into ours at PP = 1, and written back at PP = 2."""
+    import zlib
+
+    _shim_cpu()
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied copies' initial all-reduce moves them to 'cuda'
+    model_parallel_cuda_manual_seed(1234)
+    args = _megatron_args(LAYOUTS["gpt"], 1, ["--pipeline-model-parallel-size", "2"], world=2)
+    theirs = _megatron_model(args, pre_process=rank == 0, post_process=rank == 1).eval()
+    with torch.no_grad():  # the same weights as a PP = 1 model: seeded by global name
+        for name, p in theirs.named_parameters():
+            m = name.split(".")
+            if name.startswith("decoder.layers."):
+                m[2] = str(int(m[2]) + rank)  # one layer per stage
+            key = "embedding.word_embeddings.weight" if name == "output_layer.weight" else ".".join(m)
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in key else 0.0))
+    meg, ours_dir, back = (os.path.join(tmp, n) for n in ("megatron_pp", "ours_pp", "megatron_pp_back"))
+    rdir = os.path.join(meg, f"iter_{ITERATION:07d}", f"mp_rank_00_{rank:03d}")
+    os.makedirs(rdir, exist_ok=True)
+    args.iteration = ITERATION
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": theirs.state_dict_for_save_checkpoint()}, os.path.join(rdir, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(meg, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+        _convert(["--from-megatron", "--load", meg, "--save", ours_dir, "--target-pipeline-model-parallel-size", "1"])
+        _convert(["--to-megatron", "--load", ours_dir, "--save", back, "--target-pipeline-model-parallel-size", "2"])
+    torch.distributed.barrier()
+    from megatron_cai.core import parallel_state as ps
+
+    ps.initialize_model_parallel()  # collective: on both ranks
+    tokens, pos = _tokens(2)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    out = {}
+    with torch.no_grad():  # megatron-core's two stages, the activation handed over by send/recv
+        if rank == 0:
+            torch.distributed.send(theirs(tokens, pos, mask).contiguous(), 1)
+        else:
+            hidden = torch.empty(SEQ, 2, 32)
+            torch.distributed.recv(hidden, 0)
+            theirs.set_input_tensor(hidden)
+            ref = theirs(tokens, pos, mask)
+            ours, _ = _our_model(ours_dir, 1)
+            out["import"] = (ours(tokens, pos) - ref).abs().max().item()
+    payload = torch.load(os.path.join(back, f"iter_{ITERATION:07d}", f"mp_rank_00_{rank:03d}", "model_optim_rng.pt"),
+                         weights_only=False)
+    fresh = _megatron_model(args, pre_process=rank == 0, post_process=rank == 1)
+    fresh.load_state_dict(payload["model"], strict=True)
+    out["identical"] = all(torch.equal(a, b) for (_, a), (_, b) in
+                           zip(sorted(theirs.state_dict().items()), sorted(fresh.state_dict().items()))
+                           if torch.is_tensor(a))
+    return out
+
+
+def test_pipeline_stages_both_ways(tmp_path):
+    results = run_distributed(_pp_worker, 2, (str(tmp_path),))
+    assert results[1]["import"] < 1e-5, results[1]["import"]
+    assert results[0]["identical"] and results[1]["identical"]
