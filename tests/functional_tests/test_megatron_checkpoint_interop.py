@@ -492,3 +492,84 @@ def test_pipeline_stages_both_ways(tmp_path):
     results = run_distributed(_pp_worker, 2, (str(tmp_path),))
     assert results[1]["import"] < 1e-5, results[1]["import"]
     assert results[0]["identical"] and results[1]["identical"]
+
+
+# ------------------------------------------------------------------------- names, refusals (one process)
+def _canonical(tmp: str, **kw) -> str:
+    """A checkpoint of ours with random weights (TP = 2), written by save_resharded."""
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.interop.hf import param_layout
+    from megatron_cai.training.checkpoint_conversion import CanonicalCheckpoint, Layout, save_resharded
+
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                       ffn_hidden_size=48, seq_length=SEQ, normalization="RMSNorm", activation="swiglu",
+                       add_bias_linear=False, untie_embeddings_and_output_weights=True, **kw)
+    layout = param_layout(config)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in GPTModel(config).named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    model = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    ck = CanonicalCheckpoint(config=config, iteration=3, model=model, layout_meta=layout,
+                             counters={"iteration": 3, "consumed_train_samples": 6}, source=Layout(2, 1))
+    with contextlib.redirect_stdout(io.StringIO()):
+        save_resharded(ck, tmp, Layout(2, 1), make_vocab_size_divisible_by=DIVISIBLE, with_optimizer=False)
+    return tmp
+
+
+def test_transformer_engine_names_round_trip(tmp_path):
+    """The TE spec's fused-norm names (linear_qkv.layer_norm_weight, linear_fc1.layer_norm_weight) and its
+    core_attention extra state are written and read; the weights come back unchanged. (Transformer Engine
+    is not installed: the names are those megatron-core's sharded_state_dict also uses for the local spec,
+    which the torch_dist test reads from megatron-core itself.)"""
+    from megatron_cai.training.checkpoint_conversion import load_canonical
+
+    _shim_cpu()
+    ours = _canonical(str(tmp_path / "ours"))
+    te, back = str(tmp_path / "te"), str(tmp_path / "back")
+    _convert(["--to-megatron", "--megatron-spec", "transformer_engine", "--load", ours, "--save", te])
+    sd = torch.load(os.path.join(te, "iter_0000003", "mp_rank_01", "model_optim_rng.pt"), weights_only=False)["model"]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in sd
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in sd
+    assert "decoder.layers.1.self_attention.core_attention._extra_state" in sd
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in sd)
+    assert sd["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (64 // 2, 32)  # (4 + 2 * 2) * 8 / TP
+    _convert(["--from-megatron", "--load", te, "--save", back])
+    a, b = load_canonical(ours, load_optimizer=False), load_canonical(back, load_optimizer=False)
+    assert a.model.keys() == b.model.keys()
+    for name in a.model:
+        assert torch.equal(a.model[name], b.model[name]), name
+    assert b.counters["consumed_train_samples"] == 6 and b.iteration == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts": 8}, "--num-experts"),
+    ({"bias_gelu_fusion": False, "swiglu": False}, "erf GeLU"),
+    ({"rotary_interleaved": True}, "--rotary-interleaved"),
+    ({"add_qkv_bias": True}, "--add-qkv-bias"),
+])
+def test_unrepresentable_megatron_options_are_refused(change, message):
+    import argparse
+
+    from megatron_cai.interop.megatron import config_from_megatron_args
+    from megatron_cai.training.checkpoint_conversion import ConversionError
+
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, swiglu=True,
+                              add_bias_linear=False, padded_vocab_size=64, max_position_embeddings=16, seq_length=16,
+                              normalization="RMSNorm", position_embedding_type="rope")
+    config_from_megatron_args(args)  # the base is fine
+    for k, v in change.items():
+        setattr(args, k, v)
+    with pytest.raises(ConversionError, match=message):
+        config_from_megatron_args(args)
+
+
+def test_not_a_megatron_checkpoint(tmp_path):
+    _shim_cpu()
+    import convert_checkpoint
+
+    ours = _canonical(str(tmp_path / "ours"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+        assert convert_checkpoint.main(["--from-megatron", "--load", ours, "--save", str(tmp_path / "x")]) != 0
+    assert "not a Megatron-LM model checkpoint" in err.getvalue()
