@@ -66,7 +66,7 @@ def _shim_cpu() -> None:
             sys.path.insert(0, p)
 
 
-def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
+def _megatron_args(flags: list[str], tp: int, extra: list[str] = (), world: int | None = None):
     """Megatron-LM's args for these flags, through its own parser and validate_args."""
     import megatron.training.arguments as margs
     from megatron.training.vocab_utils import calculate_padded_vocab_size
@@ -78,7 +78,7 @@ def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
-            args.world_size = tp
+            args.world_size = world or tp
             margs.validate_args(args, {})
     finally:
         sys.argv = argv
@@ -86,7 +86,7 @@ def _megatron_args(flags: list[str], tp: int, extra: list[str] = ()):
     return args
 
 
-def _megatron_model(args):
+def _megatron_model(args, pre_process: bool = True, post_process: bool = True):
     """megatron-core's GPTModel as Megatron-LM's GPT builder makes it (local spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -96,7 +96,8 @@ def _megatron_model(args):
     spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     tied = not args.untie_embeddings_and_output_weights
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    parallel_output=True, share_embeddings_and_output_weights=tied,
+                    pre_process=pre_process, post_process=post_process, parallel_output=True,
+                    share_embeddings_and_output_weights=tied,
                     position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                     rotary_base=args.rotary_base)
 
@@ -249,7 +250,7 @@ class _CpuTorch:
 
     @staticmethod
     def _cpu(kw):
-        if str(kw.get("device", "")).startswith("cuda") or kw.get("device") == "cpu":
+        if str(kw.get("device", "")).startswith("cuda"):
             kw["device"] = "cpu"
         return kw
 
@@ -423,3 +424,152 @@ def test_torch_dist_both_ways(layout, tp, tmp_path):
         assert r["import"] < 1e-5, f"rank {rank}: Megatron torch_dist -> ours logits differ by {r['import']}"
         assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron torch_dist logits differ by {r['export']}"
         assert r["iteration"] == ITERATION and r["common"] == (ITERATION, 64, "torch_dist")
+
+
+# ----------------------------------------------------------------------------------- pipeline stages
+def _pp_worker(rank: int, world: int, tmp: str) -> dict:
+    """Megatron-LM PP = 2 (mp_rank_00_00P files, stage-local layer numbers, the last stage's copy of the
+    tied embeddings): imported into ours at PP = 1, and written back at PP = 2."""
+    import zlib
+
+    _shim_cpu()
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    mps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the tied copies' initial all-reduce moves them to 'cuda'
+    model_parallel_cuda_manual_seed(1234)
+    args = _megatron_args(LAYOUTS["gpt"], 1, ["--pipeline-model-parallel-size", "2"], world=2)
+    theirs = _megatron_model(args, pre_process=rank == 0, post_process=rank == 1).eval()
+    with torch.no_grad():  # the same weights as a PP = 1 model: seeded by global name
+        for name, p in theirs.named_parameters():
+            m = name.split(".")
+            if name.startswith("decoder.layers."):
+                m[2] = str(int(m[2]) + rank)  # one layer per stage
+            key = "embedding.word_embeddings.weight" if name == "output_layer.weight" else ".".join(m)
+            g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if "norm" in key else 0.0))
+    meg, ours_dir, back = (os.path.join(tmp, n) for n in ("megatron_pp", "ours_pp", "megatron_pp_back"))
+    rdir = os.path.join(meg, f"iter_{ITERATION:07d}", f"mp_rank_00_{rank:03d}")
+    os.makedirs(rdir, exist_ok=True)
+    args.iteration = ITERATION
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+                "model": theirs.state_dict_for_save_checkpoint()}, os.path.join(rdir, "model_optim_rng.pt"))
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(os.path.join(meg, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+        _convert(["--from-megatron", "--load", meg, "--save", ours_dir, "--target-pipeline-model-parallel-size", "1"])
+        _convert(["--to-megatron", "--load", ours_dir, "--save", back, "--target-pipeline-model-parallel-size", "2"])
+    torch.distributed.barrier()
+    from megatron_cai.core import parallel_state as ps
+
+    ps.initialize_model_parallel()  # collective: on both ranks
+    tokens, pos = _tokens(2)
+    mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]
+    out = {}
+    with torch.no_grad():  # megatron-core's two stages, the activation handed over by send/recv
+        if rank == 0:
+            torch.distributed.send(theirs(tokens, pos, mask).contiguous(), 1)
+        else:
+            hidden = torch.empty(SEQ, 2, 32)
+            torch.distributed.recv(hidden, 0)
+            theirs.set_input_tensor(hidden)
+            ref = theirs(tokens, pos, mask)
+            ours, _ = _our_model(ours_dir, 1)
+            out["import"] = (ours(tokens, pos) - ref).abs().max().item()
+    payload = torch.load(os.path.join(back, f"iter_{ITERATION:07d}", f"mp_rank_00_{rank:03d}", "model_optim_rng.pt"),
+                         weights_only=False)
+    fresh = _megatron_model(args, pre_process=rank == 0, post_process=rank == 1)
+    fresh.load_state_dict(payload["model"], strict=True)
+    out["identical"] = all(torch.equal(a, b) for (_, a), (_, b) in
+                           zip(sorted(theirs.state_dict().items()), sorted(fresh.state_dict().items()))
+                           if torch.is_tensor(a))
+    return out
+
+
+def test_pipeline_stages_both_ways(tmp_path):
+    results = run_distributed(_pp_worker, 2, (str(tmp_path),))
+    assert results[1]["import"] < 1e-5, results[1]["import"]
+    assert results[0]["identical"] and results[1]["identical"]
+
+
+# ------------------------------------------------------------------------- names, refusals (one process)
+def _canonical(tmp: str, **kw) -> str:
+    """A checkpoint of ours with random weights (TP = 2), written by save_resharded."""
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.interop.hf import param_layout
+    from megatron_cai.training.checkpoint_conversion import CanonicalCheckpoint, Layout, save_resharded
+
+    config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                       ffn_hidden_size=48, seq_length=SEQ, normalization="RMSNorm", activation="swiglu",
+                       add_bias_linear=False, untie_embeddings_and_output_weights=True, **kw)
+    layout = param_layout(config)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in GPTModel(config).named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    model = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    ck = CanonicalCheckpoint(config=config, iteration=3, model=model, layout_meta=layout,
+                             counters={"iteration": 3, "consumed_train_samples": 6}, source=Layout(2, 1))
+    with contextlib.redirect_stdout(io.StringIO()):
+        save_resharded(ck, tmp, Layout(2, 1), make_vocab_size_divisible_by=DIVISIBLE, with_optimizer=False)
+    return tmp
+
+
+def test_transformer_engine_names_round_trip(tmp_path):
+    """The TE spec's fused-norm names (linear_qkv.layer_norm_weight, linear_fc1.layer_norm_weight) and its
+    core_attention extra state are written and read; the weights come back unchanged. (Transformer Engine
+    is not installed: the names are those megatron-core's sharded_state_dict also uses for the local spec,
+    which the torch_dist test reads from megatron-core itself.)"""
+    from megatron_cai.training.checkpoint_conversion import load_canonical
+
+    _shim_cpu()
+    ours = _canonical(str(tmp_path / "ours"))
+    te, back = str(tmp_path / "te"), str(tmp_path / "back")
+    _convert(["--to-megatron", "--megatron-spec", "transformer_engine", "--load", ours, "--save", te])
+    sd = torch.load(os.path.join(te, "iter_0000003", "mp_rank_01", "model_optim_rng.pt"), weights_only=False)["model"]
+    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in sd
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in sd
+    assert "decoder.layers.1.self_attention.core_attention._extra_state" in sd
+    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in sd)
+    assert sd["decoder.layers.1.self_attention.linear_qkv.weight"].shape == (64 // 2, 32)  # (4 + 2 * 2) * 8 / TP
+    _convert(["--from-megatron", "--load", te, "--save", back])
+    a, b = load_canonical(ours, load_optimizer=False), load_canonical(back, load_optimizer=False)
+    assert a.model.keys() == b.model.keys()
+    for name in a.model:
+        assert torch.equal(a.model[name], b.model[name]), name
+    assert b.counters["consumed_train_samples"] == 6 and b.iteration == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_experts": 8}, "--num-experts"),
+    ({"bias_gelu_fusion": False, "swiglu": False}, "erf GeLU"),
+    ({"rotary_interleaved": True}, "--rotary-interleaved"),
+    ({"add_qkv_bias": True}, "--add-qkv-bias"),
+])
+def test_unrepresentable_megatron_options_are_refused(change, message):
+    import argparse
+
+    from megatron_cai.interop.megatron import config_from_megatron_args
+    from megatron_cai.training.checkpoint_conversion import ConversionError
+
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, swiglu=True,
+                              add_bias_linear=False, padded_vocab_size=64, max_position_embeddings=16, seq_length=16,
+                              normalization="RMSNorm", position_embedding_type="rope")
+    config_from_megatron_args(args)  # the base is fine
+    for k, v in change.items():
+        setattr(args, k, v)
+    with pytest.raises(ConversionError, match=message):
+        config_from_megatron_args(args)
+
+
+def test_not_a_megatron_checkpoint(tmp_path):
+    _shim_cpu()
+    import convert_checkpoint
+
+    ours = _canonical(str(tmp_path / "ours"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+        assert convert_checkpoint.main(["--from-megatron", "--load", ours, "--save", str(tmp_path / "x")]) != 0
+    assert "not a Megatron-LM model checkpoint" in err.getvalue()
