@@ -3,6 +3,8 @@ DP ranks) and all-reduces the shards across nodes with Squinch only (error feedb
 
 Two simulated nodes of two ranks (--ranks-per-node 2, DP = 4): nodes {0, 1} and {2, 3}; the cross-node
 groups are {0, 2} and {1, 3}."""
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -192,3 +194,42 @@ def test_hsdp_with_squinch_trains_close_to_single_process():
     for a, b in zip(got, reference):
         assert a["lm loss"] == pytest.approx(b["lm loss"], rel=2e-2)
         assert a["grad norm"] == pytest.approx(b["grad norm"], rel=5e-2)
+
+
+def _nan_worker(rank, world, argv):
+    from torch.distributed.fsdp import FSDPModule
+
+    class Inject(_Recorder):  # NaN into rank 3's gradients (the second node) at iteration 2
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.calls = getattr(self, "calls", 0) + 1
+            if rank == 3 and self.calls == 2:
+                input_tensor[1] = float("nan")
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    def hook(trainer):
+        for name, m in trainer.model[0].module.named_modules():
+            if isinstance(m, FSDPModule):
+                rec = Inject(trainer.model[0].comms[name or "root"])
+                m.set_custom_reduce_scatter(rec)
+                m.set_all_reduce_hook(rec.hook)
+    return train(argv, world, trainer_hook=hook)
+
+
+def test_nonfinite_on_one_node_skips_every_rank_and_drops_feedback():
+    """A NaN in one rank's gradients reaches the other node only as Squinch's flag byte: every rank
+    skips iteration 2, the cross-node residuals (NaN after that encode) are reset, iteration 3 is finite."""
+    argv = BASE + HSDP + ["--train-iters", "3"]  # one micro-batch per rank: one reduce per unit and step
+    for r in run_distributed(_nan_worker, 4, (argv,)):
+        assert [h["skipped"] for h in r["history"]] == [False, True, False], f"rank {r['rank']}"
+        assert math.isnan(r["history"][1]["grad norm"])
+        assert math.isfinite(r["history"][2]["grad norm"])
+
+
+def test_state_round_trip_and_skip():
+    a = HierarchicalSquinch(None)
+    a.residuals = {"rows": torch.randn(16), "owner": torch.randn(8)}
+    b = HierarchicalSquinch(None)
+    b.load_state_dict(a.state_dict())
+    assert all(torch.equal(a.residuals[k], b.residuals[k]) for k in a.residuals)
+    b.step_skipped()
+    assert not any(r.any() for r in b.residuals.values())
