@@ -230,6 +230,10 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"], default="torch",
                    help="torch: one file per model-parallel rank (Megatron-LM's torch layout). Megatron-LM's "
                         "default torch_dist (and torch_dcp, fsdp_dtensor) is not implemented yet and is refused")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on; the tracker moves "
+                        "once every rank's write has finished and verified (megatron_cai/training/"
+                        "async_checkpoint.py)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -723,6 +727,7 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         ckpt_step=args.ckpt_step,
         ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
     )
 
 

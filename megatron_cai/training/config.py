@@ -127,6 +127,7 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     ckpt_step: int | None = None
     ckpt_format: str = "torch"
+    async_save: bool = False                  # --async-save: write in the background
 
 
 @dataclass

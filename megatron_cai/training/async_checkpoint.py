@@ -1,0 +1,169 @@
+"""``--async-save``: the training loop hands a checkpoint to a background writer and goes on training.
+
+One save is in flight at most. :meth:`AsyncCheckpointSaver.submit` runs in the main thread, right after
+the collective part of the save (:func:`~megatron_cai.training.checkpointing.stage_checkpoint`: the
+optimizer state gathered over DP, the RNG states gathered, ``iter_XXXXXXX.tmp`` cleared): it copies
+every tensor of this rank's payload into CPU staging buffers (kept and reused by the next saves, so a
+save after the first is a plain copy, without new allocations) and starts a writer thread. The thread
+writes this rank's files into ``iter_XXXXXXX.tmp`` with no collectives (the training process group is
+never used concurrently with training), then checks each file (its zip directory, written last, is
+readable and lists the pickled object): that is "finished and verified" for this rank.
+
+:meth:`AsyncCheckpointSaver.maybe_finalize` (every rank, main thread) makes the checkpoint current: a
+small all-reduce agrees whether every rank's write is finished and verified (Megatron-LM's
+``maybe_finalize_async_save``); only then does rank 0 rename ``.tmp`` into place and move the tracker.
+The training loop calls it without blocking every iteration, and blocking before the next save, at the
+end of training and on exit (SIGTERM waits for the save in flight). A process killed during an async
+save leaves the tracker on the previous checkpoint; the next save of that iteration clears the ``.tmp``.
+A write that failed on any rank fails every rank at the next check, the failing rank with its own error
+(naming the file), and the tracker stays where it was.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint_io import CheckpointError
+from .checkpointing import StagedCheckpoint, finalize_staged, write_staged
+
+__all__ = ["AsyncCheckpointSaver", "StagingCache", "verify_torch_file"]
+
+
+class StagingCache:
+    """CPU copies of a payload's tensors, in buffers reused from one save to the next.
+
+    A buffer is keyed by the tensor's place in the payload (file, then key path) and reused when shape and
+    dtype match; views of one storage (a tied weight saved twice) stay one copy within a save."""
+
+    def __init__(self, pin_memory: bool = False) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.pin_memory = pin_memory
+        self.copied_bytes = 0
+
+    def stage(self, obj: Any, key: str = "") -> Any:
+        """A copy of ``obj``: containers rebuilt, tensors copied into the staging buffers, other leaves deep-copied."""
+        seen: dict[tuple, torch.Tensor] = {}
+        return self._stage(obj, key, seen)
+
+    def _stage(self, obj: Any, key: str, seen: dict) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, key, seen)
+        if isinstance(obj, dict):
+            out = obj.copy()  # keeps the mapping's type (OrderedDict)
+            for k, v in obj.items():
+                out[k] = self._stage(v, f"{key}/{k}", seen)
+            return out
+        if isinstance(obj, list):
+            return [self._stage(v, f"{key}/{i}", seen) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self._stage(v, f"{key}/{i}", seen) for i, v in enumerate(obj))
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            return obj
+        return copy.deepcopy(obj)
+
+    def _tensor(self, t: torch.Tensor, key: str, seen: dict) -> torch.Tensor:
+        t = t.detach()
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if ident in seen:
+            return seen[ident]
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory and t.is_cuda)
+            self.buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
+        self.copied_bytes += t.numel() * t.element_size()
+        seen[ident] = buf
+        return buf
+
+
+def verify_torch_file(path: str) -> None:
+    """A ``torch.save`` file whose zip directory (written last) is readable and lists the pickled object."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"asynchronous checkpoint write of {path} did not verify: {e}") from None
+    if not any(n.endswith("data.pkl") for n in names):
+        raise CheckpointError(f"asynchronous checkpoint write of {path} did not verify: no data.pkl record")
+
+
+@dataclass
+class _InFlight:
+    staged: StagedCheckpoint
+    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+
+
+class AsyncCheckpointSaver:
+    """Writes staged checkpoints in a background thread; one in flight at most (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cache = StagingCache(pin_memory=device.type == "cuda")
+        self.in_flight: _InFlight | None = None
+
+    def submit(self, staged: StagedCheckpoint) -> None:
+        """Copy this rank's payloads into the staging buffers and start writing them (main thread)."""
+        if self.in_flight is not None:
+            raise RuntimeError("an asynchronous save is still in flight: finalize it first (blocking)")
+        staged.files = {path: self.cache.stage(obj, os.path.basename(path)) for path, obj in staged.files.items()}
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
+        job = _InFlight(staged)
+        job.thread = threading.Thread(target=self._write, args=(job,), daemon=True,
+                                      name=f"async-save-iter{staged.iteration}")
+        self.in_flight = job
+        job.thread.start()
+
+    @staticmethod
+    def _write(job: _InFlight) -> None:
+        try:
+            write_staged(job.staged)
+            for path in job.staged.files:
+                verify_torch_file(path)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread at the next finalize
+            job.error = e
+        finally:
+            job.finished = time.perf_counter()
+            job.done.set()
+
+    def maybe_finalize(self, blocking: bool) -> StagedCheckpoint | None:
+        """Collective (every rank): make the save in flight current if every rank's write has finished.
+
+        Returns the finalized checkpoint, or None (nothing in flight, or not finished on some rank and
+        ``blocking`` is false). Raises if the write failed on any rank; the tracker then stays put."""
+        job = self.in_flight
+        if job is None:
+            return None
+        if blocking:
+            job.done.wait()
+        done = job.done.is_set()
+        failed = done and job.error is not None
+        flags = torch.tensor([0.0 if done else 1.0, 1.0 if failed else 0.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [any rank still writing, any rank failed]
+        pending, any_failed = (bool(v) for v in flags.tolist())
+        if any_failed:
+            self.in_flight = None
+            if failed:
+                raise job.error
+            raise CheckpointError(f"the asynchronous save of iteration {job.staged.iteration} failed on another "
+                                  f"rank; the previous checkpoint stays current")
+        if pending:
+            return None
+        self.in_flight = None
+        finalize_staged(job.staged)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return job.staged
