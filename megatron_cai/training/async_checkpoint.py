@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import threading
 import time
 import zipfile
@@ -31,10 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core import parallel_state as ps
 from .checkpoint_io import CheckpointError
 from .checkpointing import StagedCheckpoint, finalize_staged, write_staged
 
-__all__ = ["AsyncCheckpointSaver", "StagingCache", "verify_torch_file"]
+__all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "staged_state_finite", "verify_torch_file"]
 
 
 class StagingCache:
@@ -48,9 +50,17 @@ class StagingCache:
         self.pin_memory = pin_memory
         self.copied_bytes = 0
 
-    def stage(self, obj: Any, key: str = "") -> Any:
-        """A copy of ``obj``: containers rebuilt, tensors copied into the staging buffers, other leaves deep-copied."""
+    def stage(self, obj: Any, key: str = "", owned: tuple[str, ...] = ()) -> Any:
+        """A copy of ``obj``: containers rebuilt, tensors copied into the staging buffers, other leaves deep-copied.
+
+        ``owned``: top-level keys of a dict ``obj`` whose values are already private copies (the
+        distributed optimizer's ``state_dict()``): kept as they are, not copied again."""
         seen: dict[tuple, torch.Tensor] = {}
+        if owned and isinstance(obj, dict):
+            out = obj.copy()
+            for k, v in obj.items():
+                out[k] = v if k in owned else self._stage(v, f"{key}/{k}", seen)
+            return out
         return self._stage(obj, key, seen)
 
     def _stage(self, obj: Any, key: str, seen: dict) -> Any:
@@ -84,6 +94,34 @@ class StagingCache:
         return buf
 
 
+def _floats(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _floats(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _floats(v)
+
+
+def staged_state_finite(staged: StagedCheckpoint) -> bool:
+    """Whether the parameters and the optimizer state in this rank's staged payloads are all finite.
+
+    The check ``DivergenceMonitor.refuse_save`` makes on the live state before a synchronous save, made
+    here on the staged copy in the writer thread (the training loop does not wait for it)."""
+    for obj in staged.files.values():
+        if not (isinstance(obj, dict) and "tp_layout" in obj):
+            continue
+        params = set(obj["tp_layout"])
+        tensors = [t for sd in obj["model"].values() for k, t in sd.items() if k in params]
+        for t in [*tensors, *_floats(obj.get("optimizer"))]:
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                return False
+    return True
+
+
 def verify_torch_file(path: str) -> None:
     """A ``torch.save`` file whose zip directory (written last) is readable and lists the pickled object."""
     try:
@@ -96,11 +134,15 @@ def verify_torch_file(path: str) -> None:
 
 
 @dataclass
-class _InFlight:
+class AsyncSave:
+    """One save handed to the writer thread."""
+
     staged: StagedCheckpoint
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    non_finite: bool = False        # this rank's staged state is not finite: nothing written
+    refused: bool = False           # set at finalize: some rank's state was not finite, the save was dropped
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
 
@@ -111,24 +153,30 @@ class AsyncCheckpointSaver:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cache = StagingCache(pin_memory=device.type == "cuda")
-        self.in_flight: _InFlight | None = None
+        self.in_flight: AsyncSave | None = None
 
-    def submit(self, staged: StagedCheckpoint) -> None:
-        """Copy this rank's payloads into the staging buffers and start writing them (main thread)."""
+    def submit(self, staged: StagedCheckpoint, owned: tuple[str, ...] = ()) -> None:
+        """Copy this rank's payloads into the staging buffers and start writing them (main thread).
+
+        ``owned``: payload keys whose tensors are private copies already (see :meth:`StagingCache.stage`)."""
         if self.in_flight is not None:
             raise RuntimeError("an asynchronous save is still in flight: finalize it first (blocking)")
-        staged.files = {path: self.cache.stage(obj, os.path.basename(path)) for path, obj in staged.files.items()}
+        staged.files = {path: self.cache.stage(obj, os.path.basename(path), owned)
+                        for path, obj in staged.files.items()}
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
-        job = _InFlight(staged)
+        job = AsyncSave(staged)
         job.thread = threading.Thread(target=self._write, args=(job,), daemon=True,
                                       name=f"async-save-iter{staged.iteration}")
         self.in_flight = job
         job.thread.start()
 
     @staticmethod
-    def _write(job: _InFlight) -> None:
+    def _write(job: AsyncSave) -> None:
         try:
+            if not staged_state_finite(job.staged):
+                job.non_finite = True
+                return
             write_staged(job.staged)
             for path in job.staged.files:
                 verify_torch_file(path)
@@ -138,11 +186,12 @@ class AsyncCheckpointSaver:
             job.finished = time.perf_counter()
             job.done.set()
 
-    def maybe_finalize(self, blocking: bool) -> StagedCheckpoint | None:
+    def maybe_finalize(self, blocking: bool) -> AsyncSave | None:
         """Collective (every rank): make the save in flight current if every rank's write has finished.
 
-        Returns the finalized checkpoint, or None (nothing in flight, or not finished on some rank and
-        ``blocking`` is false). Raises if the write failed on any rank; the tracker then stays put."""
+        Returns the finished save (``refused`` when some rank's staged state was not finite: its ``.tmp``
+        is removed and the tracker stays put), or None (nothing in flight, or not finished on some rank
+        and ``blocking`` is false). Raises if the write failed on any rank; the tracker then stays put."""
         job = self.in_flight
         if job is None:
             return None
@@ -150,10 +199,11 @@ class AsyncCheckpointSaver:
             job.done.wait()
         done = job.done.is_set()
         failed = done and job.error is not None
-        flags = torch.tensor([0.0 if done else 1.0, 1.0 if failed else 0.0], device=self.device)
+        flags = torch.tensor([0.0 if done else 1.0, 1.0 if failed else 0.0, 1.0 if job.non_finite else 0.0],
+                             device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [any rank still writing, any rank failed]
-        pending, any_failed = (bool(v) for v in flags.tolist())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [any rank still writing, any failed, any non-finite]
+        pending, any_failed, job.refused = (bool(v) for v in flags.tolist())
         if any_failed:
             self.in_flight = None
             if failed:
@@ -163,7 +213,11 @@ class AsyncCheckpointSaver:
         if pending:
             return None
         self.in_flight = None
-        finalize_staged(job.staged)
+        if job.refused:
+            if ps.get_rank() == 0:
+                shutil.rmtree(job.staged.tmp, ignore_errors=True)
+        else:
+            finalize_staged(job.staged)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
-        return job.staged
+        return job

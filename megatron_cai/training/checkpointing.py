@@ -128,11 +128,13 @@ class StagedCheckpoint:
 
 def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                      state: dict, reducer_states: list[dict] | None = None,
-                     save_optim: bool = True, tokenizer_files: list[str] | None = None) -> StagedCheckpoint:
+                     save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                     optimizer_views: bool = False) -> StagedCheckpoint:
     """Collective: every rank must call it. Clears ``iter_XXXXXXX.tmp`` and gathers what each rank writes.
 
     The returned payloads may reference live tensors (model parameters, optimizer state): copy them
-    (``async_checkpoint``) before training mutates them, or write them at once (:func:`save_checkpoint`)."""
+    (``async_checkpoint``) before training mutates them, or write them at once (:func:`save_checkpoint`).
+    ``optimizer_views``: the optimizer state as views of its gathered flat buffers (``state_dict(copy=False)``)."""
     config = train_config.model
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
@@ -145,7 +147,9 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     dp_rank = ps.get_data_parallel_rank()
     rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
     names = param_names(model_chunks)
-    optim_state = optimizer.state_dict(names) if save_optim else None  # collective over DP
+    optim_state = None
+    if save_optim:  # collective over DP
+        optim_state = optimizer.state_dict(names, copy=False) if optimizer_views else optimizer.state_dict(names)
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
     all_rng = _gather_over_dp(rng)
     staged = StagedCheckpoint(root, iteration, {})

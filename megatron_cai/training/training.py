@@ -334,21 +334,25 @@ class Trainer:
             return
         self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
-        refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
+        if self.async_saver is not None and not self.divergence.consecutive_skipped:
+            refused = None  # --async-save: finiteness is checked on the staged copy, in the writer thread
+        else:
+            refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
         if refused:
             print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         tok_model = self.config.tokenizer.tokenizer_model
-        save = checkpointing.stage_checkpoint if self.async_saver else checkpointing.save_checkpoint
-        out = save(ckpt.save, self.state.iteration, self.model, self.optimizer, self.scheduler, self.config,
-                   {**self.state.to_dict(), **self.divergence.state_dict()},
-                   reducer_states=[m.reducer.state_dict() for m in self.model], save_optim=ckpt.save_optim,
-                   tokenizer_files=[tok_model] if tok_model else [])
+        args = (ckpt.save, self.state.iteration, self.model, self.optimizer, self.scheduler, self.config,
+                {**self.state.to_dict(), **self.divergence.state_dict()})
+        kwargs = {"reducer_states": [m.reducer.state_dict() for m in self.model], "save_optim": ckpt.save_optim,
+                  "tokenizer_files": [tok_model] if tok_model else []}
         if self.async_saver is None:
-            self._saved(out, self.state.iteration)
+            self._saved(checkpointing.save_checkpoint(*args, **kwargs), self.state.iteration)
             return
-        self.async_saver.submit(out)
+        private = getattr(self.optimizer, "state_dict_copies", False)  # its state needs no staging copy
+        self.async_saver.submit(checkpointing.stage_checkpoint(*args, **kwargs, optimizer_views=private),
+                                owned=("optimizer",) if private else ())
         print_rank_0(f" started an asynchronous save at iteration {self.state.iteration:7d} to {ckpt.save}")
 
     def _saved(self, path: str, iteration: int) -> None:
@@ -359,8 +363,13 @@ class Trainer:
         """Make an --async-save in flight current once every rank has written it (collective)."""
         if self.async_saver is not None:
             done = self.async_saver.maybe_finalize(blocking)
-            if done is not None:
-                self._saved(done.final, done.iteration)
+            if done is not None and done.refused:
+                print_rank_0(f" WARNING: dropped the asynchronous save of iteration {done.staged.iteration}: "
+                             f"parameters or optimizer state hold non-finite values; the last good checkpoint "
+                             f"stays current: "
+                             f"{self.divergence.last_good_checkpoint or 'none'}")
+            elif done is not None:
+                self._saved(done.staged.final, done.staged.iteration)
 
     def train(self) -> TrainState:
         run, log, st = self.config.training, self.config.logging, self.state
