@@ -113,7 +113,7 @@ class Session:
         save_s = (job.finished - t0) + finalize_s
         slow = statistics.mean(steps) / self.base_step if steps else None
         return {"save_s": save_s, "stall_s": stall, "steps_during_write": len(steps), "step_slowdown": slow,
-                **self._after_save(job.staged.iteration)}
+                **self._after_save(job.iteration)}
 
     def _after_save(self, it: int) -> dict:
         from megatron_cai.training import checkpointing

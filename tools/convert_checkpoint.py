@@ -9,6 +9,12 @@ Export a checkpoint of any layout to a ``transformers`` model directory::
 
     python tools/convert_checkpoint.py --to hf --load ckpt --save hf_model [--hf-architecture auto]
 
+Change the format: torch (per-rank files) <-> torch_dist (torch.distributed.checkpoint, layout-free)::
+
+    python tools/convert_checkpoint.py --load ckpt --save ckpt_dist --target-ckpt-format torch_dist
+    python tools/convert_checkpoint.py --load ckpt_dist --save ckpt_torch --target-ckpt-format torch \
+        [--target-tensor-parallel-size 2 --target-pipeline-model-parallel-size 2]
+
 Initialise a training checkpoint from a local Hugging Face Llama / GPT-2 / Nemotron directory::
 
     python tools/convert_checkpoint.py --from hf --load hf_model --save ckpt_init \\
@@ -63,7 +69,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="--to hf: override the checkpoint's tokenizer file")
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    # --- checkpoint formats (torch <-> torch_dist): megatron_cai/training/dist_checkpoint.py
+    p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default=None,
+                   help="output format (default: torch; the source's format is detected from its files)")
     return p
+
+
+def _convert_format(a: argparse.Namespace) -> bool:
+    """torch -> torch_dist, or torch_dist -> torch (any TP/PP); False when this is a plain torch reshard."""
+    from megatron_cai.training import dist_checkpoint as dc
+
+    step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
+    source = dc.detect_format(a.load, step) if step is not None else None
+    target = a.target_ckpt_format or "torch"
+    if target == "torch_dist":
+        if source == "torch_dist":
+            raise ConversionError(f"{a.load} is already a torch_dist checkpoint: it loads into any layout as it is")
+        given = [f"--{n.replace('_', '-')}" for n in _SIZE_FLAGS if vars(a)[n] is not None]
+        if given:
+            raise ConversionError(f"a torch_dist checkpoint has no fixed layout: drop {', '.join(given)}")
+        dc.torch_to_dist(a.load, a.save, a.ckpt_step, with_optimizer=not a.no_optimizer)
+        return True
+    if source != "torch_dist":
+        return False
+    dc.dist_to_torch(a.load, a.save, a.ckpt_step, tp=a.target_tensor_parallel_size,
+                     pp=a.target_pipeline_model_parallel_size, vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
+                     dp=a.target_data_parallel_size, with_optimizer=not a.no_optimizer,
+                     make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    return True
+    # --- end of checkpoint formats
 
 
 _SIZE_FLAGS = ("target_tensor_parallel_size", "target_pipeline_model_parallel_size",
@@ -93,6 +127,8 @@ def _convert(a: argparse.Namespace) -> int:
                        pp=a.target_pipeline_model_parallel_size or 1,
                        vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
                        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by or 128)
+    elif _convert_format(a):
+        pass
     else:
         tp, pp = a.target_tensor_parallel_size, a.target_pipeline_model_parallel_size
         if tp is None or pp is None:

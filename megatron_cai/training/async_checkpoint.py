@@ -26,17 +26,21 @@ import shutil
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core import parallel_state as ps
 from .checkpoint_io import CheckpointError
-from .checkpointing import StagedCheckpoint, finalize_staged, write_staged
+from .checkpointing import StagedCheckpoint, finalize_staged, iteration_dir, write_staged
 
-__all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "staged_state_finite", "verify_torch_file"]
+__all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "dist_state_finite", "staged_state_finite",
+           "verify_torch_file"]
 
 
 class StagingCache:
@@ -53,19 +57,23 @@ class StagingCache:
     def stage(self, obj: Any, key: str = "", owned: tuple[str, ...] = ()) -> Any:
         """A copy of ``obj``: containers rebuilt, tensors copied into the staging buffers, other leaves deep-copied.
 
-        ``owned``: top-level keys of a dict ``obj`` whose values are already private copies (the
-        distributed optimizer's ``state_dict()``): kept as they are, not copied again."""
+        ``owned``: top-level keys (or key prefixes ending in ".") of a dict ``obj`` whose values are already
+        private copies (the distributed optimizer's ``state_dict()``): kept as they are, not copied again."""
         seen: dict[tuple, torch.Tensor] = {}
         if owned and isinstance(obj, dict):
             out = obj.copy()
             for k, v in obj.items():
-                out[k] = v if k in owned else self._stage(v, f"{key}/{k}", seen)
+                mine = any(k == o or (o.endswith(".") and k.startswith(o)) for o in owned)
+                out[k] = v if mine else self._stage(v, f"{key}/{k}", seen)
             return out
         return self._stage(obj, key, seen)
 
     def _stage(self, obj: Any, key: str, seen: dict) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, key, seen)
+        if hasattr(obj, "pieces") and hasattr(obj, "__create_write_items__"):  # dist_checkpoint.Pieces
+            pieces = [(o, self._tensor(t, f"{key}/{i}", seen)) for i, (o, t) in enumerate(obj.pieces)]
+            return type(obj)(obj.shape, pieces)
         if isinstance(obj, dict):
             out = obj.copy()  # keeps the mapping's type (OrderedDict)
             for k, v in obj.items():
@@ -122,6 +130,14 @@ def staged_state_finite(staged: StagedCheckpoint) -> bool:
     return True
 
 
+def dist_state_finite(state_dict: dict[str, Any]) -> bool:
+    """torch_dist: whether every saved piece of the weights and Adam moments is finite (buffers excluded)."""
+    from .dist_checkpoint import Pieces
+
+    return all(bool(torch.isfinite(t).all()) for obj in state_dict.values() if isinstance(obj, Pieces)
+               for _, t in obj.pieces if t.is_floating_point())
+
+
 def verify_torch_file(path: str) -> None:
     """A ``torch.save`` file whose zip directory (written last) is readable and lists the pickled object."""
     try:
@@ -135,9 +151,14 @@ def verify_torch_file(path: str) -> None:
 
 @dataclass
 class AsyncSave:
-    """One save handed to the writer thread."""
+    """One save handed to the writer thread: ``check`` (is the staged state finite?), then ``write``; the
+    main thread calls ``finalize`` once every rank's write has finished and verified."""
 
-    staged: StagedCheckpoint
+    root: str
+    iteration: int
+    check: Callable[[], bool]
+    write: Callable[[], None]
+    finalize: Callable[[], str]
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -146,40 +167,90 @@ class AsyncSave:
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
 
+    @property
+    def final(self) -> str:
+        return iteration_dir(self.root, self.iteration)
+
+    @property
+    def tmp(self) -> str:
+        return self.final + ".tmp"
+
+
+def _write_torch(staged: StagedCheckpoint) -> None:
+    write_staged(staged)
+    for path in staged.files:
+        verify_torch_file(path)
+
 
 class AsyncCheckpointSaver:
-    """Writes staged checkpoints in a background thread; one in flight at most (see the module docstring)."""
+    """Writes staged checkpoints in a background thread; one in flight at most (see the module docstring).
 
-    def __init__(self, device: torch.device) -> None:
+    ``ckpt_format`` torch_dist: the writer thread runs ``torch.distributed.checkpoint.save`` over a gloo
+    process group of its own (made here, collectively), never over the training group."""
+
+    def __init__(self, device: torch.device, ckpt_format: str = "torch") -> None:
         self.device = device
         self.cache = StagingCache(pin_memory=device.type == "cuda")
         self.in_flight: AsyncSave | None = None
+        self.group = None
+        if ckpt_format == "torch_dist" and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")  # collective: every rank builds the saver
 
     def submit(self, staged: StagedCheckpoint, owned: tuple[str, ...] = ()) -> None:
-        """Copy this rank's payloads into the staging buffers and start writing them (main thread).
+        """torch format: copy this rank's payloads into the staging buffers and start writing them.
 
         ``owned``: payload keys whose tensors are private copies already (see :meth:`StagingCache.stage`)."""
-        if self.in_flight is not None:
-            raise RuntimeError("an asynchronous save is still in flight: finalize it first (blocking)")
         staged.files = {path: self.cache.stage(obj, os.path.basename(path), owned)
                         for path, obj in staged.files.items()}
+        self._start(AsyncSave(staged.root, staged.iteration, check=lambda: staged_state_finite(staged),
+                              write=lambda: _write_torch(staged), finalize=lambda: finalize_staged(staged)))
+
+    def submit_dist(self, root: str, iteration: int, model_chunks, optimizer, scheduler, train_config, state: dict,
+                    param_layout: dict, *, reducer_states: list[dict] | None = None, save_optim: bool = True,
+                    tokenizer_files: list[str] | None = None) -> None:
+        """torch_dist format (collective): ``dist_checkpoint.begin_save`` and ``build_state_dict`` as a
+        synchronous save; the state dict is staged and ``dcp.save`` of it runs in the writer thread, over
+        this saver's own gloo group; rank 0 then writes ``metadata.json``."""
+        from . import dist_checkpoint as dc
+
+        tmp = dc.begin_save(root, iteration)
+        sd = dc.build_state_dict(model_chunks, optimizer, scheduler, train_config.model, state, param_layout,
+                                 reducer_states=reducer_states, save_optim=save_optim)
+        private = getattr(optimizer, "state_dict_copies", False) and not dc._is_fsdp(model_chunks)
+        staged = self.cache.stage(sd, "dcp", owned=(dc.EXP_AVG, dc.EXP_AVG_SQ) if private else ())
+        dp_kind = "fsdp2" if dc._is_fsdp(model_chunks) else "ddp"
+
+        def write() -> None:
+            try:  # as dist_checkpoint.dcp_save, over this saver's own process group
+                dcp.save(staged, checkpoint_id=tmp, planner=dc._SavePlanner(), process_group=self.group)
+            except CheckpointException as e:
+                rank = sorted(e.failures)[0]
+                exc = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]
+                raise CheckpointError(f"cannot write torch_dist checkpoint {tmp} on rank {rank}: "
+                                      f"{dc._describe(exc)}; the previous checkpoint stays current") from None
+            if ps.get_rank() == 0:
+                dc.write_metadata(tmp, iteration, train_config, param_layout, dp_kind, tokenizer_files)
+
+        self._start(AsyncSave(root, iteration, check=lambda: dist_state_finite(staged), write=write,
+                              finalize=lambda: dc.finish_save(root, iteration, tmp)))
+
+    def _start(self, job: AsyncSave) -> None:
+        if self.in_flight is not None:
+            raise RuntimeError("an asynchronous save is still in flight: finalize it first (blocking)")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
-        job = AsyncSave(staged)
-        job.thread = threading.Thread(target=self._write, args=(job,), daemon=True,
-                                      name=f"async-save-iter{staged.iteration}")
+        job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                      name=f"async-save-iter{job.iteration}")
         self.in_flight = job
         job.thread.start()
 
     @staticmethod
-    def _write(job: AsyncSave) -> None:
+    def _run(job: AsyncSave) -> None:
         try:
-            if not staged_state_finite(job.staged):
+            if not job.check():
                 job.non_finite = True
                 return
-            write_staged(job.staged)
-            for path in job.staged.files:
-                verify_torch_file(path)
+            job.write()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread at the next finalize
             job.error = e
         finally:
@@ -208,16 +279,16 @@ class AsyncCheckpointSaver:
             self.in_flight = None
             if failed:
                 raise job.error
-            raise CheckpointError(f"the asynchronous save of iteration {job.staged.iteration} failed on another "
+            raise CheckpointError(f"the asynchronous save of iteration {job.iteration} failed on another "
                                   f"rank; the previous checkpoint stays current")
         if pending:
             return None
         self.in_flight = None
         if job.refused:
             if ps.get_rank() == 0:
-                shutil.rmtree(job.staged.tmp, ignore_errors=True)
+                shutil.rmtree(job.tmp, ignore_errors=True)
         else:
-            finalize_staged(job.staged)
+            job.finalize()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return job

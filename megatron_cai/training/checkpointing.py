@@ -169,14 +169,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     if reducer_states and any(reducer_states):
         staged.files[os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt")] = reducer_states
     if ps.get_rank() == 0:
-        staged.meta = {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
-                       "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                       "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-                       "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-                       "data_parallel_size": ps.get_data_parallel_world_size(),
-                       "model_config": config.to_dict(),
-                       "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
-                       "args": train_config.flags}
+        staged.meta = run_metadata(iteration, train_config)
         staged.tokenizer_files = list(tokenizer_files or [])
     return staged
 
@@ -188,12 +181,7 @@ def write_staged(staged: StagedCheckpoint) -> None:
         _atomic_torch_save(obj, path)
     if staged.meta is not None:
         write_json(os.path.join(staged.tmp, "metadata.json"), staged.meta)
-        if staged.tokenizer_files:
-            tok_dir = os.path.join(staged.tmp, "tokenizer")
-            os.makedirs(tok_dir, exist_ok=True)
-            for src in staged.tokenizer_files:
-                if src and os.path.isfile(src):
-                    shutil.copy2(src, tok_dir)
+        copy_tokenizer_files(staged.tmp, staged.tokenizer_files)
 
 
 def finalize_staged(staged: StagedCheckpoint) -> str:
@@ -217,6 +205,29 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     final = finalize_staged(staged)
     _barrier()
     return final
+
+
+def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
+    """The ``metadata.json`` of a checkpoint of this run (rank 0 writes it): layout, configs, flags."""
+    return {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "model_config": train_config.model.to_dict(),
+            "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
+            "args": train_config.flags}
+
+
+def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> None:
+    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing)."""
+    if not tokenizer_files:
+        return
+    tok_dir = os.path.join(ckpt_dir, "tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    for src in tokenizer_files:
+        if src and os.path.isfile(src):
+            shutil.copy2(src, tok_dir)
 
 
 def read_metadata(root: str, iteration: int) -> dict:

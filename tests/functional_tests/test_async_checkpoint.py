@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import torch
 from dist_utils import run_distributed
 from test_faults import INJECT, MODEL, ROOT, assert_same_state, launch_ranks, rank_file, tracker
@@ -27,13 +28,13 @@ ARGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-s
 def _train_recording_finalizes(rank, world, argv, write_delay):
     """Train; with ``write_delay`` the background write starts that many seconds late (training goes on)."""
     if write_delay:
-        real = async_checkpoint.write_staged
+        real = async_checkpoint.AsyncCheckpointSaver._run
 
-        def slow_write(staged):
+        def slow_run(job):
             time.sleep(write_delay)
-            real(staged)
+            real(job)
 
-        async_checkpoint.write_staged = slow_write
+        async_checkpoint.AsyncCheckpointSaver._run = staticmethod(slow_run)
     finalized = []
 
     def hook(trainer):
@@ -43,7 +44,7 @@ def _train_recording_finalizes(rank, world, argv, write_delay):
             job = trainer.async_saver.in_flight if trainer.async_saver else None
             real_finalize(blocking)
             if job is not None and trainer.async_saver.in_flight is None:
-                finalized.append((job.staged.iteration, trainer.state.iteration))
+                finalized.append((job.iteration, trainer.state.iteration))
         trainer.finalize_async_save = finalize
 
     out = train(argv, world, trainer_hook=hook)
@@ -77,23 +78,29 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
-def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt):
     """DP=2, distributed optimizer, Squinch: the async checkpoint (written while training went on) equals
-    the synchronous one file for file, and resuming it gives the uninterrupted run's losses and grad norms."""
+    the synchronous one file for file (torch format), and resuming it gives the uninterrupted run's losses
+    and grad norms."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
-    flags = ARGS + ["--save-interval", "4"]
+    flags = ARGS + ["--save-interval", "4", "--ckpt-format", fmt]
     sync = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", sync_dir], 0.0))
     asyn = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", async_dir, "--async-save"], 1.5))
     assert _curves(asyn) == _curves(sync)  # saving in the background does not perturb training
     # the write of iteration 4 started 1.5 s late: it was made current only later (at the next save's wait)
     assert asyn[0]["finalized"] == [(4, 8), (8, 8)], asyn[0]["finalized"]
     assert tracker(async_dir) == 8 and not [d for d in os.listdir(async_dir) if d.endswith(".tmp")]
-    for it in (4, 8):
-        a, s = _payloads(async_dir, it), _payloads(sync_dir, it)
-        assert sorted(a) == ["model_optim_rng.pt", "reducer_dp_000.pt", "reducer_dp_001.pt"]
-        _assert_equal(a, s, f"iter {it}")
+    if fmt == "torch":
+        for it in (4, 8):
+            a, s = _payloads(async_dir, it), _payloads(sync_dir, it)
+            assert sorted(a) == ["model_optim_rng.pt", "reducer_dp_000.pt", "reducer_dp_001.pt"]
+            _assert_equal(a, s, f"iter {it}")
+    else:
+        assert sorted(os.listdir(os.path.join(async_dir, "iter_0000004"))) == \
+            sorted(os.listdir(os.path.join(sync_dir, "iter_0000004")))
     resumed = run_distributed(_train_recording_finalizes, 2,
-                              (ARGS + ["--load", async_dir, "--ckpt-step", "4"], 0.0))
+                              (ARGS + ["--ckpt-format", fmt, "--load", async_dir, "--ckpt-step", "4"], 0.0))
     assert _curves(resumed) == _curves(sync)[4:]
 
 
