@@ -15,8 +15,8 @@ each first, not counted: the async staging buffers are allocated by the first sa
 - load: ``load_checkpoint`` of the checkpoint just written, into the same model (page cache warm).
 - bytes: the size of the ``iter_XXXXXXX`` directory.
 
-Each figure is the median over the repeats with min-max. torch_dist (``--ckpt-format torch_dist``) is
-measured when this build implements it; otherwise its rows say "not available".
+Each figure is the median over the repeats with min-max. torch_dist (``--ckpt-format torch_dist``, DCP)
+is measured when this build implements it; otherwise its rows say "not available".
 
     python bench/checkpoint.py [--quick] [--repeats 3] [--out bench/results/checkpoint]
 """
@@ -122,8 +122,15 @@ class Session:
         assert checkpointing.read_tracker(self.save_root) == it
         nbytes = _dir_bytes(checkpointing.iteration_dir(self.save_root, it))
         t = time.perf_counter()
-        checkpointing.load_checkpoint(self.save_root, tr.model, tr.optimizer, tr.scheduler, tr.config.model,
-                                      step=it, reducers=[m.reducer for m in tr.model])
+        reducers = [m.reducer for m in tr.model]
+        if tr.config.checkpoint.ckpt_format == "torch_dist":
+            from megatron_cai.training import dist_checkpoint
+
+            dist_checkpoint.load_dist_checkpoint(self.save_root, it, tr.model, tr.optimizer, tr.scheduler,
+                                                 tr.config.model, tr.param_layout, reducers=reducers)
+        else:
+            checkpointing.load_checkpoint(self.save_root, tr.model, tr.optimizer, tr.scheduler, tr.config.model,
+                                          step=it, reducers=reducers)
         load_s = time.perf_counter() - t
         self._clear_old(it)
         return {"load_s": load_s, "bytes": nbytes}
