@@ -38,9 +38,12 @@ virtual-PP may all change with no conversion step.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import glob
 import os
 import shutil
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -124,7 +127,7 @@ class Pieces:
         raise ValueError(f"no piece at offset {index.offset} of {index.fqn}")
 
 
-class _SavePlanner(DefaultSavePlanner):
+class PiecesSavePlanner(DefaultSavePlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -133,7 +136,7 @@ class _SavePlanner(DefaultSavePlanner):
         return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_object(index)
 
 
-class _LoadPlanner(DefaultLoadPlanner):
+class PiecesLoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -297,6 +300,24 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
     return sd
 
 
+def stage_to_cpu(sd: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a :func:`build_state_dict` result that shares no memory with the model or optimizer (CPU
+    tensors), for a writer that runs while training goes on. DCP's own stager does not know
+    :class:`Pieces`; write the copy with ``dcp.save(..., planner=PiecesSavePlanner())``."""
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, Pieces):
+            out[k] = Pieces(v.shape, [(o, clone(t)) for o, t in v.pieces])
+        elif isinstance(v, torch.Tensor):
+            out[k] = clone(v)
+        else:  # common / rank state: small, pickled by DCP (tensors inside are copied too)
+            out[k] = copy.deepcopy(v)
+    return out
+
+
 def begin_save(root: str, iteration: int) -> str:
     """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
     tmp = iteration_dir(root, iteration) + ".tmp"
@@ -350,11 +371,21 @@ def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
     """``dcp.save`` with our planner; a failed write is an error naming the directory and the rank; the
     partial directory is never published (no rename, no tracker)."""
     try:
-        dcp.save(sd, checkpoint_id=path, planner=_SavePlanner(), no_dist=no_dist)
+        with _quiet(no_dist):
+            dcp.save(sd, checkpoint_id=path, planner=PiecesSavePlanner(), no_dist=no_dist)
     except CheckpointException as e:
         ranks = sorted(e.failures)
         raise CheckpointError(f"cannot write torch_dist checkpoint {path} on rank {ranks[0]}: "
                               f"{_describe(e.failures[ranks[0]][0])}; the previous checkpoint stays current") from None
+
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool):
+    """One process on purpose (the converter): silence DCP's "assuming a single process" warning."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 def _barrier() -> None:
@@ -390,7 +421,8 @@ def read_dcp_metadata(path: str):
 def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
     """``dcp.load`` with our planner; a failed read is an error naming the directory and the rank."""
     try:
-        dcp.load(sd, checkpoint_id=path, planner=_LoadPlanner(), no_dist=no_dist)
+        with _quiet(no_dist):
+            dcp.load(sd, checkpoint_id=path, planner=PiecesLoadPlanner(), no_dist=no_dist)
     except CheckpointException as e:  # every failing rank's exception, gathered by DCP (a BaseException)
         ranks = sorted(e.failures)
         exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
