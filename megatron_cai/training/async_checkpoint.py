@@ -222,7 +222,7 @@ class AsyncCheckpointSaver:
 
         def write() -> None:
             try:  # as dist_checkpoint.dcp_save, over this saver's own process group
-                dcp.save(staged, checkpoint_id=tmp, planner=dc._SavePlanner(), process_group=self.group)
+                dcp.save(staged, checkpoint_id=tmp, planner=dc.PiecesSavePlanner(), process_group=self.group)
             except CheckpointException as e:
                 rank = sorted(e.failures)[0]
                 exc = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]
