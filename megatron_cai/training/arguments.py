@@ -234,6 +234,10 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="--load reads whichever format the checkpoint holds (torch_dist .metadata or torch "
                         "mp_rank_* directories); saves still use --ckpt-format")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on; the tracker moves "
+                        "once every rank's write has finished and verified (megatron_cai/training/"
+                        "async_checkpoint.py)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -727,6 +731,7 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         ckpt_step=args.ckpt_step,
         ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
     )
 
