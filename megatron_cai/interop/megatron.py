@@ -77,10 +77,11 @@ _TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
 
 
 # ---------------------------------------------------------------------------------------- config
-def _get(args: Any, name: str, default=None):
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
+def _get(source: Any, name: str, default=None):
+    """A field of Megatron-LM's saved ``args`` (an argparse.Namespace, or a dict)."""
+    if isinstance(source, dict):
+        return source.get(name, default)
+    return getattr(source, name, default)
 
 
 def config_from_megatron_args(args: Any) -> GPTConfig:
