@@ -77,10 +77,11 @@ _TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
 
 
 # ---------------------------------------------------------------------------------------- config
-def _get(args: Any, name: str, default=None):
-    if isinstance(args, dict):
-        return args.get(name, default)
-    return getattr(args, name, default)
+def _get(source: Any, name: str, default=None):
+    """A field of Megatron-LM's saved ``args`` (an argparse.Namespace, or a dict)."""
+    if isinstance(source, dict):
+        return source.get(name, default)
+    return getattr(source, name, default)
 
 
 def config_from_megatron_args(args: Any) -> GPTConfig:
@@ -162,7 +163,7 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         group_query_attention=c.num_query_groups != c.num_attention_heads, num_query_groups=c.num_query_groups,
         seq_length=c.seq_length, max_position_embeddings=c.max_position_embeddings,
         position_embedding_type=c.position_embedding_type,
-        add_position_embedding=c.position_embedding_type == "learned_absolute",
+        add_position_embedding=True,  # Megatron-LM's default whatever the type (--no-position-embedding is deprecated)
         use_rotary_position_embeddings=c.position_embedding_type == "rope", rotary_base=int(c.rotary_base)
         if float(c.rotary_base).is_integer() else c.rotary_base, rotary_percent=c.rotary_percent,
         rotary_interleaved=False, normalization=c.normalization, layernorm_epsilon=c.layernorm_epsilon,
@@ -174,7 +175,7 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         init_method_std=c.init_method_std, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, transformer_impl=spec, ckpt_format=ckpt_format,
-        params_dtype=torch.float32, tokenizer_type=tokenizer_type, num_experts=None,
+        params_dtype=torch.float32, tokenizer_type=tokenizer_type, num_experts=None, data_parallel_random_init=False,
         iteration=iteration, consumed_train_samples=int(counters.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(counters.get("consumed_valid_samples", 0)))
 

@@ -135,6 +135,32 @@ def _save_megatron(root: str, args, model, rank: int) -> None:
             f.write(str(ITERATION))
 
 
+def _megatron_lm_load(root: str, layout: str, world: int, fmt: str):
+    """A fresh megatron-core model loaded by Megatron-LM's own ``load_checkpoint`` (after its
+    ``load_args_from_checkpoint`` read the checkpoint's args), as ``pretrain_gpt.py --load root
+    --use-checkpoint-args --no-load-optim --no-load-rng --ckpt-format fmt`` would.
+    Returns (model, (iteration, consumed_train_samples))."""
+    import megatron.training.checkpointing as mckpt
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+    from megatron.core.safe_globals import register_safe_globals
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.training.global_vars import set_args
+
+    mckpt.read_metadata = _read_tracker  # its own all-reduces the iteration in a CUDA tensor
+    register_safe_globals()  # as Megatron-LM's initialisation does: args is an argparse.Namespace
+    torch.cuda.synchronize = lambda *a, **k: None
+    model_parallel_cuda_manual_seed(99)  # another initialisation: everything must come from the file
+    args = _megatron_args(LAYOUTS[layout], world, ["--load", root, "--use-checkpoint-args", "--no-load-optim",
+                                                   "--no-load-rng", "--ckpt-format", fmt])
+    with contextlib.redirect_stdout(io.StringIO()):
+        args, _ = mckpt.load_args_from_checkpoint(args)
+        set_args(args)
+        init_num_microbatches_calculator(0, None, args.global_batch_size, args.micro_batch_size, 1)
+        fresh = _megatron_model(args).eval()
+        iteration, _ = mckpt.load_checkpoint([fresh], None, None, strict=True)
+    return fresh, (iteration, args.consumed_train_samples)
+
+
 def _read_tracker(path: str) -> tuple[int, bool]:
     text = open(path).read().strip()
     return (0, True) if text == "release" else (int(text), False)
@@ -197,21 +223,10 @@ def _parity_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
     if rank == 0:  # ours -> Megatron-LM, loaded by a fresh megatron-core model
         _convert(["--to-megatron", "--load", ours_dir, "--save", back])
     torch.distributed.barrier()
-    import megatron.training.checkpointing as mckpt
-    from megatron.core.safe_globals import register_safe_globals
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    mckpt.read_metadata = _read_tracker  # its own all-reduces the iteration in a CUDA tensor
-    register_safe_globals()  # as Megatron-LM's initialisation does: args is an argparse.Namespace
-
-    model_parallel_cuda_manual_seed(99)  # another initialisation: everything must come from the file
-    fresh_args = _megatron_args(LAYOUTS[layout], world, ["--load", back, "--use-checkpoint-args"])
-    with contextlib.redirect_stdout(io.StringIO()):
-        fresh_args, _ = mckpt.load_args_from_checkpoint(fresh_args)
-    fresh = _megatron_model(fresh_args).eval()
+    fresh, loaded = _megatron_lm_load(back, layout, world, "torch")
     payload = torch.load(os.path.join(back, f"iter_{ITERATION:07d}", f"mp_rank_{rank:02d}", "model_optim_rng.pt"),
                          weights_only=False)
-    fresh.load_state_dict(payload["model"], strict=True)
+    out["megatron_lm_load"] = loaded
     with torch.no_grad():
         again = _megatron_logits(fresh, tokens, pos)
     out["export"] = (again - got).abs().max().item()
@@ -232,6 +247,7 @@ def test_logit_parity_both_ways(layout, tp, tmp_path):
         assert r["import"] < 1e-5, f"rank {rank}: Megatron -> ours logits differ by {r['import']}"
         assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron logits differ by {r['export']}"
         assert r["export_identical"]  # the round trip gives megatron-core its own weights back, bit for bit
+        assert r["megatron_lm_load"] == (ITERATION, 2 * ITERATION)
         assert r["shape"] == (2, SEQ, 64 // tp)  # Megatron's padded vocabulary (60 -> 64), split over TP
         assert r["counters"]["iteration"] == ITERATION and r["counters"]["consumed_train_samples"] == 2 * ITERATION
         assert r["args"] == {"padded_vocab_size": 64, "iteration": ITERATION, "swiglu": layout == "llama",
@@ -404,12 +420,8 @@ def _torch_dist_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
         _convert(["--to-megatron", "--megatron-ckpt-format", "torch_dist", "--load", ours_dir, "--save", back,
                   "--target-tensor-parallel-size", str(world)])
     torch.distributed.barrier()
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(99)
-    fresh = _megatron_model(args).eval()
-    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, os.path.join(back, f"iter_{ITERATION:07d}"))
-    fresh.load_state_dict(loaded["model"], strict=True)
+    fresh, out["megatron_lm_load"] = _megatron_lm_load(back, layout, world, "torch_dist")
+    loaded = dist_checkpointing.load_common_state_dict(os.path.join(back, f"iter_{ITERATION:07d}"))
     with torch.no_grad():
         again = _megatron_logits(fresh, tokens, pos)
     out["export"] = (again - got).abs().max().item()
@@ -424,6 +436,7 @@ def test_torch_dist_both_ways(layout, tp, tmp_path):
         assert r["import"] < 1e-5, f"rank {rank}: Megatron torch_dist -> ours logits differ by {r['import']}"
         assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron torch_dist logits differ by {r['export']}"
         assert r["iteration"] == ITERATION and r["common"] == (ITERATION, 64, "torch_dist")
+        assert r["megatron_lm_load"] == (ITERATION, 2 * ITERATION)
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
