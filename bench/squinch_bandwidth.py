@@ -23,7 +23,15 @@ more than --max-spread (10%) of their median, the results are NOT written (exit 
 answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
 written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
 
-    python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine
+Every finished configuration row is kept in ``bench/.cache/squinch_bandwidth_<run-id>_rows.json``
+(keyed by its settings), so a run interrupted or split over several quiet windows resumes where it
+stopped (``--fresh`` discards the rows of that run id). Acceptance asks for two independent runs:
+give the second its own ``--run-id`` and ``--compare`` the first run's JSON, which reports every
+ratio's change and exits 4 when one moved by more than --max-drift (5%).
+
+    python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine (~3 h; 4 Mbit/s dominates)
+    python bench/squinch_bandwidth.py --run-id 2 --out bench/results/squinch_bandwidth_run2 \
+        --compare bench/results/squinch_bandwidth.json
     python bench/squinch_bandwidth.py --quick    # a few minutes; writes bench/.cache/squinch_bandwidth_quick.*
 """
 from __future__ import annotations
@@ -156,16 +164,49 @@ def paired_ratio(res: dict, num: str, den: str) -> dict:
     return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
 
 
+class RowCache:
+    """Finished configuration rows of one run id, on disk, so that a long run can resume."""
+
+    def __init__(self, path: str, settings: dict, fresh: bool) -> None:
+        self.path, self.settings = path, json.dumps(settings, sort_keys=True)
+        self.rows: dict = {}
+        if os.path.exists(path) and not fresh:
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("settings") == self.settings:
+                self.rows = saved["rows"]
+                print(f"resuming: {len(self.rows)} finished row(s) from {path}", flush=True)
+
+    def get(self, key: str, compute):
+        if key not in self.rows:
+            self.rows[key] = compute()
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(self.path + ".tmp", "w") as f:
+                json.dump({"settings": self.settings, "rows": self.rows}, f)
+            os.replace(self.path + ".tmp", self.path)
+        return self.rows[key]
+
+
+ROWS: RowCache | None = None
+
+
+def cached(key: str, compute):
+    return ROWS.get(key, compute) if ROWS is not None else compute()
+
+
 # ---------------------------------------------------------------------------------------- the parts
 def phase_breakdown(opts, size: str) -> list[dict]:
     rows = []
     for rate in (None, min(opts.rates)):
-        setup_link(rate)
         for ov in (False, True):
             flags = SIZES[size] + REDUCERS["squinch"] + (OVERLAP if ov else []) + ["--timing-log-level", "1"]
-            r = run_job(flags, 1, opts.steps, opts.warmup)
-            rows.append({"link": _link_name(rate), "overlap": ov, "step_ms": 1000 * r["step_s"],
-                         "phases_ms": r["phases_ms"]})
+
+            def measure(flags=flags, rate=rate, ov=ov):
+                setup_link(rate)
+                r = run_job(flags, 1, opts.steps, opts.warmup)
+                return {"link": _link_name(rate), "overlap": ov, "step_ms": 1000 * r["step_s"],
+                        "phases_ms": r["phases_ms"]}
+            rows.append(cached(f"phases|{size}|{rate}|{ov}", measure))
     return rows
 
 
@@ -173,16 +214,19 @@ def dp2_table(opts) -> list[dict]:
     rows = []
     for size in opts.sizes:
         for rate in [None] + sorted(opts.rates, reverse=True):
-            setup_link(rate)
             for ov in (False, True):
-                cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
-                if ov:  # before/after: the second phase started in wait() vs as soon as possible
-                    cfg["squinch_wait"] = cfg["squinch"]
-                res = alternate(cfg, 1, opts)
-                rows.append({"size": size, "link": _link_name(rate), "rate": rate, "overlap": ov, **res,
-                             "squinch/bf16": paired_ratio(res, "squinch", "bf16")})
-                if ov:
-                    rows[-1]["early/wait"] = paired_ratio(res, "squinch", "squinch_wait")
+                def measure(size=size, rate=rate, ov=ov):
+                    setup_link(rate)
+                    cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
+                    if ov:  # before/after: the second phase started in wait() vs as soon as possible
+                        cfg["squinch_wait"] = cfg["squinch"]
+                    res = alternate(cfg, 1, opts)
+                    row = {"size": size, "link": _link_name(rate), "rate": rate, "overlap": ov, **res,
+                           "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
+                    if ov:
+                        row["early/wait"] = paired_ratio(res, "squinch", "squinch_wait")
+                    return row
+                rows.append(cached(f"dp2|{size}|{rate}|{ov}", measure))
                 _print_row(rows[-1])
     return rows
 
@@ -194,14 +238,18 @@ def quarter_row(opts, dp2: list[dict]) -> list[dict]:
         base = next(r for r in dp2 if r["size"] == size and r["rate"] is None and not r["overlap"])
         compute_s, nbytes = base["bf16"]["median_s"], base["bf16"]["bytes"]
         b_mbit = nbytes * 8 / compute_s / 1e6
-        runs: dict[str, list[dict]] = {"bf16": [], "squinch": []}
-        for _ in range(opts.repeats):  # alternate the two links run by run
-            for label, rate in (("bf16", b_mbit), ("squinch", b_mbit / 4)):
-                setup_link(rate)
-                runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps, opts.warmup))
-        res = {label: _summary(rs) for label, rs in runs.items()}
-        row = {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
-               "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
+
+        def measure(size=size, b_mbit=b_mbit, nbytes=nbytes, compute_s=compute_s):
+            runs: dict[str, list[dict]] = {"bf16": [], "squinch": []}
+            for _ in range(opts.repeats):  # alternate the two links run by run
+                for label, rate in (("bf16", b_mbit), ("squinch", b_mbit / 4)):
+                    setup_link(rate)
+                    runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps,
+                                               opts.warmup))
+            res = {label: _summary(rs) for label, rs in runs.items()}
+            return {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
+                    "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
+        row = cached(f"quarter|{size}|{b_mbit:.6g}", measure)
         rows.append(row)
         print(f"  quarter bandwidth ({size}): B = {b_mbit:.1f} Mbit/s; Squinch at B/4 / bf16 at B = "
               f"{row['squinch/bf16']['ratio']:.3f}", flush=True)
@@ -212,14 +260,16 @@ def dp4_table(opts) -> list[dict]:
     rows = []
     size = opts.sizes[0]
     for rate in opts.dp4_rates:
-        setup_link(rate)
-        dp4 = ["--global-batch-size", "16"]  # micro-batch 4 x DP 4
-        cfg = {"flat": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4,
-               "hierarchical": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4
-               + ["--squinch-hierarchical", "--ranks-per-node", "2"]}
-        res = alternate(cfg, 2, opts)
-        rows.append({"size": size, "link": _link_name(rate), **res,
-                     "hierarchical/flat": paired_ratio(res, "hierarchical", "flat")})
+        def measure(rate=rate):
+            setup_link(rate)
+            dp4 = ["--global-batch-size", "16"]  # micro-batch 4 x DP 4
+            cfg = {"flat": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4,
+                   "hierarchical": SIZES[size] + REDUCERS["squinch"] + OVERLAP + dp4
+                   + ["--squinch-hierarchical", "--ranks-per-node", "2"]}
+            res = alternate(cfg, 2, opts)
+            return {"size": size, "link": _link_name(rate), **res,
+                    "hierarchical/flat": paired_ratio(res, "hierarchical", "flat")}
+        rows.append(cached(f"dp4|{size}|{rate}", measure))
         print(f"  DP=4 {_link_name(rate)}: hierarchical / flat = {rows[-1]['hierarchical/flat']['ratio']:.3f}",
               flush=True)
     return rows
@@ -288,6 +338,32 @@ def too_noisy(res: dict, limit: float) -> list[str]:
     return bad
 
 
+def ratios(res: dict) -> dict[str, float]:
+    """Every reported ratio of a result, by a stable name."""
+    out = {}
+    for r in res.get("dp2", []):
+        out[f"dp2 {r['size']} {r['link']} overlap={r['overlap']} squinch/bf16"] = r["squinch/bf16"]["ratio"]
+        if "early/wait" in r:
+            out[f"dp2 {r['size']} {r['link']} early/wait"] = r["early/wait"]["ratio"]
+    for r in res.get("quarter", []):
+        out[f"quarter {r['size']} squinch(B/4)/bf16(B)"] = r["squinch/bf16"]["ratio"]
+    for r in res.get("dp4", []):
+        out[f"dp4 {r['size']} {r['link']} hierarchical/flat"] = r["hierarchical/flat"]["ratio"]
+    return out
+
+
+def compare(first: dict, second: dict, limit: float) -> list[str]:
+    """Lines comparing two runs' ratios; the ones that moved by more than ``limit`` start with 'DRIFT'."""
+    a, b, lines = ratios(first), ratios(second), []
+    for name in sorted(set(a) & set(b)):
+        drift = abs(b[name] / a[name] - 1)
+        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
+                     f"({100 * drift:.1f}%)")
+    for name in sorted(set(a) ^ set(b)):
+        lines.append(f"DRIFT {name}: in one run only")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", type=float, nargs="*", default=[1000, 256, 64, 16, 4], help="DP = 2 links, Mbit/s")
@@ -300,16 +376,25 @@ def main() -> None:
     p.add_argument("--parts", nargs="*", default=["phases", "dp2", "quarter", "dp4"],
                    choices=["phases", "dp2", "quarter", "dp4"], help="a subset never writes bench/results")
     p.add_argument("--quick", action="store_true", help="toy model, 2 links, 6 steps: checks the bench itself")
+    p.add_argument("--run-id", default="1", help="finished rows are cached per run id (resume after a stop)")
+    p.add_argument("--fresh", action="store_true", help="discard this run id's cached rows")
+    p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
+    p.add_argument("--max-drift", type=float, default=0.05, help="with --compare: exit 4 above this drift")
     p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
                                                 "(--quick: bench/.cache/squinch_bandwidth_quick)")
     opts = p.parse_args()
     if opts.quick:
         opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
         opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
+        opts.run_id = f"quick{opts.run_id}"
     elif opts.repeats < 3 or opts.steps < 20:
         p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
     opts.out = opts.out or os.path.join(ROOT, "bench", "results", "squinch_bandwidth")
-    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items() if k != "out"}}
+    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items()
+                                               if k not in ("out", "run_id", "fresh", "compare", "max_drift")}}
+    global ROWS
+    ROWS = RowCache(os.path.join(ROOT, "bench", ".cache", f"squinch_bandwidth_{opts.run_id}_rows.json"),
+                    {k: v for k, v in res["settings"].items() if k != "parts"}, opts.fresh)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
     if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
@@ -340,11 +425,20 @@ def main() -> None:
         with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_refused.json"), "w") as f:
             json.dump(res, f, indent=1)
         sys.exit(3)
+    drift_lines: list[str] = []
+    if opts.compare:
+        with open(opts.compare) as f:
+            drift_lines = compare(json.load(f), res, opts.max_drift)
+        lines += ["", f"## Against {os.path.relpath(opts.compare, ROOT)} (a ratio may move by at most "
+                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drift_lines]]
+        print("\n".join(drift_lines), flush=True)
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
     with open(opts.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    if any(x.startswith("DRIFT") for x in drift_lines):
+        sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -228,8 +228,16 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"], default="torch",
-                   help="torch: one file per model-parallel rank (Megatron-LM's torch layout). Megatron-LM's "
-                        "default torch_dist (and torch_dcp, fsdp_dtensor) is not implemented yet and is refused")
+                   help="torch: one file per model-parallel rank (Megatron-LM's torch layout; loads into the "
+                        "same TP/PP layout). torch_dist: torch.distributed.checkpoint, loads into any TP x PP x DP "
+                        "x virtual-PP layout (Megatron-LM's default). torch_dcp and fsdp_dtensor are refused")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="--load reads whichever format the checkpoint holds (torch_dist .metadata or torch "
+                        "mp_rank_* directories); saves still use --ckpt-format")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training goes on; the tracker moves "
+                        "once every rank's write has finished and verified (megatron_cai/training/"
+                        "async_checkpoint.py)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -449,9 +457,9 @@ def resolve_megatron_flags(flags: argparse.Namespace) -> argparse.Namespace:
             raise ArgumentError("--valid-data-path / --test-data-path need --train-data-path")
     elif args.data_path is not None and args.split is None:
         args.split = "969,30,1"  # Megatron-LM's legacy default when --data-path comes without --split
-    if args.ckpt_format != "torch":
-        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: refused: only the torch format is implemented "
-                            f"here (Megatron-LM's distributed checkpoint formats are not yet); use --ckpt-format torch")
+    if args.ckpt_format not in ("torch", "torch_dist"):
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: refused: the formats here are torch and torch_dist "
+                            f"(torch.distributed.checkpoint, Megatron-LM's default)")
     if args.fp8_format is not None:
         if args.qat == "int8":
             raise ArgumentError(f"--fp8-format {args.fp8_format} (FP8 training) conflicts with --qat int8")
@@ -723,6 +731,8 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         ckpt_step=args.ckpt_step,
         ckpt_format=args.ckpt_format,
+        async_save=args.async_save,
+        auto_detect_ckpt_format=args.auto_detect_ckpt_format,
     )
 
 
@@ -827,11 +837,12 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
     if args.use_torch_fsdp2 and args.fp16:
         raise ArgumentError("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
                             "use --bf16")
-    if args.use_torch_fsdp2 and (args.save or args.load):
-        raise ArgumentError(
-            f"--use-torch-fsdp2 cannot {'save' if args.save else 'load'} checkpoints yet: FSDP2 parameters are "
-            "DTensor shards, which need the distributed checkpoint format (torch_dist, not implemented yet); "
-            "the per-rank format is refused. Drop --save/--load, or train without --use-torch-fsdp2")
+    if args.use_torch_fsdp2 and args.save and args.ckpt_format != "torch_dist":
+        raise ArgumentError("--use-torch-fsdp2 saves only --ckpt-format torch_dist: FSDP2 parameters are DTensor "
+                            f"shards; the per-rank torch format is refused (got --ckpt-format {args.ckpt_format})")
+    if args.use_torch_fsdp2 and args.load and args.ckpt_format != "torch_dist" and not args.auto_detect_ckpt_format:
+        raise ArgumentError("--use-torch-fsdp2 loads only torch_dist checkpoints: pass --ckpt-format torch_dist (or "
+                            "--auto-detect-ckpt-format)")
     if args.transformer_impl == "transformer_engine":
         from ..core.quantization.gemm_backends import transformer_engine_available
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -49,7 +50,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 1
 
 
-__all__ = ["CheckpointError", "load_checkpoint", "read_metadata", "read_tracker", "save_checkpoint"]
+__all__ = ["CheckpointError", "StagedCheckpoint", "finalize_staged", "load_checkpoint", "read_metadata", "read_tracker",
+           "save_checkpoint", "stage_checkpoint", "write_staged"]
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -102,10 +104,37 @@ def _gather_over_dp(obj: Any) -> list[Any]:
     return out
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
-                    state: dict, reducer_states: list[dict] | None = None,
-                    save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
-    """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
+@dataclass
+class StagedCheckpoint:
+    """What one rank writes for one save: files to ``torch.save``, plus (rank 0) metadata and tokenizer files.
+
+    Built by :func:`stage_checkpoint` (collective); written by :func:`write_staged` (no collectives: it may
+    run in a background thread); made current by :func:`finalize_staged` (rank 0) once every rank wrote."""
+
+    root: str
+    iteration: int
+    files: dict[str, Any]                       # path -> object for torch.save
+    meta: dict | None = None                    # metadata.json (rank 0)
+    tokenizer_files: list[str] = field(default_factory=list)
+
+    @property
+    def final(self) -> str:
+        return iteration_dir(self.root, self.iteration)
+
+    @property
+    def tmp(self) -> str:
+        return self.final + ".tmp"
+
+
+def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
+                     state: dict, reducer_states: list[dict] | None = None,
+                     save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                     optimizer_views: bool = False) -> StagedCheckpoint:
+    """Collective: every rank must call it. Clears ``iter_XXXXXXX.tmp`` and gathers what each rank writes.
+
+    The returned payloads may reference live tensors (model parameters, optimizer state): copy them
+    (``async_checkpoint``) before training mutates them, or write them at once (:func:`save_checkpoint`).
+    ``optimizer_views``: the optimizer state as views of its gathered flat buffers (``state_dict(copy=False)``)."""
     config = train_config.model
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
@@ -118,11 +147,13 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     dp_rank = ps.get_data_parallel_rank()
     rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
     names = param_names(model_chunks)
-    optim_state = optimizer.state_dict(names) if save_optim else None  # collective over DP
+    optim_state = None
+    if save_optim:  # collective over DP
+        optim_state = optimizer.state_dict(names, copy=False) if optimizer_views else optimizer.state_dict(names)
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
     all_rng = _gather_over_dp(rng)
+    staged = StagedCheckpoint(root, iteration, {})
     if dp_rank == 0:
-        os.makedirs(rdir, exist_ok=True)
         payload = {
             "checkpoint_version": FORMAT_VERSION,
             "iteration": iteration,
@@ -134,34 +165,69 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
             "model_config": config.to_dict(),
             **state,
         }
-        _atomic_torch_save(payload, os.path.join(rdir, "model_optim_rng.pt"))
+        staged.files[os.path.join(rdir, "model_optim_rng.pt")] = payload
     if reducer_states and any(reducer_states):
-        os.makedirs(rdir, exist_ok=True)
-        _atomic_torch_save(reducer_states, os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt"))
+        staged.files[os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt")] = reducer_states
     if ps.get_rank() == 0:
-        meta = {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
-                "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-                "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-                "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-                "data_parallel_size": ps.get_data_parallel_world_size(),
-                "model_config": config.to_dict(),
-                "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
-                "args": train_config.flags}
-        write_json(os.path.join(tmp, "metadata.json"), meta)
-        if tokenizer_files:
-            tok_dir = os.path.join(tmp, "tokenizer")
-            os.makedirs(tok_dir, exist_ok=True)
-            for src in tokenizer_files:
-                if src and os.path.isfile(src):
-                    shutil.copy2(src, tok_dir)
+        staged.meta = run_metadata(iteration, train_config)
+        staged.tokenizer_files = list(tokenizer_files or [])
+    return staged
+
+
+def write_staged(staged: StagedCheckpoint) -> None:
+    """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread)."""
+    for path, obj in staged.files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _atomic_torch_save(obj, path)
+    if staged.meta is not None:
+        write_json(os.path.join(staged.tmp, "metadata.json"), staged.meta)
+        copy_tokenizer_files(staged.tmp, staged.tokenizer_files)
+
+
+def finalize_staged(staged: StagedCheckpoint) -> str:
+    """Rank 0, once every rank's write has finished: rename ``.tmp`` into place, then move the tracker."""
+    if ps.get_rank() == 0:
+        if os.path.exists(staged.final):
+            shutil.rmtree(staged.final)
+        os.replace(staged.tmp, staged.final)
+        write_text(os.path.join(staged.root, TRACKER), str(staged.iteration), fsync=True)
+    return staged.final
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
+                    state: dict, reducer_states: list[dict] | None = None,
+                    save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+    """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
+    staged = stage_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config, state,
+                              reducer_states, save_optim, tokenizer_files)
+    write_staged(staged)
     _barrier()
-    if ps.get_rank() == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
+    final = finalize_staged(staged)
     _barrier()
     return final
+
+
+def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
+    """The ``metadata.json`` of a checkpoint of this run (rank 0 writes it): layout, configs, flags."""
+    return {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "model_config": train_config.model.to_dict(),
+            "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
+            "args": train_config.flags}
+
+
+def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> None:
+    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing)."""
+    if not tokenizer_files:
+        return
+    tok_dir = os.path.join(ckpt_dir, "tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    for src in tokenizer_files:
+        if src and os.path.isfile(src):
+            shutil.copy2(src, tok_dir)
 
 
 def read_metadata(root: str, iteration: int) -> dict:

@@ -126,7 +126,9 @@ class CheckpointConfig:
     finetune: bool = False
     exit_on_missing_checkpoint: bool = False
     ckpt_step: int | None = None
-    ckpt_format: str = "torch"
+    ckpt_format: str = "torch"                # the format saves write: torch or torch_dist
+    auto_detect_ckpt_format: bool = False     # --load reads whichever format the directory holds
+    async_save: bool = False                  # --async-save: write in the background
 
 
 @dataclass

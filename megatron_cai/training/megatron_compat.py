@@ -42,7 +42,7 @@ def _switches(reason: str, *flags: str) -> list[CompatFlag]:
 _FUSION = "a kernel-fusion / launch switch of Megatron's CUDA kernels; the same math runs here either way"
 _TE_FP8 = ("a Transformer Engine delayed-scaling knob; --fp8-format runs our FP8 QAT (dynamic clamps), "
            "which has no amax history")
-_DIST_CKPT = "a torch_dist checkpoint knob; --ckpt-format torch is the only format here"
+_DIST_CKPT = "a Megatron-LM dist_checkpointing knob; --ckpt-format torch_dist here is torch.distributed.checkpoint"
 
 NO_OP_FLAGS: list[CompatFlag] = [
     CompatFlag("--use-mcore-models", "Megatron's default model class; it is the only model here"),
@@ -88,8 +88,6 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--expert-model-parallel-size", _MOE, None, int, 1, allowed=(1,)),
     CompatFlag("--context-parallel-size", "context parallelism is not implemented (use 1)", None, int, 1,
                allowed=(1,)),
-    CompatFlag("--async-save", "checkpoints are saved synchronously here"),
-    CompatFlag("--auto-detect-ckpt-format", "only --ckpt-format torch is read here"),
     CompatFlag("--use-checkpoint-args", "pass the model flags explicitly; they are checked against the checkpoint"),
     CompatFlag("--spec", "custom layer specs are not supported", "*", str, None),
     CompatFlag("--yaml-cfg", "YAML configuration is not supported; pass flags", None, str, None),

@@ -37,8 +37,9 @@ from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import checkpointing, divergence, run_dirs, startup_checks
+from . import checkpointing, dist_checkpoint, divergence, run_dirs, startup_checks
 from .arguments import rebuild_for_world_size
+from .async_checkpoint import AsyncCheckpointSaver
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .initialize import discover_env, initialize_distributed
@@ -120,6 +121,8 @@ class Trainer:
         vpp = config.parallel.virtual_pipeline_model_parallel_size
         chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
         dp = ps.get_data_parallel_world_size()
+        # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
+        self.param_layout = checkpointing.tp_layout(chunks)
         self.model = []
         for m in chunks:
             m.to(self.device)
@@ -146,11 +149,9 @@ class Trainer:
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
         if ckpt.load:
-            counters = checkpointing.load_checkpoint(
-                ckpt.load, self.model, self.optimizer, self.scheduler, model_cfg,
-                load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
-                step=ckpt.ckpt_step, exit_on_missing=ckpt.exit_on_missing_checkpoint,
-                reducers=[m.reducer for m in self.model], train_config=config)
+            counters = dist_checkpoint.load_checkpoint(  # either format (--ckpt-format, --auto-detect-ckpt-format)
+                config, self.model, self.optimizer, self.scheduler, self.param_layout,
+                reducers=[m.reducer for m in self.model])
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
@@ -177,6 +178,8 @@ class Trainer:
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
+        self.async_saver = (AsyncCheckpointSaver(self.device, ckpt.ckpt_format)  # collective (torch_dist)
+                            if ckpt.async_save and ckpt.save else None)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
         tp = config.parallel.tensor_model_parallel_size
         seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
@@ -330,21 +333,61 @@ class Trainer:
         ckpt = self.config.checkpoint
         if not ckpt.save:
             return
+        self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
-        refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
+        if self.async_saver is not None and not self.divergence.consecutive_skipped:
+            refused = None  # --async-save: finiteness is checked on the staged copy, in the writer thread
+        else:
+            refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
         if refused:
             print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         tok_model = self.config.tokenizer.tokenizer_model
-        path = checkpointing.save_checkpoint(ckpt.save, self.state.iteration, self.model, self.optimizer,
-                                             self.scheduler, self.config,
-                                             {**self.state.to_dict(), **self.divergence.state_dict()},
-                                             reducer_states=[m.reducer.state_dict() for m in self.model],
-                                             save_optim=ckpt.save_optim,
-                                             tokenizer_files=[tok_model] if tok_model else [])
+        counters = {**self.state.to_dict(), **self.divergence.state_dict()}
+        reducer_states = [m.reducer.state_dict() for m in self.model]
+        tok_files = [tok_model] if tok_model else []
+        it = self.state.iteration
+        if self.async_saver is not None:  # stage now (collective), write in the background
+            if ckpt.ckpt_format == dist_checkpoint.FORMAT:
+                self.async_saver.submit_dist(ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config,
+                                             counters, self.param_layout, reducer_states=reducer_states,
+                                             save_optim=ckpt.save_optim, tokenizer_files=tok_files)
+            else:
+                private = getattr(self.optimizer, "state_dict_copies", False)  # its state needs no staging copy
+                staged = checkpointing.stage_checkpoint(
+                    ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config, counters,
+                    reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
+                    optimizer_views=private)
+                self.async_saver.submit(staged, owned=("optimizer",) if private else ())
+            print_rank_0(f" started an asynchronous save at iteration {it:7d} to {ckpt.save}")
+            return
+        if ckpt.ckpt_format == dist_checkpoint.FORMAT:
+            path = dist_checkpoint.save_dist_checkpoint(
+                ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config, counters,
+                self.param_layout, reducer_states=reducer_states, save_optim=ckpt.save_optim,
+                tokenizer_files=tok_files)
+        else:
+            path = checkpointing.save_checkpoint(ckpt.save, it, self.model, self.optimizer,
+                                                 self.scheduler, self.config, counters, reducer_states=reducer_states,
+                                                 save_optim=ckpt.save_optim, tokenizer_files=tok_files)
+        self._saved(path, it)
+
+    def _saved(self, path: str, iteration: int) -> None:
         self.divergence.last_good_checkpoint = path
-        print_rank_0(f" saved checkpoint at iteration {self.state.iteration:7d} to {ckpt.save}")
+        print_rank_0(f" saved checkpoint at iteration {iteration:7d} to {self.config.checkpoint.save}")
+
+    def finalize_async_save(self, blocking: bool) -> None:
+        """Make an --async-save in flight current once every rank has written it (collective)."""
+        if self.async_saver is not None:
+            done = self.async_saver.maybe_finalize(blocking)
+            if done is not None and done.refused:
+                print_rank_0(f" WARNING: dropped the asynchronous save of iteration {done.iteration}: "
+                             f"parameters or optimizer state hold non-finite values; the last good checkpoint "
+                             f"stays current: "
+                             f"{self.divergence.last_good_checkpoint or 'none'}")
+            elif done is not None:
+                self._saved(done.final, done.iteration)
 
     def train(self) -> TrainState:
         run, log, st = self.config.training, self.config.logging, self.state
@@ -364,6 +407,7 @@ class Trainer:
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
             self.profiler.after_step(st.iteration)
+            self.finalize_async_save(blocking=False)  # an --async-save that every rank has written
             # an fp16 loss-scale overflow (finite loss, non-finite gradients) is only counted, as in Megatron
             overflow = not finite and self.grad_scaler is not None and all(math.isfinite(v) for v in losses.values())
             if not finite:
@@ -415,6 +459,7 @@ class Trainer:
         else:
             if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
                 self.save()
+        self.finalize_async_save(blocking=True)  # exit paths and the end of training wait for the write
         self.optimizer.finish_param_sync()
         self.profiler.close()
         if run.manual_gc:

@@ -4,6 +4,8 @@
                             FAULT_NAN_RANK=r: on global rank r only)
     FAULT_ENOSPC=SUBSTR     torch.save of a path containing SUBSTR writes 4 KiB, then fails with ENOSPC
     FAULT_HANG_SAVE=SUBSTR  torch.save of such a path writes 4 KiB, prints "FAULT: saving" and sleeps (kill -9 it)
+    FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
+                            (default 3), then saves
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
 
     python tests/functional_tests/fault_inject.py PRETRAIN_GPT_FLAGS...
@@ -46,6 +48,9 @@ def install() -> None:
                 print(f"FAULT: saving {name}", file=sys.stderr, flush=True)
                 time.sleep(600)
             return _partial_write_then(name, hang)
+        if env.get("FAULT_SLOW_SAVE") and env["FAULT_SLOW_SAVE"] in name:
+            print(f"FAULT: slow saving {name}", file=sys.stderr, flush=True)
+            time.sleep(float(env.get("FAULT_SLOW_SAVE_SECONDS", "3")))
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = faulty_save

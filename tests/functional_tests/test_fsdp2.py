@@ -231,8 +231,8 @@ def test_bf16_compute_fp32_master_weights(reference):
 
 
 @pytest.mark.parametrize("flag,message", [
-    (["--save", "/tmp/x"], "distributed checkpoint format"),
-    (["--load", "/tmp/x"], "distributed checkpoint format"),
+    (["--save", "/tmp/x"], "saves only --ckpt-format torch_dist"),
+    (["--load", "/tmp/x"], "loads only torch_dist checkpoints"),
     (["--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
 ])
 def test_unsupported_flags_refused(flag, message):

@@ -71,17 +71,13 @@ def test_gpt3_175b_script_trains_two_iterations(corpus, tmp_path):
     assert "number of parameters on (tensor, gtp_weight_remat, pipeline)" in proc.stdout
 
 
-def test_llama3_8b_fp8_script_refuses_torch_dist_then_trains_with_torch_checkpoints(corpus, tmp_path):
+def test_llama3_8b_fp8_script_trains_with_its_torch_dist_checkpoints(corpus, tmp_path):
     tokenizer = corpus["dir"] / "tokenizer.json"
     data = _preprocess(corpus, "hf", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer)
     args = ["ckpt", "tb", str(tokenizer), data]
-    proc = run_script(LLAMA, args, tmp_path, LLAMA_SIZES)
-    errors = [line for line in proc.stderr.splitlines() if "torch_dist" in line]
-    assert len(errors) == 1 and "--ckpt-format torch_dist: refused" in errors[0]
-    # Until the distributed-checkpoint work lands, the one changed flag: --ckpt-format torch.
-    assert not (tmp_path / "ckpt").exists()
-    proc = run_script(LLAMA, args, tmp_path, {**LLAMA_SIZES, "--ckpt-format": ["torch"]})
+    proc = run_script(LLAMA, args, tmp_path, LLAMA_SIZES)  # the script's own --ckpt-format torch_dist
     _trained(proc, tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
+    assert os.path.isfile(tmp_path / "ckpt" / "iter_0000002" / ".metadata")
     out = proc.stdout
     assert "accepted for Megatron-LM compatibility, no effect here: --use-mcore-models" in out
     assert "--no-create-attention-mask-in-dataloader" in out and "--fp8-param-gather" in out

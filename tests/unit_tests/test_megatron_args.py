@@ -252,10 +252,12 @@ def test_fp8_format_turns_on_fp8_training():
         resolved(["--fp8-format", "e4m3", "--qat", "int8"])
 
 
-def test_ckpt_format_torch_dist_is_refused_clearly():
+def test_ckpt_formats():
     assert resolved(["--ckpt-format", "torch"]).ckpt_format == "torch"
-    with pytest.raises(ArgumentError, match="--ckpt-format torch_dist: refused"):
-        resolved(["--ckpt-format", "torch_dist"])
+    assert resolved(["--ckpt-format", "torch_dist"]).ckpt_format == "torch_dist"
+    assert resolved(["--auto-detect-ckpt-format"]).auto_detect_ckpt_format
+    with pytest.raises(ArgumentError, match="--ckpt-format torch_dcp: refused"):
+        resolved(["--ckpt-format", "torch_dcp"])
 
 
 def test_aliases():

@@ -231,15 +231,21 @@ class DistributedAdamW:
             out.append(full)
         return out
 
-    def state_dict(self, param_names: list[dict[int, str]]) -> dict:
-        """Adam state per parameter name (layout-free within this TP/PP rank; collective over DP)."""
+    state_dict_copies = True  # state_dict()'s tensors are private to the caller (async saves need not copy them)
+
+    def state_dict(self, param_names: list[dict[int, str]], copy: bool = True) -> dict:
+        """Adam state per parameter name (layout-free within this TP/PP rank; collective over DP).
+
+        ``copy=False``: each parameter's state is a view of one freshly gathered flat buffer (still private
+        to the caller) instead of its own copy; an asynchronous save stages no second copy."""
         exp_avg, exp_avg_sq = self._full_state("exp_avg"), self._full_state("exp_avg_sq")
         state = {}
         for ddp, names, ea, eas in zip(self.model_chunks, param_names, exp_avg, exp_avg_sq):
             for p in ddp.buffer.params:
                 s, e = ddp.buffer.offsets[id(p)]
-                state[names[id(p)]] = {"exp_avg": ea[s:e].view_as(p).clone(),
-                                       "exp_avg_sq": eas[s:e].view_as(p).clone()}
+                ea_p, eas_p = ea[s:e].view_as(p), eas[s:e].view_as(p)
+                state[names[id(p)]] = {"exp_avg": ea_p.clone() if copy else ea_p,
+                                       "exp_avg_sq": eas_p.clone() if copy else eas_p}
         out = {"step": self.step_count, "param_state": state,
                "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}}
         if self.grad_scaler is not None:

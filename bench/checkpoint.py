@@ -1,0 +1,238 @@
+"""Checkpoint save / load time, bytes and the training stall per save: sync against --async-save, per format.
+
+For three GPT sizes (one CPU process, fp32, Adam: the checkpoint holds about 12 bytes per parameter) a
+Trainer trains a few iterations, then saves repeatedly, sync and async alternating (one warm-up save of
+each first, not counted: the async staging buffers are allocated by the first save and reused after).
+
+- sync: ``Trainer.save()`` writes and makes the checkpoint current; the save time is the stall.
+- async (``--async-save``): ``Trainer.save()`` stages (the collective part, then a copy of every tensor
+  into the reused CPU staging buffers) and returns; training goes on, calling the non-blocking finalize
+  after each iteration as the training loop does. **stall** = the time blocked in ``save()`` plus in the
+  finalize calls; **save time** = from the call of ``save()`` to the checkpoint being current (the writer
+  thread's end, plus the finalize that renames it and moves the tracker). **step slowdown** = the mean
+  iteration time while the write is in flight over the mean iteration time without a save (the writer
+  thread shares the CPU and the GIL with training).
+- load: ``load_checkpoint`` of the checkpoint just written, into the same model (page cache warm).
+- bytes: the size of the ``iter_XXXXXXX`` directory.
+
+Each figure is the median over the repeats with min-max. torch_dist (``--ckpt-format torch_dist``, DCP)
+is measured when this build implements it; otherwise its rows say "not available".
+
+    python bench/checkpoint.py [--quick] [--repeats 3] [--out bench/results/checkpoint]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SIZES = {  # name: (layers, hidden, heads)
+    "small": (4, 256, 4),
+    "medium": (8, 512, 8),
+    "large": (8, 768, 12),
+}
+QUICK_SIZES = {"tiny": (2, 64, 4), "small": (2, 128, 4), "medium": (4, 256, 4)}
+FORMATS = ("torch", "torch_dist")
+VOCAB = 4096
+WORK = "/tmp/megatron_cai_bench/checkpoint"
+
+
+def _argv(layers: int, hidden: int, heads: int, fmt: str, save: str) -> list[str]:
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "100000", "--lr", "1e-4", "--lr-decay-style", "constant",
+            "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000", "--eval-interval", "0",
+            "--eval-iters", "0", "--device", "cpu", "--num-workers", "0", "--no-exit-signal-handler",
+            "--position-embedding-type", "rope", "--ckpt-format", fmt, "--save", save]
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+class Session:
+    """One Trainer; saves sync or async at successive iterations and times them."""
+
+    def __init__(self, argv: list[str], save: str) -> None:
+        import pretrain_gpt
+        from megatron_cai.training.async_checkpoint import AsyncCheckpointSaver
+        from megatron_cai.training.training import Trainer
+
+        config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
+        self.trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
+                               tokenizer)
+        self.save_root = save
+        self.saver = AsyncCheckpointSaver(self.trainer.device)
+        self.params = sum(p.numel() for m in self.trainer.model for p in m.module.parameters())
+        self.step()
+        self.base_step = statistics.median(self.step() for _ in range(3))
+
+    def step(self) -> float:
+        t = time.perf_counter()
+        self.trainer.train_step()
+        self.trainer.state.iteration += 1
+        return time.perf_counter() - t
+
+    def _clear_old(self, keep: int) -> None:
+        for d in os.listdir(self.save_root):
+            if d.startswith("iter_") and d != f"iter_{keep:07d}":
+                shutil.rmtree(os.path.join(self.save_root, d))
+
+    def save_sync(self) -> dict:
+        self.trainer.async_saver = None
+        self.step()
+        t = time.perf_counter()
+        self.trainer.save()
+        save_s = time.perf_counter() - t
+        return {"save_s": save_s, "stall_s": save_s, **self._after_save(self.trainer.state.iteration)}
+
+    def save_async(self) -> dict:
+        tr = self.trainer
+        tr.async_saver = self.saver
+        self.step()
+        t0 = time.perf_counter()
+        tr.save()
+        stall = time.perf_counter() - t0
+        job = self.saver.in_flight
+        steps = []
+        while self.saver.in_flight is not None:
+            steps.append(self.step())
+            t = time.perf_counter()
+            tr.finalize_async_save(blocking=False)
+            stall += time.perf_counter() - t
+        done_at = time.perf_counter()
+        finalize_s = done_at - t  # the last finalize: agreement, rename, tracker
+        save_s = (job.finished - t0) + finalize_s
+        slow = statistics.mean(steps) / self.base_step if steps else None
+        return {"save_s": save_s, "stall_s": stall, "steps_during_write": len(steps), "step_slowdown": slow,
+                **self._after_save(job.iteration)}
+
+    def _after_save(self, it: int) -> dict:
+        from megatron_cai.training import checkpointing
+
+        tr = self.trainer
+        assert checkpointing.read_tracker(self.save_root) == it
+        nbytes = _dir_bytes(checkpointing.iteration_dir(self.save_root, it))
+        t = time.perf_counter()
+        reducers = [m.reducer for m in tr.model]
+        if tr.config.checkpoint.ckpt_format == "torch_dist":
+            from megatron_cai.training import dist_checkpoint
+
+            dist_checkpoint.load_dist_checkpoint(self.save_root, it, tr.model, tr.optimizer, tr.scheduler,
+                                                 tr.config.model, tr.param_layout, reducers=reducers)
+        else:
+            checkpointing.load_checkpoint(self.save_root, tr.model, tr.optimizer, tr.scheduler, tr.config.model,
+                                          step=it, reducers=reducers)
+        load_s = time.perf_counter() - t
+        self._clear_old(it)
+        return {"load_s": load_s, "bytes": nbytes}
+
+
+def _summary(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _format_available(fmt: str) -> str | None:
+    import pretrain_gpt
+
+    try:
+        pretrain_gpt.build_run(_argv(1, 32, 2, fmt, os.path.join(WORK, "probe")), world_size=1)
+    except Exception as e:  # noqa: BLE001 - the refusal says why
+        return str(e).splitlines()[0]
+    return None
+
+
+def measure(sizes: dict, repeats: int) -> dict:
+    results = {"repeats": repeats, "sizes": {}, "unavailable": {}}
+    for fmt in FORMATS:
+        why = _format_available(fmt)
+        if why:
+            results["unavailable"][fmt] = why
+    for name, (layers, hidden, heads) in sizes.items():
+        entry = results["sizes"][name] = {"layers": layers, "hidden": hidden, "heads": heads, "formats": {}}
+        for fmt in FORMATS:
+            if fmt in results["unavailable"]:
+                continue
+            save = os.path.join(WORK, name, fmt)
+            shutil.rmtree(save, ignore_errors=True)
+            s = Session(_argv(layers, hidden, heads, fmt, save), save)
+            entry["params"] = s.params
+            entry["base_step_s"] = s.base_step
+            s.save_sync(), s.save_async()  # warm-up: allocations, staging buffers, page cache
+            runs = {"sync": [], "async": []}
+            for r in range(repeats):
+                order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
+                for mode in order:
+                    runs[mode].append(s.save_sync() if mode == "sync" else s.save_async())
+                    print(f"{name} {fmt} {mode} repeat {r}: {runs[mode][-1]}", flush=True)
+            entry["formats"][fmt] = {
+                mode: {"runs": rs, **{k: _summary([x.get(k) for x in rs])
+                                      for k in ("save_s", "stall_s", "load_s", "bytes", "step_slowdown")}}
+                for mode, rs in runs.items()}
+            shutil.rmtree(save, ignore_errors=True)
+            del s
+    return results
+
+
+def _fmt(summary: dict, scale: float = 1.0, unit: str = "s", digits: int = 3) -> str:
+    if summary["median"] is None:
+        return "-"
+    return (f"{summary['median'] * scale:.{digits}f} {unit} ({summary['min'] * scale:.{digits}f}-"
+            f"{summary['max'] * scale:.{digits}f})")
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Checkpoint save / load: sync vs --async-save, torch vs torch_dist", "",
+             "Generated by `bench/checkpoint.py`. One CPU process (fp32 GPT, Adam), median over "
+             f"{results['repeats']} repeats (min-max), sync and async alternating, after one warm-up save of each.",
+             "Stall: the time the training loop is blocked per save. Save time: from `save()` to the "
+             "checkpoint being current (tracker moved). Step slowdown: mean iteration time while the async "
+             "write is in flight / without a save. Load: into the same model, page cache warm.", ""]
+    for fmt, why in results["unavailable"].items():
+        lines.append(f"- `{fmt}`: not available in this build ({why})")
+    lines += ["", "| size | params | format | mode | save time | stall | stall / sync save | load | bytes "
+              "| step slowdown |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, e in results["sizes"].items():
+        for fmt in FORMATS:
+            if fmt not in e["formats"]:
+                lines.append(f"| {name} | {e.get('params', 0) / 1e6:.1f} M | {fmt} | - | not available | | | | | |")
+                continue
+            sync_save = e["formats"][fmt]["sync"]["save_s"]["median"]
+            for mode in ("sync", "async"):
+                m = e["formats"][fmt][mode]
+                ratio = m["stall_s"]["median"] / sync_save
+                slow = "-" if mode == "sync" else f"{m['step_slowdown']['median']:.2f}x"
+                lines.append(f"| {name} | {e['params'] / 1e6:.1f} M | {fmt} | {mode} | {_fmt(m['save_s'])} | "
+                             f"{_fmt(m['stall_s'])} | {ratio:.1%} | {_fmt(m['load_s'])} | "
+                             f"{m['bytes']['median'] / 1e6:.1f} MB | {slow} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="three tiny sizes (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "checkpoint"))
+    args = ap.parse_args()
+    os.makedirs(WORK, exist_ok=True)
+    results = measure(QUICK_SIZES if args.quick else SIZES, args.repeats)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

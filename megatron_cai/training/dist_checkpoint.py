@@ -1,0 +1,788 @@
+"""``--ckpt-format torch_dist``: checkpoints on ``torch.distributed.checkpoint`` (DCP) that load into any layout.
+
+::
+
+    <save>/latest_checkpointed_iteration.txt        written last (atomic replace), as in the torch format
+    <save>/iter_0000010/.metadata                   DCP's global metadata: every tensor's global shape and pieces
+    <save>/iter_0000010/__R_0.distcp                what rank R wrote (its pieces, deduplicated over replicas)
+    <save>/iter_0000010/metadata.json               layout, model config, train config, flags (as the torch format)
+
+Every tensor is saved under a layout-free name with its **global** (canonical) shape: the weights under
+their parameter names (global layer numbers, ``decoder.layers.N.*``), the Adam moments under
+``optimizer.state.exp_avg.<name>`` and ``optimizer.state.exp_avg_sq.<name>``. Each rank contributes the
+pieces it holds, with their global offsets (DCP's sharded metadata, through :class:`Pieces`): a
+TP-split parameter is one piece per TP rank, or one piece per section and TP rank for fused tensors
+(SwiGLU's ``[gate, up]`` fc1, ``[k, v]``), so a rank's non-contiguous share of a fused tensor is written
+in place. DP replicas write the same pieces, which DCP deduplicates. Loading asks, for this run's layout,
+for exactly the pieces each rank needs; DCP reads their overlap with what was written, so TP, PP, DP and
+virtual-PP may all change with no conversion step.
+
+- The distributed optimizer's flat DP shards and FSDP2's DP-sharded DTensors are first gathered over DP
+  into per-parameter TP-local tensors (one collective per chunk / parameter); DP ranks then write
+  disjoint pieces thanks to deduplication. Loading scatters them back into this run's DP shards.
+- Vocabulary padding depends on TP: the embedding and output tables are saved with the saving run's
+  padded row count. A run with other padding reads the rows both have; its extra padding rows are zero
+  (their weights and Adam moments). Padding rows are never looked up and are masked out of the softmax.
+- Tied embeddings across pipeline stages: only ``embedding.word_embeddings.weight`` is saved; the last
+  stage's copy (``output_layer.weight``) is loaded from it, Adam moments included.
+- ``common`` (rank 0): iteration, consumed samples (the data loader's position), the other counters, the
+  LR scheduler, the optimizer step and hyper-parameters (and the fp16 loss scaler).
+- ``rank_state.tpTT.ppPPP.dpDDD`` (each rank): its RNG states and its gradient reducer state (Squinch
+  error-feedback residuals, per bucket or per FSDP2 unit). They are restored exactly when the layout
+  (TP, PP, virtual PP, DP) is the saved one; in another layout they have no meaning: the residuals are
+  dropped (one logged line; the first step runs without error feedback) and the RNG keeps this run's
+  start-up seeding, as a fresh run with the same ``--seed`` (one logged line), as Megatron-LM does.
+
+``--auto-detect-ckpt-format`` reads whichever format the directory holds (DCP ``.metadata`` vs
+``mp_rank_*`` directories); without it a mismatch is one error naming the directory and the flag.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import glob
+import os
+import shutil
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ..core import device as device_mod
+from ..core import parallel_state as ps
+from ..core.models.gpt.config import GPTConfig
+from ..core.models.gpt.model import WORD_EMBEDDINGS
+from ..core.tensor_parallel.random import get_rng_tracker
+from ..core.tensor_parallel.utils import section_sizes
+from .checkpoint_io import CheckpointError, payload_nbytes, write_json, write_text
+from .checkpointing import (
+    FORMAT_VERSION,
+    TRACKER,
+    copy_tokenizer_files,
+    iteration_dir,
+    read_metadata,
+    read_tracker,
+    report_config_changes,
+    run_metadata,
+)
+from .config import TrainConfig
+from .errors import safe_print
+
+FORMAT = "torch_dist"
+DCP_METADATA = ".metadata"
+OUTPUT_WEIGHT = "output_layer.weight"
+VOCAB_PARAMS = (WORD_EMBEDDINGS, OUTPUT_WEIGHT)
+EXP_AVG = "optimizer.state.exp_avg."
+EXP_AVG_SQ = "optimizer.state.exp_avg_sq."
+COMMON = "common"
+RANK_STATE = "rank_state."
+
+
+# ------------------------------------------------------------------------------------------ pieces
+class Pieces:
+    """A global tensor of which this rank holds some rectangular pieces (DCP's ``_Checkpointable`` protocol).
+
+    ``pieces``: ``(global offsets, tensor)``; on a load the tensors are filled in place."""
+
+    def __init__(self, shape: Iterable[int], pieces: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        self.shape = torch.Size(shape)
+        self.pieces = pieces
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def _chunks(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in self.pieces]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for c, (_, t) in zip(self._chunks(), self.pieces)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        if index.index is not None and index.index < len(self.pieces) \
+                and torch.Size(self.pieces[index.index][0]) == index.offset:
+            return self.pieces[index.index][1]
+        for o, t in self.pieces:
+            if torch.Size(o) == index.offset:
+                return t
+        raise ValueError(f"no piece at offset {index.offset} of {index.fqn}")
+
+
+class PiecesSavePlanner(DefaultSavePlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_object(index)
+
+
+class PiecesLoadPlanner(DefaultLoadPlanner):
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict  # flat already; Pieces are not tensors
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+
+
+def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> list[tuple[tuple, tuple, int, int]]:
+    """Where TP rank ``tp_rank``'s local tensor lies in the canonical one: ``(global offsets, sizes,
+    local offset along the split dim, split dim)`` per section (one box when not split)."""
+    full = list(full_shape)
+    dim = meta.get("tp_dim")
+    if dim is None or tp == 1:
+        return [(tuple([0] * len(full)), tuple(full), 0, 0)]
+    out, g, local = [], 0, 0
+    for s in section_sizes(full[dim], meta.get("tp_sections")):
+        n = s // tp
+        off, size = [0] * len(full), list(full)
+        off[dim], size[dim] = g + tp_rank * n, n
+        out.append((tuple(off), tuple(size), local, dim))
+        g, local = g + s, local + n
+    return out
+
+
+def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int) -> Pieces:
+    """This rank's pieces of a canonical tensor, given its TP-local tensor."""
+    full = list(meta["full_shape"])
+    boxes = tp_boxes(full, meta, tp_rank, tp)
+    if len(boxes) == 1:
+        return Pieces(full, [(boxes[0][0], local.detach().contiguous())])
+    return Pieces(full, [(o, local.detach().narrow(d, lo, s[d]).contiguous()) for o, s, lo, d in boxes])
+
+
+def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_rank: int, tp: int,
+                name: str) -> Pieces:
+    """Pieces that read into ``target`` (this rank's TP-local tensor, zeroed): each box clipped to the saved
+    shape (vocabulary tables may have other padding; anything else must match)."""
+    full = list(meta["full_shape"])
+    if list(saved_shape) != full:
+        vocab_only = name.endswith(VOCAB_PARAMS) and list(saved_shape[1:]) == full[1:]
+        if not vocab_only:
+            raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(saved_shape)}, this run's is "
+                                  f"{tuple(full)}")
+    pieces = []
+    for off, size, lo, dim in tp_boxes(full, meta, tp_rank, tp):
+        view = target if len(tp_boxes(full, meta, tp_rank, tp)) == 1 else target.narrow(dim, lo, size[dim])
+        rows = min(size[0], saved_shape[0] - off[0])  # only dim 0 (vocabulary rows) may be clipped
+        if rows <= 0:
+            continue
+        pieces.append((off, view.narrow(0, 0, rows) if rows < size[0] else view))
+    return Pieces(saved_shape, pieces)
+
+
+# ------------------------------------------------------------------------------------ model access
+def _is_fsdp(model_chunks) -> bool:
+    return type(model_chunks[0]).__name__ == "FullyShardedChunk"
+
+
+def _module(m):
+    return getattr(m, "module", m)
+
+
+def _tied(config: GPTConfig) -> bool:
+    return not config.untie_embeddings_and_output_weights
+
+
+def source_name(name: str, config: GPTConfig) -> str:
+    """The saved name a parameter is read from (the last stage's tied output copy reads the embeddings)."""
+    return WORD_EMBEDDINGS if name == OUTPUT_WEIGHT and _tied(config) else name
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The TP-local tensor of a parameter / state (FSDP2 DTensors are gathered over DP)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameters, buffers) of this rank as TP-local tensors, by global name (collective under FSDP2)."""
+    params, buffers = {}, {}
+    for m in model_chunks:
+        module = _module(m)
+        names = {n for n, _ in module.named_parameters()}
+        for n, p in module.named_parameters():
+            params[n] = _full(p.detach())
+        for n, b in module.state_dict().items():
+            if n not in names:
+                buffers[n] = b.detach()
+    return params, buffers
+
+
+def optimizer_state(model_chunks, optimizer) -> dict:
+    """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}`` with TP-local tensors
+    (collective over DP: the distributed optimizer's shards / FSDP2's DTensors are gathered)."""
+    if not _is_fsdp(model_chunks):
+        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        return optimizer.state_dict(names)
+    opt = optimizer.optimizer
+    param_state, step = {}, 0
+    for m in model_chunks:
+        for n, p in _module(m).named_parameters():
+            st = opt.state.get(p, {})
+            if "exp_avg" in st:
+                step = int(st["step"])
+                param_state[n] = {"exp_avg": _full(st["exp_avg"]), "exp_avg_sq": _full(st["exp_avg_sq"])}
+            else:
+                zeros = torch.zeros_like(_full(p.detach()))
+                param_state[n] = {"exp_avg": zeros, "exp_avg_sq": zeros}
+    group = opt.param_groups[0]
+    hyper = {"betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": optimizer_weight_decay(opt)}
+    return {"step": step, "param_state": param_state, "hyper": hyper}
+
+
+def optimizer_weight_decay(opt) -> float:
+    return max(g["weight_decay"] for g in opt.param_groups)
+
+
+def rank_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"{RANK_STATE}tp{tp_rank:02d}.pp{pp_rank:03d}.dp{dp_rank:03d}"
+
+
+def current_layout() -> dict:
+    return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "data_parallel_size": ps.get_data_parallel_world_size()}
+
+
+# ------------------------------------------------------------------------------------------- save
+def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, state: dict, param_layout: dict, *,
+                     reducer_states: list[dict] | None = None, save_optim: bool = True) -> dict[str, Any]:
+    """This rank's DCP state dict (see the module docstring). Collective: every rank must call it."""
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params, buffers = local_weights(model_chunks)
+    sd: dict[str, Any] = {}
+    for name, t in params.items():
+        if source_name(name, config) != name:
+            continue  # the tied copy: saved once, as the embeddings
+        sd[name] = save_pieces(t, param_layout[name], tp_rank, tp)
+    sd.update(buffers)  # replicated scalars (QAT static clamps): plain tensors, deduplicated by DCP
+    common = {"checkpoint_version": FORMAT_VERSION, **state, "opt_param_scheduler": scheduler.state_dict(),
+              "optimizer": None}
+    if save_optim:
+        optim = optimizer_state(model_chunks, optimizer)
+        for name, st in optim.pop("param_state").items():
+            if source_name(name, config) != name:
+                continue
+            sd[EXP_AVG + name] = save_pieces(st["exp_avg"], param_layout[name], tp_rank, tp)
+            sd[EXP_AVG_SQ + name] = save_pieces(st["exp_avg_sq"], param_layout[name], tp_rank, tp)
+        common["optimizer"] = optim
+    if ps.get_rank() == 0:
+        sd[COMMON] = common
+    rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
+    sd[rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())] = {
+        "rng": rng, "reducers": reducer_states if reducer_states and any(reducer_states) else None,
+        "data_parallel_kind": "fsdp2" if _is_fsdp(model_chunks) else "ddp"}
+    return sd
+
+
+def stage_to_cpu(sd: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a :func:`build_state_dict` result that shares no memory with the model or optimizer (CPU
+    tensors), for a writer that runs while training goes on. DCP's own stager does not know
+    :class:`Pieces`; write the copy with ``dcp.save(..., planner=PiecesSavePlanner())``."""
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    out: dict[str, Any] = {}
+    for k, v in sd.items():
+        if isinstance(v, Pieces):
+            out[k] = Pieces(v.shape, [(o, clone(t)) for o, t in v.pieces])
+        elif isinstance(v, torch.Tensor):
+            out[k] = clone(v)
+        else:  # common / rank state: small, pickled by DCP (tensors inside are copied too)
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def begin_save(root: str, iteration: int) -> str:
+    """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    if ps.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    return tmp
+
+
+def write_metadata(tmp: str, iteration: int, train_config: TrainConfig, param_layout: dict, dp_kind: str,
+                   tokenizer_files: list[str] | None = None) -> None:
+    """metadata.json (and the tokenizer copy) of a torch_dist checkpoint; rank 0 only."""
+    meta = run_metadata(iteration, train_config)
+    meta.update({"ckpt_format": FORMAT, "data_parallel_kind": dp_kind, "param_layout": param_layout})
+    write_json(os.path.join(tmp, "metadata.json"), meta)
+    copy_tokenizer_files(tmp, tokenizer_files)
+
+
+def finish_save(root: str, iteration: int, tmp: str) -> str:
+    """Once every rank has written: rename ``tmp`` to ``iter_XXXXXXX`` and write the tracker (collective)."""
+    final = iteration_dir(root, iteration)
+    _barrier()
+    if ps.get_rank() == 0:
+        if not os.path.isfile(os.path.join(tmp, DCP_METADATA)):
+            raise CheckpointError(f"{tmp} has no {DCP_METADATA} after the save: not publishing it")
+        if os.path.exists(final):  # the same iteration saved again (as the torch format does)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
+    _barrier()
+    return final
+
+
+def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
+                         state: dict, param_layout: dict, *, reducer_states: list[dict] | None = None,
+                         save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+    """Write a torch_dist checkpoint (collective); returns the iteration directory."""
+    tmp = begin_save(root, iteration)
+    sd = build_state_dict(model_chunks, optimizer, scheduler, train_config.model, state, param_layout,
+                          reducer_states=reducer_states, save_optim=save_optim)
+    dcp_save(sd, tmp)
+    if ps.get_rank() == 0:
+        write_metadata(tmp, iteration, train_config, param_layout, "fsdp2" if _is_fsdp(model_chunks) else "ddp",
+                       tokenizer_files)
+    return finish_save(root, iteration, tmp)
+
+
+def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
+    """``dcp.save`` with our planner; a failed write is an error naming the directory and the rank; the
+    partial directory is never published (no rename, no tracker)."""
+    try:
+        with _quiet(no_dist):
+            dcp.save(sd, checkpoint_id=path, planner=PiecesSavePlanner(), no_dist=no_dist)
+    except CheckpointException as e:
+        ranks = sorted(e.failures)
+        raise CheckpointError(f"cannot write torch_dist checkpoint {path} on rank {ranks[0]}: "
+                              f"{_describe(e.failures[ranks[0]][0])}; the previous checkpoint stays current") from None
+
+
+@contextlib.contextmanager
+def _quiet(no_dist: bool):
+    """One process on purpose (the converter): silence DCP's "assuming a single process" warning."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------- load
+def detect_format(root: str, iteration: int) -> str | None:
+    """``torch_dist`` (a DCP ``.metadata``), ``torch`` (``mp_rank_*`` directories) or None."""
+    d = iteration_dir(root, iteration)
+    if os.path.isfile(os.path.join(d, DCP_METADATA)):
+        return FORMAT
+    if glob.glob(os.path.join(d, "mp_rank_*")):
+        return "torch"
+    return None
+
+
+def read_dcp_metadata(path: str):
+    """DCP's global metadata of a checkpoint directory; a missing or corrupt file is an error naming it."""
+    file = os.path.join(path, DCP_METADATA)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing: {path} is not a complete torch_dist checkpoint (an interrupted "
+                              f"save, or another format: see --auto-detect-ckpt-format)")
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - pickle, EOF, OS errors: all mean the same thing here
+        size = os.path.getsize(file)
+        raise CheckpointError(f"{file} is corrupt ({size} bytes): {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''}") from None
+
+
+def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
+    """``dcp.load`` with our planner; a failed read is an error naming the directory and the rank."""
+    try:
+        with _quiet(no_dist):
+            dcp.load(sd, checkpoint_id=path, planner=PiecesLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # every failing rank's exception, gathered by DCP (a BaseException)
+        ranks = sorted(e.failures)
+        exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
+        raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {ranks[0]}"
+                              f"{f' (and ranks {ranks[1:]})' if len(ranks) > 1 else ''}: {_describe(exc)}") from None
+    except Exception as e:  # noqa: BLE001 - a failure before DCP's collective phase
+        raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {_process_rank()}: "
+                              f"{_describe(e)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+@dataclass
+class _Targets:
+    """Zeroed TP-local tensors that the load fills, by this run's parameter name."""
+
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+def same_layout(meta: dict) -> bool:
+    return all(meta.get(k) == v for k, v in current_layout().items())
+
+
+def _check_meta(meta: dict, config: GPTConfig, path: str) -> None:
+    version = meta.get("checkpoint_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has checkpoint_version {version!r}; this version of megatron-cai "
+                              f"reads versions up to {FORMAT_VERSION}")
+    diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
+    if diff:
+        raise CheckpointError(f"checkpoint {path} has a different model configuration: " + "; ".join(diff))
+
+
+def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
+                         param_layout: dict, *, load_optim: bool = True, load_rng: bool = True,
+                         finetune: bool = False, reducers=None, train_config: TrainConfig | None = None) -> dict:
+    """Restore a torch_dist checkpoint into this run's layout (collective); returns the saved counters."""
+    path = iteration_dir(root, iteration)
+    meta = read_metadata(root, iteration)
+    _check_meta(meta, config, path)
+    if train_config is not None and ps.get_rank() == 0:
+        report_config_changes(meta, train_config, root)
+    saved = read_dcp_metadata(path).state_dict_metadata
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    params, buffers = local_weights(model_chunks)
+    with_optim = load_optim and not finetune and any(k.startswith(EXP_AVG) for k in saved)
+    if load_optim and not finetune and not with_optim and ps.get_rank() == 0:
+        safe_print(f" checkpoint {path} holds no optimizer state (saved with --no-save-optim): Adam starts afresh")
+    tg = _Targets({}, {}, {}, {})
+    sd: dict[str, Any] = {}
+    for name, t in params.items():
+        src = source_name(name, config)
+        if src not in saved:
+            raise CheckpointError(f"torch_dist checkpoint {path} lacks parameter {src!r}")
+        shape, meta_p = saved[src].size, param_layout[name]
+        kinds = [("", tg.params)] + ([(EXP_AVG, tg.exp_avg), (EXP_AVG_SQ, tg.exp_avg_sq)] if with_optim else [])
+        for prefix, out in kinds:
+            out[name] = torch.zeros(t.shape, dtype=torch.float32)
+            key = prefix + src
+            if key in sd:  # one rank holds both tied copies: read once, copy after
+                continue
+            if key not in saved:
+                raise CheckpointError(f"torch_dist checkpoint {path} lacks {key!r}")
+            sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src)
+    for name, b in buffers.items():
+        if name in saved:
+            tg.buffers[name] = sd[name] = torch.empty_like(b, device="cpu")
+        elif ps.get_rank() == 0:
+            safe_print(f" checkpoint {path} has no {name}: keeping this run's initial value")
+    need_common = COMMON in saved
+    if need_common:
+        sd[COMMON] = None
+    key = rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    layout_same = same_layout(meta)
+    if layout_same and key in saved and isinstance(saved[key], BytesStorageMetadata):
+        sd[key] = None
+    dcp_load(sd, path)
+    _copy_shared_tied(sd, tg, config)
+    apply_weights(model_chunks, tg.params, tg.buffers)
+    if finetune:
+        return {}
+    common = sd.get(COMMON) or {}
+    if with_optim and common.get("optimizer") is not None:
+        apply_optimizer(model_chunks, optimizer, {**common["optimizer"], "param_state": {
+            n: {"exp_avg": tg.exp_avg[n], "exp_avg_sq": tg.exp_avg_sq[n]} for n in tg.exp_avg}})
+    if load_optim and common.get("opt_param_scheduler") is not None:
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    _restore_rank_state(sd.get(key), meta, path, load_rng, reducers, model_chunks)
+    return {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
+
+
+def _copy_shared_tied(sd: dict, tg: _Targets, config: GPTConfig) -> None:
+    """A rank holding both the embeddings and the tied output copy read them once: copy to the second."""
+    if OUTPUT_WEIGHT in tg.params and WORD_EMBEDDINGS in tg.params and _tied(config):
+        for out in (tg.params, tg.exp_avg, tg.exp_avg_sq):
+            if OUTPUT_WEIGHT in out:
+                out[OUTPUT_WEIGHT].copy_(out[WORD_EMBEDDINGS])
+
+
+def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng: bool, reducers,
+                        model_chunks) -> None:
+    """RNG and reducer state: exactly in the saved layout, else dropped with one line (module docstring)."""
+    saved_layout = tuple(meta.get(k) for k in current_layout())
+    here = tuple(current_layout().values())
+    squinch_saved = bool((meta.get("args") or {}).get("squinch"))
+    if rank_state is None:
+        if ps.get_rank() == 0 and saved_layout != here:
+            what = "RNG state" + (" and Squinch error-feedback residuals" if squinch_saved else "")
+            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP) = {saved_layout}, this run uses {here}: "
+                       f"its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed start-up "
+                       f"state{'; the first step runs without residuals' if squinch_saved else ''})")
+        return
+    if load_rng and rank_state.get("rng"):
+        device_mod.set_rng_state(rank_state["rng"])
+        get_rng_tracker().set_states(rank_state["rng"]["tracker"])
+    states = rank_state.get("reducers")
+    if not reducers or not states:
+        return
+    kind = "fsdp2" if _is_fsdp(model_chunks) else "ddp"
+    if rank_state.get("data_parallel_kind") != kind:
+        if ps.get_rank() == 0:
+            safe_print(f" checkpoint {path} holds {rank_state.get('data_parallel_kind')} reducer state, this run uses "
+                       f"{kind}: Squinch error-feedback residuals dropped (the first step runs without them)")
+        return
+    if not _uses_squinch(reducers):
+        if payload_nbytes(states) and ps.get_rank() == 0:
+            safe_print(f" checkpoint {path} holds Squinch error-feedback state but this run does not use --squinch: "
+                       f"dropping it")
+        return
+    for r, s in zip(reducers, states):
+        r.load_state_dict(s)
+
+
+def _uses_squinch(reducers) -> bool:
+    """Whether this run's reducers (DDP) or FSDP2 reduce-scatter hooks are Squinch's."""
+    for r in reducers:
+        kinds = [type(c).__name__ for c in getattr(r, "comms", {}).values()] + [type(r).__name__]
+        if "SquinchReducer" in kinds or "SquinchReduceScatter" in kinds:
+            return True
+    return False
+
+
+def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+    """Copy TP-local tensors into the model (into this rank's DP shard under FSDP2)."""
+    with torch.no_grad():
+        for m in model_chunks:
+            module = _module(m)
+            for n, p in module.named_parameters():
+                _copy_into(p, params[n])
+            for n, b in module.named_buffers():
+                if n in buffers:
+                    b.copy_(buffers[n])
+
+
+def _copy_into(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """``dst`` (a tensor, or an FSDP2 DTensor sharded over DP) takes its part of the TP-local ``full``."""
+    if hasattr(dst, "device_mesh"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
+        part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        dst.to_local().copy_(part)
+    else:
+        dst.copy_(full)
+
+
+def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
+    """Load ``{"step", "hyper", "param_state"}`` (TP-local moments) into either optimizer."""
+    if not _is_fsdp(model_chunks):
+        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        optimizer.load_state_dict(state, names)
+        return
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    opt = optimizer.optimizer
+    for m in model_chunks:
+        for n, p in _module(m).named_parameters():
+            st = {"step": torch.tensor(float(state["step"]), dtype=_get_scalar_dtype()),
+                  "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                  "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            with torch.no_grad():
+                _copy_into(st["exp_avg"], state["param_state"][n]["exp_avg"])
+                _copy_into(st["exp_avg_sq"], state["param_state"][n]["exp_avg_sq"])
+            opt.state[p] = st
+
+
+# --------------------------------------------------------------------------------------- dispatch
+def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect: bool) -> str:
+    """The reader for ``iter_XXXXXXX`` in ``root``: ``ckpt_format``, or what the files say with
+    ``--auto-detect-ckpt-format``; a mismatch without the flag is an error naming the directory and the flag."""
+    d = iteration_dir(root, iteration)
+    found = detect_format(root, iteration)
+    if found is None:
+        if auto_detect and os.path.isdir(d):
+            raise CheckpointError(f"{d} holds neither a torch_dist checkpoint ({DCP_METADATA}) nor torch-format "
+                                  f"mp_rank_* directories: --auto-detect-ckpt-format cannot tell its format (an "
+                                  f"interrupted save, or a damaged checkpoint)")
+        return ckpt_format  # that format's reader names what is missing
+    if found != ckpt_format:
+        if not auto_detect:
+            raise CheckpointError(f"{d} is a {found} checkpoint but this run reads --ckpt-format {ckpt_format}: pass "
+                                  f"--ckpt-format {found}, or --auto-detect-ckpt-format to read whichever format the "
+                                  f"directory holds")
+        if ps.get_rank() == 0:
+            safe_print(f" --auto-detect-ckpt-format: {d} is a {found} checkpoint; reading it as such")
+    return found
+
+
+def load_checkpoint(train_config: TrainConfig, model_chunks, optimizer, scheduler, param_layout: dict,
+                    reducers=None) -> dict:
+    """The trainer's load (``--load``): either format, into this run's layout; returns the saved counters."""
+    ckpt = train_config.checkpoint
+    root = ckpt.load
+    iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(root)
+    if iteration is None:
+        if ckpt.exit_on_missing_checkpoint:
+            raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
+        return {}
+    fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
+    if fmt != FORMAT:
+        if _is_fsdp(model_chunks):
+            raise CheckpointError(f"{iteration_dir(root, iteration)} is a torch-format checkpoint, which "
+                                  f"--use-torch-fsdp2 cannot load (FSDP2 parameters are DTensor shards); convert "
+                                  f"it: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
+                                  f"--target-ckpt-format torch_dist")
+        from .checkpointing import load_checkpoint as load_torch_format
+
+        return load_torch_format(root, model_chunks, optimizer, scheduler, train_config.model,
+                                 load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
+                                 step=iteration, exit_on_missing=ckpt.exit_on_missing_checkpoint,
+                                 reducers=reducers, train_config=train_config)
+    return load_dist_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config.model,
+                                param_layout, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng,
+                                finetune=ckpt.finetune, reducers=reducers, train_config=train_config)
+
+
+# ------------------------------------------------------------------------------------- conversion
+def _process_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimizer: bool = True,
+                  log=print) -> str:
+    """Write the torch-format checkpoint in ``load`` as a torch_dist checkpoint in ``save`` (one process).
+
+    Weights, Adam moments, scheduler and counters carry over exactly; the per-rank RNG states and reducer
+    files keep their (TP, PP, DP) coordinates, so a resume in the source layout stays bit-exact."""
+    from .checkpoint_conversion import load_canonical
+    from .checkpoint_io import load_torch
+
+    ck = load_canonical(load, step, load_optimizer=with_optimizer)
+    meta = read_metadata(load, ck.iteration)
+    sd: dict[str, Any] = {n: t.contiguous() for n, t in ck.model.items()}
+    optim = None
+    if ck.optimizer is not None:
+        for n, st in ck.optimizer["param_state"].items():
+            sd[EXP_AVG + n], sd[EXP_AVG_SQ + n] = st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous()
+        optim = {"step": ck.optimizer["step"], "hyper": ck.optimizer.get("hyper", {})}
+    sd[COMMON] = {"checkpoint_version": FORMAT_VERSION, **ck.counters, "iteration": ck.iteration,
+                  "opt_param_scheduler": ck.scheduler, "optimizer": optim}
+    for (t, p), states in ck.rng.items():
+        reducer_files = {int(os.path.basename(f)[len("reducer_dp_"):-3]): f for f in ck.reducer_files.get((t, p), [])}
+        for d, rng in enumerate(states):
+            reducers = load_torch(reducer_files[d]) if d in reducer_files else None
+            sd[rank_key(t, p, d)] = {"rng": rng, "reducers": reducers, "data_parallel_kind": "ddp"}
+    final = iteration_dir(save, ck.iteration)
+    tmp = final + ".tmp"
+    os.makedirs(save, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    dcp_save(sd, tmp, no_dist=True)
+    meta.update({"ckpt_format": FORMAT, "data_parallel_kind": "ddp",
+                 "param_layout": {n: {**m, "full_shape": list(ck.model[n].shape)} for n, m in ck.layout_meta.items()},
+                 "converted_from": {"ckpt_format": "torch", "optimizer_state": ck.optimizer is not None,
+                                    "notes": list(ck.notes)}})
+    write_json(os.path.join(tmp, "metadata.json"), meta)
+    if ck.tokenizer_dir:
+        shutil.copytree(ck.tokenizer_dir, os.path.join(tmp, "tokenizer"))
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_text(os.path.join(save, TRACKER), str(ck.iteration), fsync=True)
+    log(f" converted iteration {ck.iteration} from torch to torch_dist (layout-free; optimizer state: "
+        f"{'yes' if ck.optimizer is not None else 'no'}); wrote {final}")
+    return final
+
+
+def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True):
+    """Read a torch_dist checkpoint into full tensors (a ``CanonicalCheckpoint``, one process).
+
+    The per-rank states come back keyed by their saved (TP, PP) coordinates, with reducer states in
+    ``reducer_states[(tp, pp)][dp]``."""
+    from .checkpoint_conversion import CanonicalCheckpoint, ConversionError, Layout
+
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
+    path = iteration_dir(root, iteration)
+    meta = read_metadata(root, iteration)
+    saved = read_dcp_metadata(path).state_dict_metadata
+    sd: dict[str, Any] = {}
+    for k, md in saved.items():
+        if isinstance(md, BytesStorageMetadata):
+            sd[k] = None
+        elif load_optimizer or not k.startswith("optimizer."):
+            sd[k] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp_load(sd, path, no_dist=True)
+    src = Layout(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
+                 meta.get("virtual_pipeline_model_parallel_size"), meta.get("data_parallel_size"))
+    ck = CanonicalCheckpoint(config=GPTConfig.from_dict(meta["model_config"]), iteration=iteration,
+                             args=dict(meta.get("args") or {}), source=src)
+    ck.model = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+    ck.layout_meta = {n: {"tp_dim": m.get("tp_dim"), "tp_sections": m.get("tp_sections")}
+                      for n, m in (meta.get("param_layout") or {}).items() if n in ck.model}
+    common = sd.get(COMMON) or {}
+    ck.scheduler = common.get("opt_param_scheduler")
+    ck.counters = {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
+    if load_optimizer and common.get("optimizer") is not None and any(k.startswith(EXP_AVG) for k in sd):
+        ck.optimizer = {**common["optimizer"], "param_state": {
+            n: {"exp_avg": sd[EXP_AVG + n], "exp_avg_sq": sd[EXP_AVG_SQ + n]} for n in ck.layout_meta}}
+    rngs: dict[tuple[int, int], dict[int, Any]] = {}
+    ck.reducer_states = {}
+    for k, v in sd.items():
+        if k.startswith(RANK_STATE) and v:
+            t, p, d = (int(x[2:]) for x in k[len(RANK_STATE):].split("."))
+            rngs.setdefault((t, p), {})[d] = v.get("rng")
+            if v.get("reducers") and v.get("data_parallel_kind") == "ddp":
+                ck.reducer_states.setdefault((t, p), {})[d] = v["reducers"]
+    ck.rng = {tp_pp: [by_dp[d] for d in sorted(by_dp)] for tp_pp, by_dp in rngs.items()}
+    tok = os.path.join(path, "tokenizer")
+    ck.tokenizer_dir = tok if os.path.isdir(tok) else None
+    return ck
+
+
+def dist_to_torch(load: str, save: str, step: int | None = None, *, tp: int | None = None, pp: int | None = None,
+                  vp_layers: int | None = None, dp: int | None = None, with_optimizer: bool = True,
+                  make_vocab_size_divisible_by: int | None = None, log=print) -> str:
+    """Write the torch_dist checkpoint in ``load`` as a torch-format checkpoint of (TP, PP[, VPP]) in ``save``
+    (default: the saving run's layout). Reducer (Squinch) states of the saving layout are kept as
+    ``reducer_dp_DDD.pt`` files when the target layout is that layout (as the torch resharder does)."""
+    import tempfile
+
+    from .checkpoint_conversion import save_resharded, target_layout
+
+    ck = load_dist_canonical(load, step, load_optimizer=with_optimizer)
+    target = target_layout(ck.config, tp or ck.source.tp, pp or ck.source.pp, vp_layers, dp)
+    with tempfile.TemporaryDirectory() as staging:
+        for (t, p), by_dp in ck.reducer_states.items():
+            os.makedirs(os.path.join(staging, f"{t}_{p}"))
+            for d, states in by_dp.items():
+                file = os.path.join(staging, f"{t}_{p}", f"reducer_dp_{d:03d}.pt")
+                torch.save(states, file)
+                ck.reducer_files.setdefault((t, p), []).append(file)
+        out = save_resharded(ck, save, target, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                             with_optimizer=with_optimizer, log=log)
+    log(f" converted iteration {ck.iteration} from torch_dist to torch with (TP, PP, VPP) = ({target.tp}, "
+        f"{target.pp}, {target.vpp}); optimizer state: {'yes' if ck.optimizer is not None else 'no'}; wrote {out}")
+    return out
