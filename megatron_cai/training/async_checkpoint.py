@@ -149,6 +149,20 @@ def verify_torch_file(path: str) -> None:
         raise CheckpointError(f"asynchronous checkpoint write of {path} did not verify: no data.pkl record")
 
 
+class _ViewsOptimizer:
+    """The distributed optimizer, whose ``state_dict(names)`` returns views of its freshly gathered flat
+    buffers (``copy=False``): still private to the caller, and one copy fewer in the training thread."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+
+    def state_dict(self, param_names: list[dict[int, str]]) -> dict:
+        return self._optimizer.state_dict(param_names, copy=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
 @dataclass
 class AsyncSave:
     """One save handed to the writer thread: ``check`` (is the staged state finite?), then ``write``; the
@@ -214,9 +228,10 @@ class AsyncCheckpointSaver:
         from . import dist_checkpoint as dc
 
         tmp = dc.begin_save(root, iteration)
-        sd = dc.build_state_dict(model_chunks, optimizer, scheduler, train_config.model, state, param_layout,
-                                 reducer_states=reducer_states, save_optim=save_optim)
         private = getattr(optimizer, "state_dict_copies", False) and not dc._is_fsdp(model_chunks)
+        sd = dc.build_state_dict(model_chunks, _ViewsOptimizer(optimizer) if private else optimizer, scheduler,
+                                 train_config.model, state, param_layout, reducer_states=reducer_states,
+                                 save_optim=save_optim)
         staged = self.cache.stage(sd, "dcp", owned=(dc.EXP_AVG, dc.EXP_AVG_SQ) if private else ())
         dp_kind = "fsdp2" if dc._is_fsdp(model_chunks) else "ddp"
 

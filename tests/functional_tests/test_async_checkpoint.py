@@ -184,3 +184,30 @@ def test_sigterm_waits_for_the_save_in_flight(tmp_path):
     assert os.path.isdir(os.path.join(save, "iter_0000002"))  # waited for, made current, not abandoned
     assert not [d for d in os.listdir(save) if d.endswith(".tmp")]
     assert torch.load(rank_file(save, 2), weights_only=False)["iteration"] == 2
+
+
+def _train_with_inf_before_save(rank, world, argv, at):
+    """Train; just before the save of iteration ``at`` one parameter becomes inf (no step was skipped)."""
+    def hook(trainer):
+        real_save = trainer.save
+
+        def save():
+            if trainer.state.iteration == at:
+                with torch.no_grad():
+                    next(trainer.model[0].module.parameters()).view(-1)[0] = float("inf")
+            real_save()
+        trainer.save = save
+
+    return train(argv, world, trainer_hook=hook)
+
+
+def test_async_save_of_a_non_finite_state_is_dropped(tmp_path, capfd):
+    """The finiteness check that guards a synchronous save runs on the staged copy in the writer thread:
+    a non-finite state is never made current (tracker unchanged, no directory left), as without async."""
+    save = str(tmp_path / "ckpt")
+    flags = [a for a in ARGS[:-1] if a not in ("--squinch", "--use-distributed-optimizer")]
+    run_distributed(_train_with_inf_before_save, 1,
+                    (flags + ["2", "--save", save, "--save-interval", "1", "--async-save"], 2))
+    assert tracker(save) == 1
+    assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+    assert "dropped the asynchronous save of iteration 2" in capfd.readouterr().out
