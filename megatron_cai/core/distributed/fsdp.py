@@ -15,7 +15,7 @@ TP-partial gradients, on the local DP shards), ``reducer`` (the reduce-scatter h
 the DDP path's grad-norm clip and non-finite check.
 
 HSDP (``--squinch --squinch-hierarchical``): the shard mesh is this node's DP ranks (parallel_state's
-intra-node DP group); each unit's ``HierarchicalSquinch`` reduce-scatters inside the node and, as the
+intra-node DP group); each unit's ``SquinchReduceScatter(inter_group=...)`` reduce-scatters inside the node and, as the
 unit's all-reduce hook, sums the shard across nodes with Squinch; FSDP2 then divides by the whole DP
 size. The grad norm counts the first node's shards only.
 """
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from .. import parallel_state as ps
 from ..optimizer.config import OptimizerConfig
 from .config import DDPConfig
-from .squinch_fsdp import CountingReduceScatter, HierarchicalSquinch, SquinchReduceScatter
+from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ class FullyShardedChunk(nn.Module):
                 m.set_force_sum_reduction_for_comms(True)
                 comm = self._make_comm(len(self.comms))
                 m.set_custom_reduce_scatter(comm)
-                if isinstance(comm, HierarchicalSquinch):  # sum over the nodes, then divide by all of DP
+                if isinstance(comm, SquinchReduceScatter) and comm.hierarchical:  # nodes, then divide by DP
                     m.set_all_reduce_hook(comm.all_reduce_hook)
                     m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size()))
                 self.comms[name or "root"] = comm
@@ -141,8 +141,8 @@ class FullyShardedChunk(nn.Module):
             return CountingReduceScatter()
         if s.hsdp:
             inter = ps.get_data_parallel_inter_node_group() if ps.get_world_size() > 1 else None
-            return HierarchicalSquinch(inter, error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
-                                       seed=s.seed * 1000 + index)
+            return SquinchReduceScatter(error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
+                                        seed=s.seed * 1000 + index, inter_group=inter)
         return SquinchReduceScatter(error_feedback=s.squinch_error_feedback, stochastic=s.squinch_stochastic,
                                     seed=s.seed * 1000 + index)
 

@@ -9,9 +9,9 @@ FSDP2 hands each hook the flat, padded gradients of one parameter group (one ``f
 - ``SquinchReduceScatter``: encode (error feedback) into DP rows, one ``all_to_all_single`` of uint8
   payloads, decode-accumulate into the shard (``squinch_collectives.compressed_reduce_scatter``).
   Each instance serves one FSDP parameter group and owns that group's residual.
-- ``HierarchicalSquinch`` (``--squinch-hierarchical``, HSDP): FSDP2 shards over the DP ranks of one
-  node; this is the uncompressed intra-node reduce-scatter (counted as intra-node bytes) and, as the
-  unit's ``set_all_reduce_hook``, the Squinch all-reduce of the reduced shard across nodes, among the
+- ``SquinchReduceScatter(inter_group=...)`` (``--squinch-hierarchical``, HSDP): FSDP2 shards over the
+  DP ranks of one node; this is the uncompressed intra-node reduce-scatter (counted as intra-node
+  bytes) and, as the unit's ``set_all_reduce_hook``, the Squinch all-reduce of the reduced shard across nodes, among the
   ranks with the same local index (``squinch_collectives.compressed_all_reduce``: error feedback on the
   all-to-all rows and on the owner's re-encode). FSDP2's native HSDP (a 2-D mesh) cannot be used: it
   always runs its own ``dist.all_reduce`` over the replicate dimension and calls an all-reduce hook
@@ -74,15 +74,25 @@ class CountingReduceScatter(ReduceScatter):
 
 
 class SquinchReduceScatter(CountingReduceScatter):
-    """Squinch 6-bit reduce-scatter with per-parameter-group error feedback."""
+    """Squinch 6-bit reduce-scatter with per-parameter-group error feedback.
+
+    With ``inter_group`` (HSDP, ``--squinch-hierarchical``) it is instead the uncompressed reduce-scatter
+    over the node's DP ranks, and :meth:`all_reduce_hook` (installed with ``set_all_reduce_hook``) sums
+    the reduced shard across nodes, over ``inter_group`` (one rank per node), with the Squinch
+    all-reduce: error feedback on its all-to-all rows (``residuals["rows"]``) and on the owner's
+    re-encode (``residuals["owner"]``). FSDP2 then divides by the whole DP size."""
 
     def __init__(self, *, error_feedback: bool = True, stochastic: bool = False, seed: int = 0,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, inter_group=None) -> None:
         super().__init__()
         self.error_feedback, self.stochastic, self.backend = error_feedback, stochastic, backend
-        self.residual: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None        # flat FSDP2: the reduce-scatter rows
+        self.residuals: dict[str, torch.Tensor] = {}     # HSDP: the cross-node all-reduce's
         self.generator: torch.Generator | None = None
         self._seed = seed
+        self.hierarchical = inter_group is not None
+        self.inter_group = inter_group
+        self.nodes = dist.get_world_size(inter_group) if inter_group is not None else 1
 
     def _residual(self, numel: int, device: torch.device) -> torch.Tensor | None:
         if not self.error_feedback:
@@ -93,67 +103,7 @@ class SquinchReduceScatter(CountingReduceScatter):
             self.residual = self.residual.to(device)
         return self.residual
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
-                 async_op: bool = False):
-        _check_sum(op)
-        world = group.size()
-        residual = self._residual(world * padded_chunk(output_tensor.numel()), input_tensor.device)
-        if self.stochastic and self.generator is None:
-            self.generator = torch.Generator(device=input_tensor.device).manual_seed(self._seed)
-        nbytes = compressed_reduce_scatter(output_tensor, input_tensor, group, world, residual,
-                                           stochastic=self.stochastic, generator=self.generator, backend=self.backend)
-        self.bytes_sent += nbytes
-        self.inter_node_bytes_sent += nbytes
-        return _Done() if async_op else None
-
-    def step_skipped(self) -> None:
-        """A skipped step discards its gradients, including what error feedback carried."""
-        if self.residual is not None:
-            self.residual.zero_()
-
-    def rescale_feedback(self, factor: float) -> None:
-        """Residuals follow a loss-scale change (they are in loss-scaled units), as in SquinchReducer."""
-        if self.residual is not None:
-            self.residual.mul_(factor)
-
-    def state_dict(self) -> dict:
-        state = {"residual": None if self.residual is None else self.residual.detach().cpu().clone()}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        r = state.get("residual")
-        self.residual = None if r is None else r.clone()
-        if "generator" in state:
-            self.generator = torch.Generator().manual_seed(self._seed)
-            self.generator.set_state(state["generator"])
-
-
-class HierarchicalSquinch(CountingReduceScatter):
-    """HSDP with Squinch across nodes only: the uncompressed intra-node reduce-scatter (this object as
-    FSDP2's reduce-scatter over the node's DP ranks) and :meth:`all_reduce_hook`, the Squinch sum
-    all-reduce of the reduced shard over ``inter_group`` (one rank per node), with error feedback.
-    FSDP2 then divides by the whole DP size (``set_gradient_divide_factor``)."""
-
-    def __init__(self, inter_group, *, error_feedback: bool = True, stochastic: bool = False, seed: int = 0,
-                 backend: str | None = None) -> None:
-        super().__init__()
-        self.inter_group = inter_group
-        self.nodes = dist.get_world_size(inter_group) if inter_group is not None else 1
-        self.error_feedback, self.stochastic, self.backend = error_feedback, stochastic, backend
-        self.residuals: dict[str, torch.Tensor] = {}
-        self.generator: torch.Generator | None = None
-        self._seed = seed
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
-                 async_op: bool = False):
-        _check_sum(op)
-        n = group.size()
-        self.bytes_sent += (n - 1) * input_tensor.numel() * input_tensor.element_size() // n
-        return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-
-    def _residual(self, key: str, numel: int, device: torch.device) -> torch.Tensor | None:
+    def _cross_node_residual(self, key: str, numel: int, device: torch.device) -> torch.Tensor | None:
         if not self.error_feedback:
             return None
         r = self.residuals.get(key)
@@ -163,35 +113,63 @@ class HierarchicalSquinch(CountingReduceScatter):
             r = self.residuals[key] = r.to(device)
         return r
 
+    def _gen(self, device: torch.device) -> torch.Generator | None:
+        if self.stochastic and self.generator is None:
+            self.generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self.generator
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        _check_sum(op)
+        world = group.size()
+        if self.hierarchical:  # inside the node: uncompressed, not inter-node traffic
+            self.bytes_sent += (world - 1) * input_tensor.numel() * input_tensor.element_size() // world
+            return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        residual = self._residual(world * padded_chunk(output_tensor.numel()), input_tensor.device)
+        nbytes = compressed_reduce_scatter(output_tensor, input_tensor, group, world, residual,
+                                           stochastic=self.stochastic, generator=self._gen(input_tensor.device),
+                                           backend=self.backend)
+        self.bytes_sent += nbytes
+        self.inter_node_bytes_sent += nbytes
+        return _Done() if async_op else None
+
     def all_reduce_hook(self, reduce_output: torch.Tensor) -> None:
-        """Sum ``reduce_output`` (this rank's intra-node-reduced shard) over the nodes, in place."""
+        """HSDP: sum ``reduce_output`` (this rank's intra-node-reduced shard) over the nodes, in place."""
         if self.nodes == 1:
             return
         m, dev = self.nodes, reduce_output.device
         row = padded_chunk(-(-reduce_output.numel() // m))
-        if self.stochastic and self.generator is None:
-            self.generator = torch.Generator(device=dev).manual_seed(self._seed)
-        nbytes = compressed_all_reduce(reduce_output, self.inter_group, m, self._residual("rows", m * row, dev),
-                                       self._residual("owner", row, dev), stochastic=self.stochastic,
-                                       generator=self.generator, backend=self.backend)
+        nbytes = compressed_all_reduce(reduce_output, self.inter_group, m,
+                                       self._cross_node_residual("rows", m * row, dev),
+                                       self._cross_node_residual("owner", row, dev), stochastic=self.stochastic,
+                                       generator=self._gen(dev), backend=self.backend)
         self.bytes_sent += nbytes
         self.inter_node_bytes_sent += nbytes
 
+    def _all_residuals(self) -> list[torch.Tensor]:
+        return ([self.residual] if self.residual is not None else []) + list(self.residuals.values())
+
     def step_skipped(self) -> None:
-        for r in self.residuals.values():
+        """A skipped step discards its gradients, including what error feedback carried."""
+        for r in self._all_residuals():
             r.zero_()
 
     def rescale_feedback(self, factor: float) -> None:
-        for r in self.residuals.values():
+        """Residuals follow a loss-scale change (they are in loss-scaled units), as in SquinchReducer."""
+        for r in self._all_residuals():
             r.mul_(factor)
 
     def state_dict(self) -> dict:
-        state = {"residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
+        state = {"residual": None if self.residual is None else self.residual.detach().cpu().clone()}
+        if self.residuals:
+            state["residuals"] = {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        r = state.get("residual")
+        self.residual = None if r is None else r.clone()
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
         if "generator" in state:
             self.generator = torch.Generator().manual_seed(self._seed)
