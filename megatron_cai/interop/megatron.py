@@ -517,7 +517,12 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     ck = CanonicalCheckpoint(config=config, iteration=mck.iteration, model=model, layout_meta=param_layout(config),
                              counters=counters, args=args, source=Layout(mck.tp, mck.pp, None, None),
                              notes=[f"imported from Megatron-LM ({mck.ckpt_format}) {root}"])
-    target = target_layout(config, tp or mck.tp, pp or mck.pp, vp_layers)
+    if mck.ckpt_format == "torch_dist":  # global tensors: default to the layout it was trained with
+        src_tp = int(_get(mck.args, "tensor_model_parallel_size", 1) or 1)
+        src_pp = int(_get(mck.args, "pipeline_model_parallel_size", 1) or 1)
+    else:
+        src_tp, src_pp = mck.tp, mck.pp
+    target = target_layout(config, tp or src_tp, pp or src_pp, vp_layers)
     out = save_resharded(ck, save, target, make_vocab_size_divisible_by=divisible, with_optimizer=False, log=log)
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
         f"at (TP, PP) = ({target.tp}, {target.pp}); vocabulary {config.vocab_size} (Megatron's padded rows); "
