@@ -38,7 +38,6 @@ consumed-sample counters are carried, so the data loader continues where the sou
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -611,8 +610,3 @@ def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, sp
         f"--no-load-optim --no-load-rng --use-checkpoint-args{impl}")
     return final
 
-
-def rank_files(root: str) -> list[str]:
-    """The ``model_optim_rng.pt`` files of the latest iteration (for tests and tools)."""
-    it_dir, _ = read_tracker_or_step(root, None)
-    return sorted(glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")))
