@@ -4,8 +4,9 @@ and write one of ours as a Megatron-LM checkpoint (``tools/convert_checkpoint.py
 
 Formats: Megatron-LM's legacy ``torch`` format (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``,
 a pickled dict with ``model`` (or ``model0``, ``model1``, ... with virtual pipeline stages), ``args``
-and ``iteration``) both ways; the ``torch_dist`` format (``megatron.core.dist_checkpointing``) is read
-with ``torch.distributed.checkpoint`` (see :func:`read_torch_dist`).
+and ``iteration``) both ways; the ``torch_dist`` format (``megatron.core.dist_checkpointing``) both
+ways too, read and written with ``torch.distributed.checkpoint`` alone (:func:`read_torch_dist`,
+:func:`write_torch_dist`), so megatron-core need not be installed.
 
 Architecture mapping (megatron-core name <-> ours; tensors per TP rank on Megatron's side, full
 tensors on ours, see ``checkpoint_conversion``):
@@ -32,8 +33,9 @@ tensors on ours, see ``checkpoint_conversion``):
 ===========================================  ===============================================================
 
 Not carried either way: the optimizer state (Megatron's distributed optimizer keeps flat fp32 buffers
-in ``distrib_optim.pt`` whose order depends on its bucketing) and the RNG states. The iteration and the
-consumed-sample counters are carried, so the data loader continues where the source stopped.
+in ``distrib_optim.pt`` whose order depends on its bucketing), the LR scheduler and the RNG states.
+The iteration and the consumed-sample counters are carried, so the data loader continues where the
+source stopped.
 """
 from __future__ import annotations
 
