@@ -4,8 +4,9 @@ and write one of ours as a Megatron-LM checkpoint (``tools/convert_checkpoint.py
 
 Formats: Megatron-LM's legacy ``torch`` format (``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``,
 a pickled dict with ``model`` (or ``model0``, ``model1``, ... with virtual pipeline stages), ``args``
-and ``iteration``) both ways; the ``torch_dist`` format (``megatron.core.dist_checkpointing``) is read
-with ``torch.distributed.checkpoint`` (see :func:`read_torch_dist`).
+and ``iteration``) both ways; the ``torch_dist`` format (``megatron.core.dist_checkpointing``) both
+ways too, read and written with ``torch.distributed.checkpoint`` alone (:func:`read_torch_dist`,
+:func:`write_torch_dist`), so megatron-core need not be installed.
 
 Architecture mapping (megatron-core name <-> ours; tensors per TP rank on Megatron's side, full
 tensors on ours, see ``checkpoint_conversion``):
@@ -32,13 +33,13 @@ tensors on ours, see ``checkpoint_conversion``):
 ===========================================  ===============================================================
 
 Not carried either way: the optimizer state (Megatron's distributed optimizer keeps flat fp32 buffers
-in ``distrib_optim.pt`` whose order depends on its bucketing) and the RNG states. The iteration and the
-consumed-sample counters are carried, so the data loader continues where the source stopped.
+in ``distrib_optim.pt`` whose order depends on its bucketing), the LR scheduler and the RNG states.
+The iteration and the consumed-sample counters are carried, so the data loader continues where the
+source stopped.
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -517,7 +518,12 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     ck = CanonicalCheckpoint(config=config, iteration=mck.iteration, model=model, layout_meta=param_layout(config),
                              counters=counters, args=args, source=Layout(mck.tp, mck.pp, None, None),
                              notes=[f"imported from Megatron-LM ({mck.ckpt_format}) {root}"])
-    target = target_layout(config, tp or mck.tp, pp or mck.pp, vp_layers)
+    if mck.ckpt_format == "torch_dist":  # global tensors: default to the layout it was trained with
+        src_tp = int(_get(mck.args, "tensor_model_parallel_size", 1) or 1)
+        src_pp = int(_get(mck.args, "pipeline_model_parallel_size", 1) or 1)
+    else:
+        src_tp, src_pp = mck.tp, mck.pp
+    target = target_layout(config, tp or src_tp, pp or src_pp, vp_layers)
     out = save_resharded(ck, save, target, make_vocab_size_divisible_by=divisible, with_optimizer=False, log=log)
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
         f"at (TP, PP) = ({target.tp}, {target.pp}); vocabulary {config.vocab_size} (Megatron's padded rows); "
@@ -606,8 +612,3 @@ def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, sp
         f"--no-load-optim --no-load-rng --use-checkpoint-args{impl}")
     return final
 
-
-def rank_files(root: str) -> list[str]:
-    """The ``model_optim_rng.pt`` files of the latest iteration (for tests and tools)."""
-    it_dir, _ = read_tracker_or_step(root, None)
-    return sorted(glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")))

@@ -4,13 +4,16 @@ Megatron-LM's own argument parser (``parse_args`` + ``validate_args``) turns Meg
 ``args``; ``core_transformer_config_from_args`` and megatron-core's ``GPTModel`` with the local layer spec
 build the model from them, as Megatron-LM's GPT builder does. Its checkpoint (the legacy ``torch`` format,
 ``model_optim_rng.pt`` per TP rank) goes through ``tools/convert_checkpoint.py --from-megatron`` into
-ours, and ours goes back through ``--to-megatron`` into a fresh megatron-core model (strict
-``load_state_dict``, with megatron-core's ``load_args_from_checkpoint`` reading our ``args``).
+ours, and ours goes back through ``--to-megatron`` into a fresh megatron-core model, loaded by
+Megatron-LM's own ``load_args_from_checkpoint`` and ``load_checkpoint`` (strict). The same for the
+``torch_dist`` format (``dist_checkpointing.save`` on CPU), PP = 2 stages, and 5 training iterations
+continued on both sides (megatron-core's DDP, optimizer, scheduler and schedule).
 
 CPU shims (test only): ``torch.cuda.current_device`` and megatron-core's CUDA RNG state get/set
 functions; ``model_parallel_cuda_manual_seed`` is called; the causal mask is passed explicitly (its
 default one is allocated on CUDA); Megatron-LM's tracker reader (it all-reduces the iteration in a CUDA
-tensor) is replaced by a plain read of the file.
+tensor) is replaced by a plain read of the file; further shims for the train step and torch_dist
+are named where they are made.
 """
 from __future__ import annotations
 
