@@ -79,13 +79,17 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt):
-    """DP=2, distributed optimizer, Squinch: the async checkpoint (written while training went on) equals
-    the synchronous one file for file (torch format), and resuming it gives the uninterrupted run's losses
-    and grad norms."""
+FSDP2 = [a for a in ARGS if a not in ("--use-distributed-optimizer", "--squinch")] + ["--use-torch-fsdp2"]
+
+
+@pytest.mark.parametrize("fmt,args", [("torch", ARGS), ("torch_dist", ARGS), ("torch_dist", FSDP2)],
+                         ids=["torch", "torch_dist", "torch_dist_fsdp2"])
+def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt, args):
+    """DP=2, distributed optimizer, Squinch (and FSDP2): the async checkpoint (written while training went
+    on) equals the synchronous one file for file (torch format), and resuming it gives the uninterrupted
+    run's losses and grad norms."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
-    flags = ARGS + ["--save-interval", "4", "--ckpt-format", fmt]
+    flags = args + ["--save-interval", "4", "--ckpt-format", fmt]
     sync = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", sync_dir], 0.0))
     asyn = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", async_dir, "--async-save"], 1.5))
     assert _curves(asyn) == _curves(sync)  # saving in the background does not perturb training
@@ -101,7 +105,7 @@ def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt):
         assert sorted(os.listdir(os.path.join(async_dir, "iter_0000004"))) == \
             sorted(os.listdir(os.path.join(sync_dir, "iter_0000004")))
     resumed = run_distributed(_train_recording_finalizes, 2,
-                              (ARGS + ["--ckpt-format", fmt, "--load", async_dir, "--ckpt-step", "4"], 0.0))
+                              (args + ["--ckpt-format", fmt, "--load", async_dir, "--ckpt-step", "4"], 0.0))
     assert _curves(resumed) == _curves(sync)[4:]
 
 
