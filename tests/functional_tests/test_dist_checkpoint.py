@@ -114,6 +114,10 @@ def test_fsdp2_resume_other_dp_and_ddp(tmp_path, reference):
     save = str(tmp_path / "ckpt")
     hist = _run(2, BASE + FSDP + ["--train-iters", str(ITERS), "--save", save, "--save-interval", str(HALF)])
     _close(hist, reference)
+    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000005")).state_dict_metadata
+    for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"):
+        rows = sorted(c.offsets[0] for c in saved[key].chunks)  # each DP rank wrote its own shard's rows
+        assert len(rows) >= 2 and rows[0] == 0, (key, rows)
     _exact(_resume(save, 2, FSDP), hist[HALF:])
     _close(_resume(save, 4, FSDP), reference[HALF:])
     _close(_resume(save, 2, ["--tensor-model-parallel-size", "2"]), reference[HALF:])
