@@ -234,3 +234,15 @@ def test_tracker_written_last_and_no_tmp_left(saved_tp2pp2):
     save = saved_tp2pp2[0]
     assert checkpointing.read_tracker(save) == ITERS
     assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+
+
+def test_no_save_optim_and_finetune(tmp_path, capfd):
+    save = str(tmp_path / "ckpt")
+    _run(1, BASE + ["--train-iters", "2", "--save", save, "--no-save-optim"])
+    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000002")).state_dict_metadata
+    assert not any(k.startswith("optimizer.") for k in saved) and "embedding.word_embeddings.weight" in saved
+    capfd.readouterr()
+    resumed = _run(1, BASE + ["--train-iters", "3", "--load", save])
+    assert len(resumed) == 1 and "holds no optimizer state" in capfd.readouterr().out
+    tuned = _run(1, BASE + ["--train-iters", "3", "--load", save, "--finetune"])
+    assert len(tuned) == 3  # weights only: from iteration 0
