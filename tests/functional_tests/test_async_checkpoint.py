@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_faults import INJECT, MODEL, ROOT, launch_ranks, rank_file, tracker
+from test_faults import INJECT, MODEL, ROOT, assert_one_error, launch_ranks, rank_file, tracker
+from test_faults import run as run_fault
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from train_utils import TINY_MODEL, last_stage_history, train
 
@@ -227,3 +228,14 @@ def test_async_save_of_a_non_finite_state_is_dropped(tmp_path, capfd):
     assert tracker(save) == 1
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert "dropped the asynchronous save of iteration 2" in capfd.readouterr().out
+
+
+def test_failed_async_write_is_one_error_and_keeps_the_tracker(tmp_path):
+    """A full disk in the writer thread: the next check stops the job with one error naming the file (as a
+    synchronous save does), and the tracker stays on the last complete checkpoint."""
+    save = str(tmp_path / "ckpt")
+    proc = run_fault(["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", "8", "--save", save,
+                      "--save-interval", "2", "--async-save"], env={"FAULT_ENOSPC": "iter_0000006"})
+    line = assert_one_error(proc, os.path.join("iter_0000006.tmp", "mp_rank_00", "model_optim_rng.pt"), "ENOSPC")
+    assert "needs about" in line
+    assert tracker(save) == 4 and not os.path.exists(os.path.join(save, "iter_0000006"))
