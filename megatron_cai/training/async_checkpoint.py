@@ -7,7 +7,14 @@ every tensor of this rank's payload into CPU staging buffers (kept and reused by
 save after the first is a plain copy, without new allocations) and starts a writer thread. The thread
 writes this rank's files into ``iter_XXXXXXX.tmp`` with no collectives (the training process group is
 never used concurrently with training), then checks each file (its zip directory, written last, is
-readable and lists the pickled object): that is "finished and verified" for this rank.
+readable and lists the pickled object): that is "finished and verified" for this rank. Before writing,
+it checks that the staged parameters and optimizer state are finite (the check a synchronous save makes
+on the live state, moved off the training loop); a non-finite save is dropped at finalize.
+
+``--ckpt-format torch_dist`` (:meth:`AsyncCheckpointSaver.submit_dist`): ``dist_checkpoint.begin_save`` and
+``build_state_dict`` run in the main thread, the DCP state dict (its ``Pieces`` too) is staged the same
+way, and the thread runs ``torch.distributed.checkpoint.save`` over a gloo process group of the saver's
+own, then rank 0 writes ``metadata.json``; finalizing checks DCP's ``.metadata`` before the rename.
 
 :meth:`AsyncCheckpointSaver.maybe_finalize` (every rank, main thread) makes the checkpoint current: a
 small all-reduce agrees whether every rank's write is finished and verified (Megatron-LM's

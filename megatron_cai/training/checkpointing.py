@@ -254,7 +254,8 @@ def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
         raise CheckpointError(
             f"checkpoint {root} was saved with (TP, PP, VPP) = {there} but this run uses {here}; convert it "
             f"first: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
-            f"--target-tensor-parallel-size {here[0]} --target-pipeline-model-parallel-size {here[1]}")
+            f"--target-tensor-parallel-size {here[0]} --target-pipeline-model-parallel-size {here[1]} (or convert "
+            f"it once with --target-ckpt-format torch_dist: that format loads into any layout)")
     diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
     if diff:
         raise CheckpointError(f"checkpoint {root} has a different model configuration: " + "; ".join(diff))

@@ -17,9 +17,12 @@ in place. DP replicas write the same pieces, which DCP deduplicates. Loading ask
 for exactly the pieces each rank needs; DCP reads their overlap with what was written, so TP, PP, DP and
 virtual-PP may all change with no conversion step.
 
-- The distributed optimizer's flat DP shards and FSDP2's DP-sharded DTensors are first gathered over DP
-  into per-parameter TP-local tensors (one collective per chunk / parameter); DP ranks then write
-  disjoint pieces thanks to deduplication. Loading scatters them back into this run's DP shards.
+- FSDP2: each rank writes and reads only its DP shard (rows of the TP-local tensor, ``local_part``)
+  of every weight and Adam moment, with its global offsets; nothing is gathered.
+- The distributed optimizer's flat DP shards (which cut across parameters) are first gathered over DP
+  into per-parameter TP-local tensors by its ``state_dict``; DCP's deduplication then has each piece
+  written by one DP replica. Loading hands the TP-local tensors to ``load_state_dict``, which keeps
+  this rank's shard.
 - Vocabulary padding depends on TP: the embedding and output tables are saved with the saving run's
   padded row count. A run with other padding reads the rows both have; its extra padding rows are zero
   (their weights and Adam moments). Padding rows are never looked up and are masked out of the softmax.
@@ -166,19 +169,44 @@ def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> li
     return out
 
 
-def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int) -> Pieces:
-    """This rank's pieces of a canonical tensor, given its TP-local tensor."""
+def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0,
+               rows: int | None = None) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """This rank's pieces of a canonical tensor: ``(global offsets, index into the local tensor)``.
+
+    The local tensor is rows ``[row0, row0 + rows)`` of the TP-local tensor: all of it (DDP, the
+    distributed optimizer after its gather) or an FSDP2 DP shard (dim 0, ``torch.chunk`` over DP)."""
+    full = list(full_shape)
+    split0 = meta.get("tp_dim") == 0 and tp > 1
+    rows = (full[0] // tp if split0 else full[0]) - row0 if rows is None else rows
+    out = []
+    for off, size, lo, dim in tp_boxes(full, meta, tp_rank, tp):
+        if dim == 0:  # the box spans TP-local rows [lo, lo + size[0])
+            i0, i1 = max(lo, row0), min(lo + size[0], row0 + rows)
+            if i0 >= i1:
+                continue
+            goff = (off[0] + i0 - lo, *off[1:])
+            index = (slice(i0 - row0, i1 - row0),)
+        else:
+            if rows <= 0:
+                continue
+            goff = (off[0] + row0, *off[1:])
+            index = (slice(0, rows),) + tuple(slice(None) for _ in range(1, dim)) + (slice(lo, lo + size[dim]),)
+        out.append((goff, index))
+    return out
+
+
+def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int, row0: int = 0) -> Pieces:
+    """This rank's pieces of a canonical tensor, given its TP-local tensor (or rows of it from ``row0``)."""
     full = list(meta["full_shape"])
-    boxes = tp_boxes(full, meta, tp_rank, tp)
-    if len(boxes) == 1:
-        return Pieces(full, [(boxes[0][0], local.detach().contiguous())])
-    return Pieces(full, [(o, local.detach().narrow(d, lo, s[d]).contiguous()) for o, s, lo, d in boxes])
+    local = local.detach()
+    rows = local.shape[0] if local.dim() else None
+    return Pieces(full, [(o, local[idx].contiguous()) for o, idx in rank_boxes(full, meta, tp_rank, tp, row0, rows)])
 
 
 def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_rank: int, tp: int,
-                name: str) -> Pieces:
-    """Pieces that read into ``target`` (this rank's TP-local tensor, zeroed): each box clipped to the saved
-    shape (vocabulary tables may have other padding; anything else must match)."""
+                name: str, row0: int = 0) -> Pieces:
+    """Pieces that read into ``target`` (this rank's TP-local tensor, or rows of it from ``row0``; zeroed):
+    each clipped to the saved shape (vocabulary tables may have other padding; anything else must match)."""
     full = list(meta["full_shape"])
     if list(saved_shape) != full:
         vocab_only = name.endswith(VOCAB_PARAMS) and list(saved_shape[1:]) == full[1:]
@@ -186,13 +214,31 @@ def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_ra
             raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(saved_shape)}, this run's is "
                                   f"{tuple(full)}")
     pieces = []
-    for off, size, lo, dim in tp_boxes(full, meta, tp_rank, tp):
-        view = target if len(tp_boxes(full, meta, tp_rank, tp)) == 1 else target.narrow(dim, lo, size[dim])
-        rows = min(size[0], saved_shape[0] - off[0])  # only dim 0 (vocabulary rows) may be clipped
-        if rows <= 0:
-            continue
-        pieces.append((off, view.narrow(0, 0, rows) if rows < size[0] else view))
+    for off, idx in rank_boxes(full, meta, tp_rank, tp, row0, target.shape[0]):
+        view = target[idx]
+        rows = min(view.shape[0], saved_shape[0] - off[0])  # only dim 0 (vocabulary rows) may be clipped
+        if rows > 0:
+            pieces.append((off, view.narrow(0, 0, rows) if rows < view.shape[0] else view))
     return Pieces(saved_shape, pieces)
+
+
+def local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the rows of a TP-local tensor this rank holds, the first one's index): the tensor itself, or an
+    FSDP2 DTensor's DP shard, which is never gathered."""
+    if not hasattr(t, "device_mesh"):
+        return t, 0
+    if not _row_sharded(t):
+        return t.full_tensor(), 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), offset[0]
+
+
+def _row_sharded(t) -> bool:
+    from torch.distributed.tensor import Shard
+
+    return all(isinstance(pl, Shard) and pl.dim == 0 for pl in t.placements)
 
 
 # ------------------------------------------------------------------------------------ model access
@@ -213,19 +259,14 @@ def source_name(name: str, config: GPTConfig) -> str:
     return WORD_EMBEDDINGS if name == OUTPUT_WEIGHT and _tied(config) else name
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The TP-local tensor of a parameter / state (FSDP2 DTensors are gathered over DP)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameters, buffers) of this rank as TP-local tensors, by global name (collective under FSDP2)."""
+    """(parameters, buffers) of this rank by global name: TP-local tensors, or FSDP2's DTensors."""
     params, buffers = {}, {}
     for m in model_chunks:
         module = _module(m)
         names = {n for n, _ in module.named_parameters()}
         for n, p in module.named_parameters():
-            params[n] = _full(p.detach())
+            params[n] = p.detach()
         for n, b in module.state_dict().items():
             if n not in names:
                 buffers[n] = b.detach()
@@ -233,8 +274,8 @@ def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torc
 
 
 def optimizer_state(model_chunks, optimizer) -> dict:
-    """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}`` with TP-local tensors
-    (collective over DP: the distributed optimizer's shards / FSDP2's DTensors are gathered)."""
+    """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}``: TP-local tensors (the
+    distributed optimizer's flat DP shards are gathered over DP: collective), or FSDP2's DTensors."""
     if not _is_fsdp(model_chunks):
         names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
         return optimizer.state_dict(names)
@@ -245,9 +286,9 @@ def optimizer_state(model_chunks, optimizer) -> dict:
             st = opt.state.get(p, {})
             if "exp_avg" in st:
                 step = int(st["step"])
-                param_state[n] = {"exp_avg": _full(st["exp_avg"]), "exp_avg_sq": _full(st["exp_avg_sq"])}
+                param_state[n] = {"exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
             else:
-                zeros = torch.zeros_like(_full(p.detach()))
+                zeros = torch.zeros_like(p.detach())
                 param_state[n] = {"exp_avg": zeros, "exp_avg_sq": zeros}
     group = opt.param_groups[0]
     hyper = {"betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": optimizer_weight_decay(opt)}
@@ -279,7 +320,8 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
     for name, t in params.items():
         if source_name(name, config) != name:
             continue  # the tied copy: saved once, as the embeddings
-        sd[name] = save_pieces(t, param_layout[name], tp_rank, tp)
+        local, row0 = local_part(t)
+        sd[name] = save_pieces(local, param_layout[name], tp_rank, tp, row0)
     sd.update(buffers)  # replicated scalars (QAT static clamps): plain tensors, deduplicated by DCP
     common = {"checkpoint_version": FORMAT_VERSION, **state, "opt_param_scheduler": scheduler.state_dict(),
               "optimizer": None}
@@ -288,8 +330,9 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
         for name, st in optim.pop("param_state").items():
             if source_name(name, config) != name:
                 continue
-            sd[EXP_AVG + name] = save_pieces(st["exp_avg"], param_layout[name], tp_rank, tp)
-            sd[EXP_AVG_SQ + name] = save_pieces(st["exp_avg_sq"], param_layout[name], tp_rank, tp)
+            for prefix, key in ((EXP_AVG, "exp_avg"), (EXP_AVG_SQ, "exp_avg_sq")):
+                local, row0 = local_part(st[key])
+                sd[prefix + name] = save_pieces(local, param_layout[name], tp_rank, tp, row0)
         common["optimizer"] = optim
     if ps.get_rank() == 0:
         sd[COMMON] = common
@@ -484,15 +527,16 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
         if src not in saved:
             raise CheckpointError(f"torch_dist checkpoint {path} lacks parameter {src!r}")
         shape, meta_p = saved[src].size, param_layout[name]
+        local, row0 = local_part(t)  # under FSDP2: this rank's DP shard only, read as such
         kinds = [("", tg.params)] + ([(EXP_AVG, tg.exp_avg), (EXP_AVG_SQ, tg.exp_avg_sq)] if with_optim else [])
         for prefix, out in kinds:
-            out[name] = torch.zeros(t.shape, dtype=torch.float32)
+            out[name] = torch.zeros(local.shape, dtype=torch.float32)
             key = prefix + src
             if key in sd:  # one rank holds both tied copies: read once, copy after
                 continue
             if key not in saved:
                 raise CheckpointError(f"torch_dist checkpoint {path} lacks {key!r}")
-            sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src)
+            sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src, row0)
     for name, b in buffers.items():
         if name in saved:
             tg.buffers[name] = sd[name] = torch.empty_like(b, device="cpu")
@@ -583,16 +627,20 @@ def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[s
                     b.copy_(buffers[n])
 
 
-def _copy_into(dst: torch.Tensor, full: torch.Tensor) -> None:
-    """``dst`` (a tensor, or an FSDP2 DTensor sharded over DP) takes its part of the TP-local ``full``."""
-    if hasattr(dst, "device_mesh"):
+def _copy_into(dst: torch.Tensor, data: torch.Tensor) -> None:
+    """``dst`` takes ``data``: a tensor, or an FSDP2 DTensor and its DP shard (as :func:`local_part` gave
+    it; the whole TP-local tensor for other placements)."""
+    if hasattr(dst, "device_mesh") and _row_sharded(dst):
+        dst.to_local().copy_(data)
+    elif hasattr(dst, "device_mesh"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+        full = data
         shape, offset = compute_local_shape_and_global_offset(full.shape, dst.device_mesh, dst.placements)
         part = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
         dst.to_local().copy_(part)
     else:
-        dst.copy_(full)
+        dst.copy_(data)
 
 
 def apply_optimizer(model_chunks, optimizer, state: dict) -> None:

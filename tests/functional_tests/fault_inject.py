@@ -3,7 +3,8 @@
     FAULT_NAN_LOSS_FROM=K   the loss is NaN from iteration K on (FAULT_NAN_ONCE=1: at iteration K only;
                             FAULT_NAN_RANK=r: on global rank r only)
     FAULT_ENOSPC=SUBSTR     torch.save of a path containing SUBSTR writes 4 KiB, then fails with ENOSPC
-    FAULT_HANG_SAVE=SUBSTR  torch.save of such a path writes 4 KiB, prints "FAULT: saving" and sleeps (kill -9 it)
+    FAULT_HANG_SAVE=SUBSTR  torch.save of such a path writes 4 KiB, prints "FAULT: saving" and sleeps (kill -9 it);
+                            so does torch.distributed.checkpoint.save into such a directory (a partial .distcp)
     FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
                             (default 3), then saves
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
@@ -54,6 +55,20 @@ def install() -> None:
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = faulty_save
+    import torch.distributed.checkpoint as dcp
+
+    real_dcp_save = dcp.save
+
+    def faulty_dcp_save(state_dict, *args, checkpoint_id=None, **kwargs):
+        if env.get("FAULT_HANG_SAVE") and env["FAULT_HANG_SAVE"] in str(checkpoint_id):
+            def hang():
+                print(f"FAULT: saving {checkpoint_id}", file=sys.stderr, flush=True)
+                time.sleep(600)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            return _partial_write_then(os.path.join(str(checkpoint_id), f"__{rank}_0.distcp"), hang)
+        return real_dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+    dcp.save = faulty_dcp_save
 
     real_step = training.Trainer.train_step
 

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_faults import INJECT, MODEL, ROOT, assert_same_state, launch_ranks, rank_file, tracker
+from test_faults import INJECT, MODEL, ROOT, assert_one_error, launch_ranks, rank_file, tracker
+from test_faults import run as run_fault
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from train_utils import TINY_MODEL, last_stage_history, train
 
 from megatron_cai.training import async_checkpoint
@@ -78,13 +80,17 @@ def _assert_equal(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt):
-    """DP=2, distributed optimizer, Squinch: the async checkpoint (written while training went on) equals
-    the synchronous one file for file (torch format), and resuming it gives the uninterrupted run's losses
-    and grad norms."""
+FSDP2 = [a for a in ARGS if a not in ("--use-distributed-optimizer", "--squinch")] + ["--use-torch-fsdp2"]
+
+
+@pytest.mark.parametrize("fmt,args", [("torch", ARGS), ("torch_dist", ARGS), ("torch_dist", FSDP2)],
+                         ids=["torch", "torch_dist", "torch_dist_fsdp2"])
+def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt, args):
+    """DP=2, distributed optimizer, Squinch (and FSDP2): the async checkpoint (written while training went
+    on) equals the synchronous one file for file (torch format), and resuming it gives the uninterrupted
+    run's losses and grad norms."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
-    flags = ARGS + ["--save-interval", "4", "--ckpt-format", fmt]
+    flags = args + ["--save-interval", "4", "--ckpt-format", fmt]
     sync = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", sync_dir], 0.0))
     asyn = run_distributed(_train_recording_finalizes, 2, (flags + ["--save", async_dir, "--async-save"], 1.5))
     assert _curves(asyn) == _curves(sync)  # saving in the background does not perturb training
@@ -100,7 +106,7 @@ def test_async_save_equals_sync_and_resumes_bit_exactly(tmp_path, fmt):
         assert sorted(os.listdir(os.path.join(async_dir, "iter_0000004"))) == \
             sorted(os.listdir(os.path.join(sync_dir, "iter_0000004")))
     resumed = run_distributed(_train_recording_finalizes, 2,
-                              (ARGS + ["--ckpt-format", fmt, "--load", async_dir, "--ckpt-step", "4"], 0.0))
+                              (args + ["--ckpt-format", fmt, "--load", async_dir, "--ckpt-step", "4"], 0.0))
     assert _curves(resumed) == _curves(sync)[4:]
 
 
@@ -119,14 +125,25 @@ def _wait_all(procs, timeout=240):
     return [p.communicate(timeout=timeout) for p in procs]
 
 
-def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
+def _checkpoint(root: str, iteration: int, fmt: str, tmp_path) -> dict:
+    """Everything a checkpoint holds, as nested dicts of tensors (torch_dist: read back through DCP)."""
+    if fmt == "torch":
+        return _payloads(root, iteration)
+    out = str(tmp_path / f"dcp_{abs(hash(root))}_{iteration}.pt")
+    dcp_to_torch_save(os.path.join(root, f"iter_{iteration:07d}"), out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path, fmt):
     """SIGKILL the job while iteration 4's asynchronous save is being written (training has gone on to
-    iteration 5): the tracker stays on 2, and resuming gives the uninterrupted run's state at iteration 6."""
+    iteration 5): the tracker stays on 2, and resuming gives the uninterrupted run's checkpoints exactly."""
     ref, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    procs = launch_ranks([*FAULT_FLAGS, "--save", ref], 2)
+    flags = [*FAULT_FLAGS, "--ckpt-format", fmt]
+    procs = launch_ranks([*flags, "--save", ref], 2)
     ref_out = _wait_all(procs)
     assert [p.returncode for p in procs] == [0, 0], ref_out[1]
-    procs = launch_ranks([*FAULT_FLAGS, "--save", run_dir, "--async-save"], 2,
+    procs = launch_ranks([*flags, "--save", run_dir, "--async-save"], 2,
                          env={"FAULT_HANG_SAVE": "iter_0000004", "FAULT_ITER_SLEEP": "0.05"})
     try:
         for line in procs[1].stderr:  # the writer thread of iteration 4 hangs after 4 KiB
@@ -148,8 +165,8 @@ def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert tracker(run_dir) == 2
     assert not os.path.exists(os.path.join(run_dir, "iter_0000004"))
     assert os.path.isdir(os.path.join(run_dir, "iter_0000004.tmp"))  # the interrupted write, never current
-    assert_same_state(rank_file(run_dir, 2), rank_file(ref, 2))
-    procs = launch_ranks([*FAULT_FLAGS, "--load", run_dir, "--save", run_dir, "--async-save"], 2)
+    _assert_equal(_checkpoint(run_dir, 2, fmt, tmp_path), _checkpoint(ref, 2, fmt, tmp_path), "iter 2")
+    procs = launch_ranks([*flags, "--load", run_dir, "--save", run_dir, "--async-save"], 2)
     outs = _wait_all(procs)
     assert [p.returncode for p in procs] == [0, 0], outs[1][0][-3000:] + outs[1][1][-3000:]
     assert f"loaded checkpoint from {run_dir} at iteration 2" in outs[0][0]
@@ -157,7 +174,7 @@ def test_kill_during_async_save_resumes_from_the_previous_checkpoint(tmp_path):
     resumed, straight = _lm_losses(outs[1][0]), _lm_losses(ref_out[1][0])
     assert sorted(resumed) == [3, 4, 5, 6] and all(resumed[i] == straight[i] for i in resumed)
     for it in (4, 6):
-        _assert_equal(_payloads(run_dir, it), _payloads(ref, it), f"iter {it}")
+        _assert_equal(_checkpoint(run_dir, it, fmt, tmp_path), _checkpoint(ref, it, fmt, tmp_path), f"iter {it}")
 
 
 def test_sigterm_waits_for_the_save_in_flight(tmp_path):
@@ -211,3 +228,14 @@ def test_async_save_of_a_non_finite_state_is_dropped(tmp_path, capfd):
     assert tracker(save) == 1
     assert sorted(os.listdir(save)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
     assert "dropped the asynchronous save of iteration 2" in capfd.readouterr().out
+
+
+def test_failed_async_write_is_one_error_and_keeps_the_tracker(tmp_path):
+    """A full disk in the writer thread: the next check stops the job with one error naming the file (as a
+    synchronous save does), and the tracker stays on the last complete checkpoint."""
+    save = str(tmp_path / "ckpt")
+    proc = run_fault(["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", "8", "--save", save,
+                      "--save-interval", "2", "--async-save"], env={"FAULT_ENOSPC": "iter_0000006"})
+    line = assert_one_error(proc, os.path.join("iter_0000006.tmp", "mp_rank_00", "model_optim_rng.pt"), "ENOSPC")
+    assert "needs about" in line
+    assert tracker(save) == 4 and not os.path.exists(os.path.join(save, "iter_0000006"))

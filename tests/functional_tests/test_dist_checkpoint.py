@@ -114,6 +114,10 @@ def test_fsdp2_resume_other_dp_and_ddp(tmp_path, reference):
     save = str(tmp_path / "ckpt")
     hist = _run(2, BASE + FSDP + ["--train-iters", str(ITERS), "--save", save, "--save-interval", str(HALF)])
     _close(hist, reference)
+    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000005")).state_dict_metadata
+    for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"):
+        rows = sorted(c.offsets[0] for c in saved[key].chunks)  # each DP rank wrote its own shard's rows
+        assert len(rows) >= 2 and rows[0] == 0, (key, rows)
     _exact(_resume(save, 2, FSDP), hist[HALF:])
     _close(_resume(save, 4, FSDP), reference[HALF:])
     _close(_resume(save, 2, ["--tensor-model-parallel-size", "2"]), reference[HALF:])
@@ -230,3 +234,15 @@ def test_tracker_written_last_and_no_tmp_left(saved_tp2pp2):
     save = saved_tp2pp2[0]
     assert checkpointing.read_tracker(save) == ITERS
     assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+
+
+def test_no_save_optim_and_finetune(tmp_path, capfd):
+    save = str(tmp_path / "ckpt")
+    _run(1, BASE + ["--train-iters", "2", "--save", save, "--no-save-optim"])
+    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000002")).state_dict_metadata
+    assert not any(k.startswith("optimizer.") for k in saved) and "embedding.word_embeddings.weight" in saved
+    capfd.readouterr()
+    resumed = _run(1, BASE + ["--train-iters", "3", "--load", save])
+    assert len(resumed) == 1 and "holds no optimizer state" in capfd.readouterr().out
+    tuned = _run(1, BASE + ["--train-iters", "3", "--load", save, "--finetune"])
+    assert len(tuned) == 3  # weights only: from iteration 0

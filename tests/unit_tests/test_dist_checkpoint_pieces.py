@@ -48,3 +48,24 @@ def test_stage_to_cpu_shares_no_memory():
     t.add_(1)
     sd["common"]["x"].add_(1)
     assert torch.equal(staged["p"].pieces[0][1], torch.ones(4)) and torch.equal(staged["common"]["x"], torch.ones(2))
+
+
+def test_dp_row_shards_across_section_boundaries(tmp_path):
+    """FSDP2 keeps rows of the TP-local tensor; a DP shard may straddle the [gate, up] boundary."""
+    full = torch.randn(24, 3)
+    meta = {"tp_dim": 0, "tp_sections": [12, 12], "full_shape": [24, 3]}
+    pieces = []
+    for t in range(2):  # TP = 2, DP = 3: TP-local rows [gate 6 | up 6], DP shards of 4 rows
+        local = shard_tensor(full, 0, t, 2, [12, 12])
+        for d in range(3):
+            pieces += dc.save_pieces(local[4 * d:4 * d + 4], meta, t, 2, row0=4 * d).pieces
+    assert len(pieces) == 8  # the middle shard of each TP rank is two pieces
+    path = str(tmp_path / "ckpt")
+    dc.dcp_save({"w": dc.Pieces(full.shape, pieces)}, path, no_dist=True)
+    saved = dc.read_dcp_metadata(path).state_dict_metadata["w"]
+    whole = torch.zeros(24, 3)
+    dc.dcp_load({"w": dc.load_pieces(whole, meta, saved.size, 0, 1, "w")}, path, no_dist=True)
+    assert torch.equal(whole, full)
+    target = torch.zeros(3, 3)  # TP = 4, DP = 2: TP-local rows [gate 3 | up 3], rank (t=1, d=1) holds rows 3..5
+    dc.dcp_load({"w": dc.load_pieces(target, meta, saved.size, 1, 4, "w", row0=3)}, path, no_dist=True)
+    assert torch.equal(target, shard_tensor(full, 0, 1, 4, [12, 12])[3:6])
