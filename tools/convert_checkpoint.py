@@ -121,6 +121,7 @@ def _convert_megatron(a: argparse.Namespace) -> int:
 def _convert_format(a: argparse.Namespace) -> bool:
     """torch -> torch_dist, or torch_dist -> torch (any TP/PP); False when this is a plain torch reshard."""
     from megatron_cai.training import dist_checkpoint as dc
+    from megatron_cai.training import dist_checkpoint_conversion as conv
 
     step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
     source = dc.detect_format(a.load, step) if step is not None else None
@@ -131,11 +132,11 @@ def _convert_format(a: argparse.Namespace) -> bool:
         given = [f"--{n.replace('_', '-')}" for n in _SIZE_FLAGS if vars(a)[n] is not None]
         if given:
             raise ConversionError(f"a torch_dist checkpoint has no fixed layout: drop {', '.join(given)}")
-        dc.torch_to_dist(a.load, a.save, a.ckpt_step, with_optimizer=not a.no_optimizer)
+        conv.torch_to_dist(a.load, a.save, a.ckpt_step, with_optimizer=not a.no_optimizer)
         return True
     if source != "torch_dist":
         return False
-    dc.dist_to_torch(a.load, a.save, a.ckpt_step, tp=a.target_tensor_parallel_size,
+    conv.dist_to_torch(a.load, a.save, a.ckpt_step, tp=a.target_tensor_parallel_size,
                      pp=a.target_pipeline_model_parallel_size, vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
                      dp=a.target_data_parallel_size, with_optimizer=not a.no_optimizer,
                      make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)

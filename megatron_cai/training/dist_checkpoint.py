@@ -41,36 +41,22 @@ virtual-PP may all change with no conversion step.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import glob
 import os
 import shutil
-import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS
 from ..core.tensor_parallel.random import get_rng_tracker
-from ..core.tensor_parallel.utils import section_sizes
 from .checkpoint_io import CheckpointError, payload_nbytes, write_json, write_text
 from .checkpointing import (
     FORMAT_VERSION,
@@ -83,162 +69,30 @@ from .checkpointing import (
     run_metadata,
 )
 from .config import TrainConfig
+from .dcp_pieces import (  # noqa: F401 - re-exported: the format's building blocks
+    DCP_METADATA,
+    OUTPUT_WEIGHT,
+    VOCAB_PARAMS,
+    Pieces,
+    PiecesLoadPlanner,
+    PiecesSavePlanner,
+    dcp_load,
+    dcp_save,
+    load_pieces,
+    local_part,
+    rank_boxes,
+    read_dcp_metadata,
+    row_sharded,
+    save_pieces,
+    tp_boxes,
+)
 from .errors import safe_print
 
 FORMAT = "torch_dist"
-DCP_METADATA = ".metadata"
-OUTPUT_WEIGHT = "output_layer.weight"
-VOCAB_PARAMS = (WORD_EMBEDDINGS, OUTPUT_WEIGHT)
 EXP_AVG = "optimizer.state.exp_avg."
 EXP_AVG_SQ = "optimizer.state.exp_avg_sq."
 COMMON = "common"
 RANK_STATE = "rank_state."
-
-
-# ------------------------------------------------------------------------------------------ pieces
-class Pieces:
-    """A global tensor of which this rank holds some rectangular pieces (DCP's ``_Checkpointable`` protocol).
-
-    ``pieces``: ``(global offsets, tensor)``; on a load the tensors are filled in place."""
-
-    def __init__(self, shape: Iterable[int], pieces: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
-        self.shape = torch.Size(shape)
-        self.pieces = pieces
-
-    def size(self) -> torch.Size:
-        return self.shape
-
-    def _chunks(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in self.pieces]
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=TensorProperties.create_from_tensor(t),
-                                                      size=self.shape))
-                for c, (_, t) in zip(self._chunks(), self.pieces)]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return self._chunks()
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        if index.index is not None and index.index < len(self.pieces) \
-                and torch.Size(self.pieces[index.index][0]) == index.offset:
-            return self.pieces[index.index][1]
-        for o, t in self.pieces:
-            if torch.Size(o) == index.offset:
-                return t
-        raise ValueError(f"no piece at offset {index.offset} of {index.fqn}")
-
-
-class PiecesSavePlanner(DefaultSavePlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_object(index)
-
-
-class PiecesLoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.original_state_dict = self.state_dict = state_dict  # flat already; Pieces are not tensors
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
-
-
-def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> list[tuple[tuple, tuple, int, int]]:
-    """Where TP rank ``tp_rank``'s local tensor lies in the canonical one: ``(global offsets, sizes,
-    local offset along the split dim, split dim)`` per section (one box when not split)."""
-    full = list(full_shape)
-    dim = meta.get("tp_dim")
-    if dim is None or tp == 1:
-        return [(tuple([0] * len(full)), tuple(full), 0, 0)]
-    out, g, local = [], 0, 0
-    for s in section_sizes(full[dim], meta.get("tp_sections")):
-        n = s // tp
-        off, size = [0] * len(full), list(full)
-        off[dim], size[dim] = g + tp_rank * n, n
-        out.append((tuple(off), tuple(size), local, dim))
-        g, local = g + s, local + n
-    return out
-
-
-def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0,
-               rows: int | None = None) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
-    """This rank's pieces of a canonical tensor: ``(global offsets, index into the local tensor)``.
-
-    The local tensor is rows ``[row0, row0 + rows)`` of the TP-local tensor: all of it (DDP, the
-    distributed optimizer after its gather) or an FSDP2 DP shard (dim 0, ``torch.chunk`` over DP)."""
-    full = list(full_shape)
-    split0 = meta.get("tp_dim") == 0 and tp > 1
-    rows = (full[0] // tp if split0 else full[0]) - row0 if rows is None else rows
-    out = []
-    for off, size, lo, dim in tp_boxes(full, meta, tp_rank, tp):
-        if dim == 0:  # the box spans TP-local rows [lo, lo + size[0])
-            i0, i1 = max(lo, row0), min(lo + size[0], row0 + rows)
-            if i0 >= i1:
-                continue
-            goff = (off[0] + i0 - lo, *off[1:])
-            index = (slice(i0 - row0, i1 - row0),)
-        else:
-            if rows <= 0:
-                continue
-            goff = (off[0] + row0, *off[1:])
-            index = (slice(0, rows),) + tuple(slice(None) for _ in range(1, dim)) + (slice(lo, lo + size[dim]),)
-        out.append((goff, index))
-    return out
-
-
-def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int, row0: int = 0) -> Pieces:
-    """This rank's pieces of a canonical tensor, given its TP-local tensor (or rows of it from ``row0``)."""
-    full = list(meta["full_shape"])
-    local = local.detach()
-    rows = local.shape[0] if local.dim() else None
-    return Pieces(full, [(o, local[idx].contiguous()) for o, idx in rank_boxes(full, meta, tp_rank, tp, row0, rows)])
-
-
-def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_rank: int, tp: int,
-                name: str, row0: int = 0) -> Pieces:
-    """Pieces that read into ``target`` (this rank's TP-local tensor, or rows of it from ``row0``; zeroed):
-    each clipped to the saved shape (vocabulary tables may have other padding; anything else must match)."""
-    full = list(meta["full_shape"])
-    if list(saved_shape) != full:
-        vocab_only = name.endswith(VOCAB_PARAMS) and list(saved_shape[1:]) == full[1:]
-        if not vocab_only:
-            raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(saved_shape)}, this run's is "
-                                  f"{tuple(full)}")
-    pieces = []
-    for off, idx in rank_boxes(full, meta, tp_rank, tp, row0, target.shape[0]):
-        view = target[idx]
-        rows = min(view.shape[0], saved_shape[0] - off[0])  # only dim 0 (vocabulary rows) may be clipped
-        if rows > 0:
-            pieces.append((off, view.narrow(0, 0, rows) if rows < view.shape[0] else view))
-    return Pieces(saved_shape, pieces)
-
-
-def local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(the rows of a TP-local tensor this rank holds, the first one's index): the tensor itself, or an
-    FSDP2 DTensor's DP shard, which is never gathered."""
-    if not hasattr(t, "device_mesh"):
-        return t, 0
-    if not _row_sharded(t):
-        return t.full_tensor(), 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), offset[0]
-
-
-def _row_sharded(t) -> bool:
-    from torch.distributed.tensor import Shard
-
-    return all(isinstance(pl, Shard) and pl.dim == 0 for pl in t.placements)
 
 
 # ------------------------------------------------------------------------------------ model access
@@ -410,27 +264,6 @@ def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     return finish_save(root, iteration, tmp)
 
 
-def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
-    """``dcp.save`` with our planner; a failed write is an error naming the directory and the rank; the
-    partial directory is never published (no rename, no tracker)."""
-    try:
-        with _quiet(no_dist):
-            dcp.save(sd, checkpoint_id=path, planner=PiecesSavePlanner(), no_dist=no_dist)
-    except CheckpointException as e:
-        ranks = sorted(e.failures)
-        raise CheckpointError(f"cannot write torch_dist checkpoint {path} on rank {ranks[0]}: "
-                              f"{_describe(e.failures[ranks[0]][0])}; the previous checkpoint stays current") from None
-
-
-@contextlib.contextmanager
-def _quiet(no_dist: bool):
-    """One process on purpose (the converter): silence DCP's "assuming a single process" warning."""
-    with warnings.catch_warnings():
-        if no_dist:
-            warnings.simplefilter("ignore", UserWarning)
-        yield
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -445,40 +278,6 @@ def detect_format(root: str, iteration: int) -> str | None:
     if glob.glob(os.path.join(d, "mp_rank_*")):
         return "torch"
     return None
-
-
-def read_dcp_metadata(path: str):
-    """DCP's global metadata of a checkpoint directory; a missing or corrupt file is an error naming it."""
-    file = os.path.join(path, DCP_METADATA)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{file} is missing: {path} is not a complete torch_dist checkpoint (an interrupted "
-                              f"save, or another format: see --auto-detect-ckpt-format)")
-    try:
-        return FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - pickle, EOF, OS errors: all mean the same thing here
-        size = os.path.getsize(file)
-        raise CheckpointError(f"{file} is corrupt ({size} bytes): {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:160] if str(e) else ''}") from None
-
-
-def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
-    """``dcp.load`` with our planner; a failed read is an error naming the directory and the rank."""
-    try:
-        with _quiet(no_dist):
-            dcp.load(sd, checkpoint_id=path, planner=PiecesLoadPlanner(), no_dist=no_dist)
-    except CheckpointException as e:  # every failing rank's exception, gathered by DCP (a BaseException)
-        ranks = sorted(e.failures)
-        exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
-        raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {ranks[0]}"
-                              f"{f' (and ranks {ranks[1:]})' if len(ranks) > 1 else ''}: {_describe(exc)}") from None
-    except Exception as e:  # noqa: BLE001 - a failure before DCP's collective phase
-        raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {_process_rank()}: "
-                              f"{_describe(e)}") from None
-
-
-def _describe(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"
 
 
 @dataclass
@@ -630,7 +429,7 @@ def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[s
 def _copy_into(dst: torch.Tensor, data: torch.Tensor) -> None:
     """``dst`` takes ``data``: a tensor, or an FSDP2 DTensor and its DP shard (as :func:`local_part` gave
     it; the whole TP-local tensor for other placements)."""
-    if hasattr(dst, "device_mesh") and _row_sharded(dst):
+    if hasattr(dst, "device_mesh") and row_sharded(dst):
         dst.to_local().copy_(data)
     elif hasattr(dst, "device_mesh"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -711,126 +510,3 @@ def load_checkpoint(train_config: TrainConfig, model_chunks, optimizer, schedule
     return load_dist_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config.model,
                                 param_layout, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng,
                                 finetune=ckpt.finetune, reducers=reducers, train_config=train_config)
-
-
-# ------------------------------------------------------------------------------------- conversion
-def _process_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimizer: bool = True,
-                  log=print) -> str:
-    """Write the torch-format checkpoint in ``load`` as a torch_dist checkpoint in ``save`` (one process).
-
-    Weights, Adam moments, scheduler and counters carry over exactly; the per-rank RNG states and reducer
-    files keep their (TP, PP, DP) coordinates, so a resume in the source layout stays bit-exact."""
-    from .checkpoint_conversion import load_canonical
-    from .checkpoint_io import load_torch
-
-    ck = load_canonical(load, step, load_optimizer=with_optimizer)
-    meta = read_metadata(load, ck.iteration)
-    sd: dict[str, Any] = {n: t.contiguous() for n, t in ck.model.items()}
-    optim = None
-    if ck.optimizer is not None:
-        for n, st in ck.optimizer["param_state"].items():
-            sd[EXP_AVG + n], sd[EXP_AVG_SQ + n] = st["exp_avg"].contiguous(), st["exp_avg_sq"].contiguous()
-        optim = {"step": ck.optimizer["step"], "hyper": ck.optimizer.get("hyper", {})}
-    sd[COMMON] = {"checkpoint_version": FORMAT_VERSION, **ck.counters, "iteration": ck.iteration,
-                  "opt_param_scheduler": ck.scheduler, "optimizer": optim}
-    for (t, p), states in ck.rng.items():
-        reducer_files = {int(os.path.basename(f)[len("reducer_dp_"):-3]): f for f in ck.reducer_files.get((t, p), [])}
-        for d, rng in enumerate(states):
-            reducers = load_torch(reducer_files[d]) if d in reducer_files else None
-            sd[rank_key(t, p, d)] = {"rng": rng, "reducers": reducers, "data_parallel_kind": "ddp"}
-    final = iteration_dir(save, ck.iteration)
-    tmp = final + ".tmp"
-    os.makedirs(save, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    dcp_save(sd, tmp, no_dist=True)
-    meta.update({"ckpt_format": FORMAT, "data_parallel_kind": "ddp",
-                 "param_layout": {n: {**m, "full_shape": list(ck.model[n].shape)} for n, m in ck.layout_meta.items()},
-                 "converted_from": {"ckpt_format": "torch", "optimizer_state": ck.optimizer is not None,
-                                    "notes": list(ck.notes)}})
-    write_json(os.path.join(tmp, "metadata.json"), meta)
-    if ck.tokenizer_dir:
-        shutil.copytree(ck.tokenizer_dir, os.path.join(tmp, "tokenizer"))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_text(os.path.join(save, TRACKER), str(ck.iteration), fsync=True)
-    log(f" converted iteration {ck.iteration} from torch to torch_dist (layout-free; optimizer state: "
-        f"{'yes' if ck.optimizer is not None else 'no'}); wrote {final}")
-    return final
-
-
-def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True):
-    """Read a torch_dist checkpoint into full tensors (a ``CanonicalCheckpoint``, one process).
-
-    The per-rank states come back keyed by their saved (TP, PP) coordinates, with reducer states in
-    ``reducer_states[(tp, pp)][dp]``."""
-    from .checkpoint_conversion import CanonicalCheckpoint, ConversionError, Layout
-
-    iteration = step if step is not None else read_tracker(root)
-    if iteration is None:
-        raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
-    path = iteration_dir(root, iteration)
-    meta = read_metadata(root, iteration)
-    saved = read_dcp_metadata(path).state_dict_metadata
-    sd: dict[str, Any] = {}
-    for k, md in saved.items():
-        if isinstance(md, BytesStorageMetadata):
-            sd[k] = None
-        elif load_optimizer or not k.startswith("optimizer."):
-            sd[k] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp_load(sd, path, no_dist=True)
-    src = Layout(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
-                 meta.get("virtual_pipeline_model_parallel_size"), meta.get("data_parallel_size"))
-    ck = CanonicalCheckpoint(config=GPTConfig.from_dict(meta["model_config"]), iteration=iteration,
-                             args=dict(meta.get("args") or {}), source=src)
-    ck.model = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
-    ck.layout_meta = {n: {"tp_dim": m.get("tp_dim"), "tp_sections": m.get("tp_sections")}
-                      for n, m in (meta.get("param_layout") or {}).items() if n in ck.model}
-    common = sd.get(COMMON) or {}
-    ck.scheduler = common.get("opt_param_scheduler")
-    ck.counters = {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
-    if load_optimizer and common.get("optimizer") is not None and any(k.startswith(EXP_AVG) for k in sd):
-        ck.optimizer = {**common["optimizer"], "param_state": {
-            n: {"exp_avg": sd[EXP_AVG + n], "exp_avg_sq": sd[EXP_AVG_SQ + n]} for n in ck.layout_meta}}
-    rngs: dict[tuple[int, int], dict[int, Any]] = {}
-    ck.reducer_states = {}
-    for k, v in sd.items():
-        if k.startswith(RANK_STATE) and v:
-            t, p, d = (int(x[2:]) for x in k[len(RANK_STATE):].split("."))
-            rngs.setdefault((t, p), {})[d] = v.get("rng")
-            if v.get("reducers") and v.get("data_parallel_kind") == "ddp":
-                ck.reducer_states.setdefault((t, p), {})[d] = v["reducers"]
-    ck.rng = {tp_pp: [by_dp[d] for d in sorted(by_dp)] for tp_pp, by_dp in rngs.items()}
-    tok = os.path.join(path, "tokenizer")
-    ck.tokenizer_dir = tok if os.path.isdir(tok) else None
-    return ck
-
-
-def dist_to_torch(load: str, save: str, step: int | None = None, *, tp: int | None = None, pp: int | None = None,
-                  vp_layers: int | None = None, dp: int | None = None, with_optimizer: bool = True,
-                  make_vocab_size_divisible_by: int | None = None, log=print) -> str:
-    """Write the torch_dist checkpoint in ``load`` as a torch-format checkpoint of (TP, PP[, VPP]) in ``save``
-    (default: the saving run's layout). Reducer (Squinch) states of the saving layout are kept as
-    ``reducer_dp_DDD.pt`` files when the target layout is that layout (as the torch resharder does)."""
-    import tempfile
-
-    from .checkpoint_conversion import save_resharded, target_layout
-
-    ck = load_dist_canonical(load, step, load_optimizer=with_optimizer)
-    target = target_layout(ck.config, tp or ck.source.tp, pp or ck.source.pp, vp_layers, dp)
-    with tempfile.TemporaryDirectory() as staging:
-        for (t, p), by_dp in ck.reducer_states.items():
-            os.makedirs(os.path.join(staging, f"{t}_{p}"))
-            for d, states in by_dp.items():
-                file = os.path.join(staging, f"{t}_{p}", f"reducer_dp_{d:03d}.pt")
-                torch.save(states, file)
-                ck.reducer_files.setdefault((t, p), []).append(file)
-        out = save_resharded(ck, save, target, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                             with_optimizer=with_optimizer, log=log)
-    log(f" converted iteration {ck.iteration} from torch_dist to torch with (TP, PP, VPP) = ({target.tp}, "
-        f"{target.pp}, {target.vpp}); optimizer state: {'yes' if ck.optimizer is not None else 'no'}; wrote {out}")
-    return out
