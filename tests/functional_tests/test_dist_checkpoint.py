@@ -162,7 +162,7 @@ def torch_ckpt(tmp_path_factory):
     return save, args, hist
 
 
-def test_torch_to_dist_and_back_round_trip(torch_ckpt, tmp_path):
+def test_torch_to_dist_and_back_round_trip(torch_ckpt, tmp_path, capfd):
     src, args, hist = torch_ckpt
     dist_dir, back = str(tmp_path / "dist"), str(tmp_path / "back")
     assert _convert("--load", src, "--save", dist_dir, "--target-ckpt-format", "torch_dist", "--ckpt-step", "4") == 0
@@ -186,6 +186,12 @@ def test_torch_to_dist_and_back_round_trip(torch_ckpt, tmp_path):
     # the converted torch_dist checkpoint resumes bit-exactly in the saving layout (RNG and residuals kept)
     resumed = _run(4, [a if a != "torch" else "torch_dist" for a in args] + ["--load", dist_dir])
     _exact(resumed, hist[4:])
+    # in another layout (TP 1, DP 2) the saved residuals and RNG are not applied, with one line
+    capfd.readouterr()
+    other = BASE + ["--squinch", "--hidden-dropout", "0.1", "--train-iters", "8", "--load", dist_dir]
+    assert len(_run(2, other)) == 4
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if "do not apply" in ln]
+    assert len(lines) == 1 and "Squinch error-feedback residuals" in lines[0] and "without residuals" in lines[0]
 
 
 def test_auto_detect_and_format_mismatch(torch_ckpt, saved_tp2pp2, reference):
