@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..core import parallel_state as ps
 from .checkpoint_io import CheckpointError
 from .checkpointing import StagedCheckpoint, finalize_staged, iteration_dir, write_staged
+from .dcp_pieces import describe_dcp_error
 
 __all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "dist_state_finite", "staged_state_finite",
            "verify_torch_file"]
@@ -235,12 +236,12 @@ class AsyncCheckpointSaver:
         from . import dist_checkpoint as dc
 
         tmp = dc.begin_save(root, iteration)
-        private = getattr(optimizer, "state_dict_copies", False) and not dc._is_fsdp(model_chunks)
+        private = getattr(optimizer, "state_dict_copies", False) and not dc.is_fsdp(model_chunks)
         sd = dc.build_state_dict(model_chunks, _ViewsOptimizer(optimizer) if private else optimizer, scheduler,
                                  train_config.model, state, param_layout, reducer_states=reducer_states,
                                  save_optim=save_optim)
         staged = self.cache.stage(sd, "dcp", owned=(dc.EXP_AVG, dc.EXP_AVG_SQ) if private else ())
-        dp_kind = "fsdp2" if dc._is_fsdp(model_chunks) else "ddp"
+        dp_kind = "fsdp2" if dc.is_fsdp(model_chunks) else "ddp"
 
         def write() -> None:
             try:  # as dist_checkpoint.dcp_save, over this saver's own process group
@@ -249,7 +250,7 @@ class AsyncCheckpointSaver:
                 rank = sorted(e.failures)[0]
                 exc = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]
                 raise CheckpointError(f"cannot write torch_dist checkpoint {tmp} on rank {rank}: "
-                                      f"{dc._describe(exc)}; the previous checkpoint stays current") from None
+                                      f"{describe_dcp_error(exc)}; the previous checkpoint stays current") from None
             if ps.get_rank() == 0:
                 dc.write_metadata(tmp, iteration, train_config, param_layout, dp_kind, tokenizer_files)
 

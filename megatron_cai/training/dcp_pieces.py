@@ -192,8 +192,9 @@ def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
             dcp.save(sd, checkpoint_id=path, planner=PiecesSavePlanner(), no_dist=no_dist)
     except CheckpointException as e:
         ranks = sorted(e.failures)
+        why = describe_dcp_error(e.failures[ranks[0]][0])
         raise CheckpointError(f"cannot write torch_dist checkpoint {path} on rank {ranks[0]}: "
-                              f"{_describe(e.failures[ranks[0]][0])}; the previous checkpoint stays current") from None
+                              f"{why}; the previous checkpoint stays current") from None
 
 
 @contextlib.contextmanager
@@ -227,14 +228,15 @@ def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
     except CheckpointException as e:  # every failing rank's exception, gathered by DCP (a BaseException)
         ranks = sorted(e.failures)
         exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
+        others = f" (and ranks {ranks[1:]})" if len(ranks) > 1 else ""
         raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {ranks[0]}"
-                              f"{f' (and ranks {ranks[1:]})' if len(ranks) > 1 else ''}: {_describe(exc)}") from None
+                              f"{others}: {describe_dcp_error(exc)}") from None
     except Exception as e:  # noqa: BLE001 - a failure before DCP's collective phase
         raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {_process_rank()}: "
-                              f"{_describe(e)}") from None
+                              f"{describe_dcp_error(e)}") from None
 
 
-def _describe(exc: BaseException) -> str:
+def describe_dcp_error(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"
 

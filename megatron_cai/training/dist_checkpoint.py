@@ -96,7 +96,7 @@ RANK_STATE = "rank_state."
 
 
 # ------------------------------------------------------------------------------------ model access
-def _is_fsdp(model_chunks) -> bool:
+def is_fsdp(model_chunks) -> bool:
     return type(model_chunks[0]).__name__ == "FullyShardedChunk"
 
 
@@ -130,7 +130,7 @@ def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torc
 def optimizer_state(model_chunks, optimizer) -> dict:
     """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}``: TP-local tensors (the
     distributed optimizer's flat DP shards are gathered over DP: collective), or FSDP2's DTensors."""
-    if not _is_fsdp(model_chunks):
+    if not is_fsdp(model_chunks):
         names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
         return optimizer.state_dict(names)
     opt = optimizer.optimizer
@@ -193,7 +193,7 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
     sd[rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())] = {
         "rng": rng, "reducers": reducer_states if reducer_states and any(reducer_states) else None,
-        "data_parallel_kind": "fsdp2" if _is_fsdp(model_chunks) else "ddp"}
+        "data_parallel_kind": "fsdp2" if is_fsdp(model_chunks) else "ddp"}
     return sd
 
 
@@ -259,7 +259,7 @@ def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
                           reducer_states=reducer_states, save_optim=save_optim)
     dcp_save(sd, tmp)
     if ps.get_rank() == 0:
-        write_metadata(tmp, iteration, train_config, param_layout, "fsdp2" if _is_fsdp(model_chunks) else "ddp",
+        write_metadata(tmp, iteration, train_config, param_layout, "fsdp2" if is_fsdp(model_chunks) else "ddp",
                        tokenizer_files)
     return finish_save(root, iteration, tmp)
 
@@ -390,7 +390,7 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
     states = rank_state.get("reducers")
     if not reducers or not states:
         return
-    kind = "fsdp2" if _is_fsdp(model_chunks) else "ddp"
+    kind = "fsdp2" if is_fsdp(model_chunks) else "ddp"
     if rank_state.get("data_parallel_kind") != kind:
         if ps.get_rank() == 0:
             safe_print(f" checkpoint {path} holds {rank_state.get('data_parallel_kind')} reducer state, this run uses "
@@ -408,8 +408,7 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
 def _uses_squinch(reducers) -> bool:
     """Whether this run's reducers (DDP) or FSDP2 reduce-scatter hooks are Squinch's."""
     for r in reducers:
-        kinds = [type(c).__name__ for c in getattr(r, "comms", {}).values()] + [type(r).__name__]
-        if "SquinchReducer" in kinds or "SquinchReduceScatter" in kinds:
+        if any(getattr(c, "holds_squinch_state", False) for c in [r, *getattr(r, "comms", {}).values()]):
             return True
     return False
 
@@ -444,7 +443,7 @@ def _copy_into(dst: torch.Tensor, data: torch.Tensor) -> None:
 
 def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
     """Load ``{"step", "hyper", "param_state"}`` (TP-local moments) into either optimizer."""
-    if not _is_fsdp(model_chunks):
+    if not is_fsdp(model_chunks):
         names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
         optimizer.load_state_dict(state, names)
         return
@@ -496,7 +495,7 @@ def load_checkpoint(train_config: TrainConfig, model_chunks, optimizer, schedule
         return {}
     fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
     if fmt != FORMAT:
-        if _is_fsdp(model_chunks):
+        if is_fsdp(model_chunks):
             raise CheckpointError(f"{iteration_dir(root, iteration)} is a torch-format checkpoint, which "
                                   f"--use-torch-fsdp2 cannot load (FSDP2 parameters are DTensor shards); convert "
                                   f"it: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "

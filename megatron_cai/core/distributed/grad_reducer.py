@@ -22,6 +22,7 @@ class WorkHandle:
 
 class GradReducer:
     shards = False
+    holds_squinch_state = False  # Squinch error-feedback residuals that checkpoints carry
 
     def __init__(self, dp_group, dp_size: int) -> None:
         self.group, self.dp_size = dp_group, dp_size

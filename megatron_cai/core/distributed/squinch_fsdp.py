@@ -44,6 +44,8 @@ class _Done:
 class CountingReduceScatter(ReduceScatter):
     """Uncompressed sum reduce-scatter that counts bytes sent ((n-1)/n of the input)."""
 
+    holds_squinch_state = False  # Squinch error-feedback residuals that checkpoints carry
+
     def __init__(self) -> None:
         self.bytes_sent = 0
         self.inter_node_bytes_sent = 0  # without nodes (flat DP) every byte counts as inter-node
@@ -81,6 +83,8 @@ class SquinchReduceScatter(CountingReduceScatter):
     the reduced shard across nodes, over ``inter_group`` (one rank per node), with the Squinch
     all-reduce: error feedback on its all-to-all rows (``residuals["rows"]``) and on the owner's
     re-encode (``residuals["owner"]``). FSDP2 then divides by the whole DP size."""
+
+    holds_squinch_state = True
 
     def __init__(self, *, error_feedback: bool = True, stochastic: bool = False, seed: int = 0,
                  backend: str | None = None, inter_group=None) -> None:

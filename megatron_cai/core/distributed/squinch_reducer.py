@@ -75,6 +75,8 @@ _SECOND_GROUPS: dict[tuple, object] = {}  # (world, ranks) -> duplicate process 
 
 
 class SquinchReducer(GradReducer):
+    holds_squinch_state = True
+
     def __init__(self, dp_group, dp_size: int, *, error_feedback: bool = True, stochastic: bool = False,
                  hierarchical: bool = False, shard_only: bool = False, seed: int = 0,
                  backend: str | None = None, timing_level: int = 0, device: torch.device | None = None) -> None:
