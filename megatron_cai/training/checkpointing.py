@@ -22,6 +22,7 @@ without it) load; only their model configuration is compared.
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -228,6 +229,28 @@ def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> No
     for src in tokenizer_files:
         if src and os.path.isfile(src):
             shutil.copy2(src, tok_dir)
+
+
+def refuse_megatron_lm_checkpoint(root: str, iteration: int) -> None:
+    """A Megatron-LM checkpoint given to ``--load`` gets one error naming the converter command.
+
+    Megatron-LM's ``torch_dist`` directories hold a ``metadata.json`` with ``sharded_backend``; its legacy
+    ``torch`` ones hold ``mp_rank_*`` directories and no ``metadata.json`` (ours always write one)."""
+    d = iteration_dir(root, iteration)
+    meta_path = os.path.join(d, "metadata.json")
+    megatron = False
+    if os.path.isfile(meta_path):
+        try:
+            with open(meta_path) as f:
+                megatron = "sharded_backend" in json.load(f)
+        except (OSError, ValueError):
+            return  # read_metadata names the corrupt file
+    elif glob.glob(os.path.join(d, "mp_rank_*")):
+        megatron = True
+    if megatron:
+        raise CheckpointError(f"{d} is a Megatron-LM checkpoint, not one of ours: convert it first with "
+                              f"python tools/convert_checkpoint.py --from-megatron --load {root} --save NEW_DIR "
+                              f"(docs/conversion.md)")
 
 
 def read_metadata(root: str, iteration: int) -> dict:

@@ -65,6 +65,7 @@ from .checkpointing import (
     iteration_dir,
     read_metadata,
     read_tracker,
+    refuse_megatron_lm_checkpoint,
     report_config_changes,
     run_metadata,
 )
@@ -493,6 +494,7 @@ def load_checkpoint(train_config: TrainConfig, model_chunks, optimizer, schedule
         if ckpt.exit_on_missing_checkpoint:
             raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
         return {}
+    refuse_megatron_lm_checkpoint(root, iteration)
     fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
     if fmt != FORMAT:
         if is_fsdp(model_chunks):

@@ -255,6 +255,7 @@ def test_logit_parity_both_ways(layout, tp, tmp_path):
         assert r["counters"]["iteration"] == ITERATION and r["counters"]["consumed_train_samples"] == 2 * ITERATION
         assert r["args"] == {"padded_vocab_size": 64, "iteration": ITERATION, "swiglu": layout == "llama",
                              "untie_embeddings_and_output_weights": layout == "llama"}
+    _assert_load_refuses_megatron_dir(os.path.join(tmp_path, "megatron"))
 
 
 # --------------------------------------------------------------------------- training continues alike
@@ -440,6 +441,17 @@ def test_torch_dist_both_ways(layout, tp, tmp_path):
         assert r["export"] < 1e-5, f"rank {rank}: ours -> Megatron torch_dist logits differ by {r['export']}"
         assert r["iteration"] == ITERATION and r["common"] == (ITERATION, 64, "torch_dist")
         assert r["megatron_lm_load"] == (ITERATION, 2 * ITERATION)
+    _assert_load_refuses_megatron_dir(os.path.join(tmp_path, "megatron_td"))
+
+
+def _assert_load_refuses_megatron_dir(root: str) -> None:
+    """``--load`` on a Megatron-LM directory (either format) names the converter instead of failing later."""
+    from megatron_cai.training.checkpoint_io import CheckpointError
+    from megatron_cai.training.checkpointing import refuse_megatron_lm_checkpoint
+
+    with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint.*--from-megatron"):
+        refuse_megatron_lm_checkpoint(root, ITERATION)
+    refuse_megatron_lm_checkpoint(os.path.join(os.path.dirname(root), "ours"), ITERATION)  # ours: no error
 
 
 # ----------------------------------------------------------------------------------- pipeline stages
