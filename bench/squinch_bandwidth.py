@@ -23,9 +23,10 @@ more than --max-spread (10%) of their median, the results are NOT written (exit 
 answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
 written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
 
-Every finished configuration row is kept in ``bench/.cache/squinch_bandwidth_<run-id>_rows.json``
-(keyed by its settings), so a run interrupted or split over several quiet windows resumes where it
-stopped (``--fresh`` discards the rows of that run id). Acceptance asks for two independent runs:
+Every finished configuration row is kept in ``bench/results/squinch_bandwidth_rows_<run-id>.json``
+(committed: keyed by part, size, rate and overlap), so a run interrupted or split over several quiet
+windows, or measured as --rates/--sizes subsets, resumes where it stopped (``--fresh`` discards the rows
+of that run id). Acceptance asks for two independent runs:
 give the second its own ``--run-id`` and ``--compare`` the first run's JSON, which reports every
 ratio's change and exits 4 when one moved by more than --max-drift (5%).
 
@@ -164,8 +165,15 @@ def paired_ratio(res: dict, num: str, den: str) -> dict:
     return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
 
 
+ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
+
+
 class RowCache:
-    """Finished configuration rows of one run id, on disk, so that a long run can resume."""
+    """Finished configuration rows of one run id, on disk, so that a long run can resume.
+
+    A row's key names its part, model size, link rate and overlap; its bf16 and Squinch runs alternate
+    within the row, so rows measured in different quiet windows (or with other --rates/--sizes subsets)
+    combine into one run. Rows measured with other ``ROW_SETTINGS`` are not reused."""
 
     def __init__(self, path: str, settings: dict, fresh: bool) -> None:
         self.path, self.settings = path, json.dumps(settings, sort_keys=True)
@@ -190,6 +198,10 @@ class RowCache:
 ROWS: RowCache | None = None
 
 
+def _rate_key(rate: float | None) -> str:
+    return "unshaped" if rate is None else f"{rate:g}"  # 1000 and 1000.0 (from the command line) alike
+
+
 def cached(key: str, compute):
     return ROWS.get(key, compute) if ROWS is not None else compute()
 
@@ -206,7 +218,7 @@ def phase_breakdown(opts, size: str) -> list[dict]:
                 r = run_job(flags, 1, opts.steps, opts.warmup)
                 return {"link": _link_name(rate), "overlap": ov, "step_ms": 1000 * r["step_s"],
                         "phases_ms": r["phases_ms"]}
-            rows.append(cached(f"phases|{size}|{rate}|{ov}", measure))
+            rows.append(cached(f"phases|{size}|{_rate_key(rate)}|{ov}", measure))
     return rows
 
 
@@ -226,7 +238,7 @@ def dp2_table(opts) -> list[dict]:
                     if ov:
                         row["early/wait"] = paired_ratio(res, "squinch", "squinch_wait")
                     return row
-                rows.append(cached(f"dp2|{size}|{rate}|{ov}", measure))
+                rows.append(cached(f"dp2|{size}|{_rate_key(rate)}|{ov}", measure))
                 _print_row(rows[-1])
     return rows
 
@@ -269,7 +281,7 @@ def dp4_table(opts) -> list[dict]:
             res = alternate(cfg, 2, opts)
             return {"size": size, "link": _link_name(rate), **res,
                     "hierarchical/flat": paired_ratio(res, "hierarchical", "flat")}
-        rows.append(cached(f"dp4|{size}|{rate}", measure))
+        rows.append(cached(f"dp4|{size}|{_rate_key(rate)}", measure))
         print(f"  DP=4 {_link_name(rate)}: hierarchical / flat = {rows[-1]['hierarchical/flat']['ratio']:.3f}",
               flush=True)
     return rows
@@ -393,8 +405,9 @@ def main() -> None:
     res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items()
                                                if k not in ("out", "run_id", "fresh", "compare", "max_drift")}}
     global ROWS
-    ROWS = RowCache(os.path.join(ROOT, "bench", ".cache", f"squinch_bandwidth_{opts.run_id}_rows.json"),
-                    {k: v for k, v in res["settings"].items() if k != "parts"}, opts.fresh)
+    rows_dir = os.path.join(ROOT, "bench", ".cache" if opts.quick else "results")
+    ROWS = RowCache(os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
+                    {k: getattr(opts, k) for k in ROW_SETTINGS}, opts.fresh)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
     if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
