@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..core import device as device_mod
 from ..core import parallel_state as ps
 from .checkpoint_io import CheckpointError
 from .checkpointing import StagedCheckpoint, finalize_staged, iteration_dir, write_staged
@@ -260,8 +261,7 @@ class AsyncCheckpointSaver:
     def _start(self, job: AsyncSave) -> None:
         if self.in_flight is not None:
             raise RuntimeError("an asynchronous save is still in flight: finalize it first (blocking)")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the non-blocking copies have landed
+        device_mod.synchronize(self.device)  # the non-blocking copies to the staging buffers have landed
         job.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                       name=f"async-save-iter{job.iteration}")
         self.in_flight = job
