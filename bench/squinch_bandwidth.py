@@ -287,6 +287,20 @@ def dp4_table(opts) -> list[dict]:
     return rows
 
 
+def rows_from_cache(rows: dict, sizes: list[str]) -> dict:
+    """The tables of a run id's finished rows (``--from-cache``), in the order a full run prints them."""
+    def rate_order(key: str) -> float:
+        rate = key.split("|")[2]
+        return float("inf") if rate == "unshaped" else float(rate)
+
+    def pick(part: str) -> list[dict]:
+        keys = [k for k in rows if k.startswith(part + "|")]
+        keys.sort(key=lambda k: (sizes.index(k.split("|")[1]) if k.split("|")[1] in sizes else len(sizes),
+                                 -rate_order(k) if part != "quarter" else 0, k))
+        return [rows[k] for k in keys]
+    return {"phases": pick("phases"), "dp2": pick("dp2"), "quarter": pick("quarter"), "dp4": pick("dp4")}
+
+
 # ------------------------------------------------------------------------------------------ report
 def _link_name(rate) -> str:
     return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
@@ -392,9 +406,13 @@ def main() -> None:
     p.add_argument("--fresh", action="store_true", help="discard this run id's cached rows")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
     p.add_argument("--max-drift", type=float, default=0.05, help="with --compare: exit 4 above this drift")
+    p.add_argument("--from-cache", action="store_true",
+                   help="measure nothing: report this run id's finished rows (a run still in progress); "
+                        "written to bench/results/squinch_bandwidth_partial unless --out")
     p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
                                                 "(--quick: bench/.cache/squinch_bandwidth_quick)")
     opts = p.parse_args()
+    out_given = opts.out
     if opts.quick:
         opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
         opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
@@ -413,25 +431,35 @@ def main() -> None:
     if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
         opts.out = os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_partial")
     res.update({"phases": [], "dp2": [], "quarter": [], "dp4": []})
-    try:
-        if "phases" in opts.parts:
-            res["phases"] = phase_breakdown(opts, opts.sizes[0])
-        if "dp2" in opts.parts:
-            res["dp2"] = dp2_table(opts)
-        if "quarter" in opts.parts and res["dp2"]:
-            res["quarter"] = quarter_row(opts, res["dp2"])
-        if "dp4" in opts.parts:
-            res["dp4"] = dp4_table(opts)
-    finally:
-        teardown_link()
-    res["load_after"] = load()
+    if opts.from_cache:  # a report of the rows finished so far; never the committed full table
+        res.update(rows_from_cache(ROWS.rows, list(SIZES)))
+        res["load_before"] = "not recorded per row (--from-cache; each row was measured on a quiet machine)"
+        if out_given is None:
+            opts.out = os.path.join(ROOT, "bench", "results", "squinch_bandwidth_partial")
+    else:
+        try:
+            if "phases" in opts.parts:
+                res["phases"] = phase_breakdown(opts, opts.sizes[0])
+            if "dp2" in opts.parts:
+                res["dp2"] = dp2_table(opts)
+            if "quarter" in opts.parts and res["dp2"]:
+                res["quarter"] = quarter_row(opts, res["dp2"])
+            if "dp4" in opts.parts:
+                res["dp4"] = dp4_table(opts)
+        finally:
+            teardown_link()
+    res["load_after"] = res["load_before"] if opts.from_cache else load()
     os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
     with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
         json.dump(res, f, indent=1)  # raw measurements, whatever happens next
     lines = report(res, opts)
     print("\n".join(lines))
     noisy = too_noisy(res, opts.max_spread)
-    if noisy:
+    if noisy and opts.from_cache:  # a progress report: written, with its noisy rows named first
+        lines[1:1] = ["", f"**A run in progress, not a result**: {len(ROWS.rows)} finished rows of run id "
+                      f"{opts.run_id}; {len(noisy)} of them spread more than {100 * opts.max_spread:.0f}% over "
+                      f"their repeats and must be re-measured: " + "; ".join(noisy) + "."]
+    elif noisy:
         print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than "
               f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
         os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)

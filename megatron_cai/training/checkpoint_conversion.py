@@ -379,13 +379,21 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
                                "virtual_pipeline_model_parallel_size": ck.source.vpp,
                                "data_parallel_size": ck.source.dp, "optimizer_state": optimizer is not None,
                                "notes": list(ck.notes)}}
+    return publish_converted(tmp, out_root, ck.iteration, meta, ck.tokenizer_dir)
+
+
+def publish_converted(tmp: str, out_root: str, iteration: int, meta: dict, tokenizer_dir: str | None) -> str:
+    """Finish a converted checkpoint written into ``tmp``: ``metadata.json``, the tokenizer copy, the rename
+    to ``iter_XXXXXXX/`` and the tracker, written last. The caller has checked that ``out_root`` is not the
+    source or another run (``check_conversion_target``)."""
+    final = iteration_dir(out_root, iteration)
     write_json(os.path.join(tmp, "metadata.json"), meta)
-    if ck.tokenizer_dir:
-        shutil.copytree(ck.tokenizer_dir, os.path.join(tmp, "tokenizer"))
+    if tokenizer_dir:
+        shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)
-    write_text(os.path.join(out_root, TRACKER), str(ck.iteration), fsync=True)
+    write_text(os.path.join(out_root, TRACKER), str(iteration), fsync=True)
     return final
 
 

@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..core.models.gpt.config import GPTConfig
-from .checkpoint_io import write_json, write_text
 from .checkpointing import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
 from .dcp_pieces import dcp_load, dcp_save, read_dcp_metadata
 from .dist_checkpoint import COMMON, EXP_AVG, EXP_AVG_SQ, FORMAT, RANK_STATE, rank_key
@@ -28,7 +27,7 @@ def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimiz
 
     Weights, Adam moments, scheduler and counters carry over exactly; the per-rank RNG states and reducer
     files keep their (TP, PP, DP) coordinates, so a resume in the source layout stays bit-exact."""
-    from .checkpoint_conversion import load_canonical
+    from .checkpoint_conversion import load_canonical, publish_converted
     from .checkpoint_io import load_torch
 
     ck = load_canonical(load, step, load_optimizer=with_optimizer)
@@ -55,13 +54,7 @@ def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimiz
                  "param_layout": {n: {**m, "full_shape": list(ck.model[n].shape)} for n, m in ck.layout_meta.items()},
                  "converted_from": {"ckpt_format": "torch", "optimizer_state": ck.optimizer is not None,
                                     "notes": list(ck.notes)}})
-    write_json(os.path.join(tmp, "metadata.json"), meta)
-    if ck.tokenizer_dir:
-        shutil.copytree(ck.tokenizer_dir, os.path.join(tmp, "tokenizer"))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_text(os.path.join(save, TRACKER), str(ck.iteration), fsync=True)
+    publish_converted(tmp, save, ck.iteration, meta, ck.tokenizer_dir)
     log(f" converted iteration {ck.iteration} from torch to torch_dist (layout-free; optimizer state: "
         f"{'yes' if ck.optimizer is not None else 'no'}); wrote {final}")
     return final
