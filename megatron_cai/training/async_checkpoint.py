@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from .checkpoint_io import CheckpointError
-from .checkpointing import StagedCheckpoint, finalize_staged, iteration_dir, write_staged
+from .checkpointing import IterationPaths, StagedCheckpoint, finalize_staged, write_staged
 from .dcp_pieces import describe_dcp_error
 
 __all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "dist_state_finite", "staged_state_finite",
@@ -173,7 +173,7 @@ class _ViewsOptimizer:
 
 
 @dataclass
-class AsyncSave:
+class AsyncSave(IterationPaths):
     """One save handed to the writer thread: ``check`` (is the staged state finite?), then ``write``; the
     main thread calls ``finalize`` once every rank's write has finished and verified."""
 
@@ -189,14 +189,6 @@ class AsyncSave:
     refused: bool = False           # set at finalize: some rank's state was not finite, the save was dropped
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
-
-    @property
-    def final(self) -> str:
-        return iteration_dir(self.root, self.iteration)
-
-    @property
-    def tmp(self) -> str:
-        return self.final + ".tmp"
 
 
 def _write_torch(staged: StagedCheckpoint) -> None:

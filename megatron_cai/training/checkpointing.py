@@ -105,8 +105,24 @@ def _gather_over_dp(obj: Any) -> list[Any]:
     return out
 
 
+class IterationPaths:
+    """``final`` (``root/iter_XXXXXXX``) and ``tmp`` (``final + ".tmp"``) for objects with ``root`` and
+    ``iteration``: a save is written into ``tmp`` and renamed to ``final`` before the tracker moves."""
+
+    root: str
+    iteration: int
+
+    @property
+    def final(self) -> str:
+        return iteration_dir(self.root, self.iteration)
+
+    @property
+    def tmp(self) -> str:
+        return self.final + ".tmp"
+
+
 @dataclass
-class StagedCheckpoint:
+class StagedCheckpoint(IterationPaths):
     """What one rank writes for one save: files to ``torch.save``, plus (rank 0) metadata and tokenizer files.
 
     Built by :func:`stage_checkpoint` (collective); written by :func:`write_staged` (no collectives: it may
@@ -117,14 +133,6 @@ class StagedCheckpoint:
     files: dict[str, Any]                       # path -> object for torch.save
     meta: dict | None = None                    # metadata.json (rank 0)
     tokenizer_files: list[str] = field(default_factory=list)
-
-    @property
-    def final(self) -> str:
-        return iteration_dir(self.root, self.iteration)
-
-    @property
-    def tmp(self) -> str:
-        return self.final + ".tmp"
 
 
 def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
