@@ -83,6 +83,17 @@ def _atomic_torch_save(obj: Any, path: str) -> None:
     save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
 
 
+def begin_save(root: str, iteration: int) -> str:
+    """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    if ps.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    return tmp
+
+
 def param_names(model_chunks) -> list[dict[int, str]]:
     """Per chunk, parameter id -> name in the (unwrapped) model's state dict."""
     return [{id(p): n for n, p in getattr(m, "module", m).named_parameters()} for m in model_chunks]
@@ -145,13 +156,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     (``async_checkpoint``) before training mutates them, or write them at once (:func:`save_checkpoint`).
     ``optimizer_views``: the optimizer state as views of its gathered flat buffers (``state_dict(copy=False)``)."""
     config = train_config.model
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    if ps.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
+    tmp = begin_save(root, iteration)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     dp_rank = ps.get_data_parallel_rank()
     rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))

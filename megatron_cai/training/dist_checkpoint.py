@@ -41,7 +41,6 @@ virtual-PP may all change with no conversion step.
 """
 from __future__ import annotations
 
-import copy
 import glob
 import os
 import shutil
@@ -61,6 +60,7 @@ from .checkpoint_io import CheckpointError, payload_nbytes, write_json, write_te
 from .checkpointing import (
     FORMAT_VERSION,
     TRACKER,
+    begin_save,
     copy_tokenizer_files,
     iteration_dir,
     read_metadata,
@@ -196,35 +196,6 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
         "rng": rng, "reducers": reducer_states if reducer_states and any(reducer_states) else None,
         "data_parallel_kind": "fsdp2" if is_fsdp(model_chunks) else "ddp"}
     return sd
-
-
-def stage_to_cpu(sd: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a :func:`build_state_dict` result that shares no memory with the model or optimizer (CPU
-    tensors), for a writer that runs while training goes on. DCP's own stager does not know
-    :class:`Pieces`; write the copy with ``dcp.save(..., planner=PiecesSavePlanner())``."""
-    def clone(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
-
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, Pieces):
-            out[k] = Pieces(v.shape, [(o, clone(t)) for o, t in v.pieces])
-        elif isinstance(v, torch.Tensor):
-            out[k] = clone(v)
-        else:  # common / rank state: small, pickled by DCP (tensors inside are copied too)
-            out[k] = copy.deepcopy(v)
-    return out
-
-
-def begin_save(root: str, iteration: int) -> str:
-    """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
-    tmp = iteration_dir(root, iteration) + ".tmp"
-    if ps.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    return tmp
 
 
 def write_metadata(tmp: str, iteration: int, train_config: TrainConfig, param_layout: dict, dp_kind: str,

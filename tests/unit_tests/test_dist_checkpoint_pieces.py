@@ -41,15 +41,6 @@ def test_vocabulary_rows_clip_and_pad_with_zeros(tmp_path):
     assert torch.equal(target[:4], full[8:12]) and torch.equal(target[4:], torch.zeros(4, 4))
 
 
-def test_stage_to_cpu_shares_no_memory():
-    t = torch.ones(4)
-    sd = {"p": dc.Pieces([4], [((0,), t)]), "b": torch.zeros(()), "common": {"x": torch.ones(2)}}
-    staged = dc.stage_to_cpu(sd)
-    t.add_(1)
-    sd["common"]["x"].add_(1)
-    assert torch.equal(staged["p"].pieces[0][1], torch.ones(4)) and torch.equal(staged["common"]["x"], torch.ones(2))
-
-
 def test_dp_row_shards_across_section_boundaries(tmp_path):
     """FSDP2 keeps rows of the TP-local tensor; a DP shard may straddle the [gate, up] boundary."""
     full = torch.randn(24, 3)
