@@ -61,12 +61,12 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
                   attention_backend: str | None = None) -> GPTModel:
     """A whole (all layers) GPTModel from a canonical checkpoint, sharded over this process's TP group.
 
-    ``ck`` is a :class:`~megatron_cai.training.checkpoint_conversion.CanonicalCheckpoint` (any saved
+    ``ck`` is a :class:`~megatron_cai.training.checkpoint.CanonicalCheckpoint` (any saved
     layout). Vocabulary rows are re-padded to ``padded_vocab_size``; dropout and training-only terms are
     off; the model is in eval mode with ``requires_grad=False``. The global RNG state is left untouched.
     """
     from ..core.models.gpt.model import WORD_EMBEDDINGS
-    from .checkpoint_conversion import OUTPUT_WEIGHT, fit_vocab_rows
+    from .checkpoint import OUTPUT_WEIGHT, fit_vocab_rows
 
     cfg = GPTConfig.from_dict(ck.config.to_dict())
     cfg.padded_vocab_size = padded_vocab_size
@@ -102,7 +102,7 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
 
 def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int | None = None) -> GPTModel:
     """Load the checkpoint at ``path`` (any TP/PP layout) as an online teacher for ``student``."""
-    from .checkpoint_conversion import load_canonical
+    from .checkpoint import load_canonical
 
     ck = load_canonical(path, step, load_optimizer=False)
     if ck.config.vocab_size != student.vocab_size:
