@@ -55,6 +55,43 @@ def test_the_grep_rules_catch_an_offender(tmp_path):
     assert re.search(r"\bargs\.", text) and re.search(r"getattr\(\s*args\b", text)
 
 
+# ------------------------------------------------------------------------------------ contracts
+# Model chunks and gradient reducers have written contracts (core.distributed.contracts): nothing asks one
+# what it is. Forbidden: getattr/hasattr for a contract member (getattr(m, "module", m), getattr(m,
+# "reducer", None), hasattr(r, "timers"), ...), and hasattr on a model chunk (hasattr(model, ...)).
+_CONTRACT_MEMBERS = ("module", "reducer", "set_is_last_microbatch", "zero_grad_buffer", "finish_grad_sync",
+                     "grad_comm_bytes", "data_parallel_kind", "carries_feedback", "holds_squinch_state", "timers",
+                     "comms", "step_skipped", "rescale_feedback", "inter_node_bytes_sent", "bytes_sent")
+_PROBES = (
+    r"\b(?:getattr|hasattr)\(\s*[^,()]+,\s*[\"'](?:" + "|".join(_CONTRACT_MEMBERS) + r")[\"']",
+    r"\bhasattr\(\s*(?:\w+\.)*(?:model\w*|chunk\w*|ddp|m)\s*,",
+)
+
+
+def _probes(text: str) -> list[int]:
+    """Line numbers of contract probes in ``text``."""
+    return sorted({text.count("\n", 0, m.start()) + 1 for p in _PROBES for m in re.finditer(p, text)})
+
+
+def test_nothing_probes_model_chunks_or_reducers_for_their_members():
+    offenders = [f"{os.path.relpath(path, ROOT)}:{line}: {open(path).read().splitlines()[line - 1].strip()}"
+                 for path in MODULES.values() for line in _probes(open(path).read())]
+    assert not offenders, "use the contracts in core/distributed/contracts.py, not probing:\n" + "\n".join(offenders)
+
+
+def test_the_probe_rule_catches_each_offender_and_spares_parameter_attributes():
+    offenders = ['getattr(m, "module", m)', "getattr( chunk ,'reducer', None)", 'hasattr(r, "timers")',
+                 'hasattr(model, "set_is_last_microbatch")', "hasattr(self.model_chunk, 'anything')",
+                 'hasattr(m, "buffer")', 'getattr(c, "holds_squinch_state", False)']
+    for text in offenders:
+        assert _probes(text) == [1], text
+    spared = ['getattr(p, "shared_embedding", False)', 'getattr(p, "tp_dim", None)', 'hasattr(tokens, "numpy")',
+              'getattr(work, "work", work)', 'getattr(m, "modules_to_save", None)', "m.module.named_parameters()"]
+    for text in spared:
+        assert _probes(text) == [], text
+    assert _probes("x = 1\ny = getattr(m, 'module', m)\n") == [2]
+
+
 # -------------------------------------------------------------------------------------- imports
 def _imports(name: str, path: str) -> set[str]:
     """Package modules that ``name`` imports anywhere in its source (module level or inside functions)."""
@@ -128,6 +165,54 @@ def test_the_cycle_finder_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _core_folder(module: str) -> str | None:
+    """The folder of ``core/`` (or its top-level module) that holds ``module``; None outside core."""
+    prefix = "megatron_cai.core."
+    return prefix + module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """{folder: {folder it imports: [the module-level imports that make the edge]}} inside core."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, targets in graph.items():
+        src = _core_folder(name)
+        for t in targets:
+            dst = _core_folder(t)
+            if src is not None and dst is not None and dst != src:
+                out.setdefault(src, {}).setdefault(dst, []).append(f"{name} -> {t}")
+    return out
+
+
+def _folder_cycles(graph: dict[str, set[str]]) -> list[str]:
+    folders = _folder_graph(graph)
+    report = []
+    for cycle in _cycles({f: set(edges) for f, edges in folders.items()}):
+        members = set(cycle)
+        edges = sorted(e for f in cycle for g, es in folders.get(f, {}).items() if g in members for e in es)
+        report.append(" <-> ".join(cycle) + ":\n    " + "\n    ".join(edges))
+    return report
+
+
+def test_no_two_folders_of_core_import_each_other():
+    """Each folder of core/ is a layer: none imports (through any of its modules) a folder that imports it
+    back, e.g. optimizer -> distributed -> optimizer."""
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    folders = _folder_graph(graph)
+    assert "megatron_cai.core.distributed" in folders["megatron_cai.core.optimizer"]  # the graph sees real edges
+    cycles = _folder_cycles(graph)
+    assert not cycles, "folder-level import circles in core/:\n" + "\n".join(cycles)
+
+
+def test_the_folder_check_finds_a_planted_circle_no_module_cycle_shows():
+    core = "megatron_cai.core."
+    graph = {core + "a.x": {core + "b.y"}, core + "b.y": set(), core + "b.z": {core + "a.w", core + "device"},
+             core + "a.w": set(), core + "device": set(), "megatron_cai.training.t": {core + "a.x"}}
+    assert _cycles(graph) == []  # no module imports itself back ...
+    assert _folder_cycles(graph) == [f"{core}a <-> {core}b:\n    {core}a.x -> {core}b.y\n    {core}b.z -> {core}a.w"]
+    del graph[core + "b.z"]
+    assert _folder_cycles(graph) == []
 
 
 # --------------------------------------------------------------------------- the checkpoint package
