@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .errors import UserError
 
-class DivergenceError(RuntimeError):
+
+class DivergenceError(UserError, RuntimeError):
     """The run diverged (too many consecutive non-finite iterations); the message says where and what is kept."""
 
 
