@@ -29,13 +29,14 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
+from ..core.distributed.fsdp import build_fsdp2
 from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
 from ..core.optimizer.grad_scaler import build_grad_scaler
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
-from ..core.optimizer.optimizer import DistributedAdamW
+from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
 from . import divergence
@@ -181,20 +182,16 @@ class Trainer:
         dp = ps.get_data_parallel_world_size()
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         param_layout = tp_layout(chunks)
-        self.model = []
         for m in chunks:
             m.to(self.device)
-            if not config.ddp.use_torch_fsdp2:
-                reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
-                                        timing_level=config.logging.timing_log_level)
-                self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
-        if config.ddp.use_torch_fsdp2:  # FSDP2 chunks and AdamW over the shards (core/distributed/fsdp.py)
-            from ..core.distributed.fsdp import build_fsdp2
-
-            self.model, self.optimizer = build_fsdp2(chunks, self.device, config.ddp, config.optimizer,
-                                                     bf16=run.bf16, seed=run.seed + ps.get_rank())
+        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
+            self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
-            self.optimizer = DistributedAdamW(self.model, config.optimizer)
+            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
+                                                                   seed=run.seed + ps.get_rank(),
+                                                                   timing_level=config.logging.timing_log_level),
+                                                  config.ddp, device=self.device) for m in chunks]
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
         self.scheduler = OptimizerParamScheduler(config.scheduler)
@@ -536,8 +533,7 @@ class Trainer:
                 scalars["throughput"] = throughput
         self.tb.scalars(scalars, st.iteration)
         if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
-            reducers = [getattr(m, "reducer", None) for m in self.model]
-            timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
+            timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:

@@ -87,7 +87,7 @@ RANK_STATE = "rank_state."
 
 # ------------------------------------------------------------------------------------ model access
 def is_fsdp(model_chunks) -> bool:
-    return type(model_chunks[0]).__name__ == "FullyShardedChunk"
+    return model_chunks[0].data_parallel_kind == "fsdp2"
 
 
 def _module(m):
@@ -339,10 +339,7 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
 
 def _uses_squinch(reducers) -> bool:
     """Whether this run's reducers (DDP) or FSDP2 reduce-scatter hooks are Squinch's."""
-    for r in reducers:
-        if any(getattr(c, "holds_squinch_state", False) for c in [r, *getattr(r, "comms", {}).values()]):
-            return True
-    return False
+    return any(r.carries_feedback for r in reducers)
 
 
 def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:

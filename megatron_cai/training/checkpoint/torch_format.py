@@ -232,7 +232,7 @@ def reducer_state_dropped(rpath: str, same_dp: bool, reducers, meta: dict) -> st
     """
     rank_dir = os.path.dirname(rpath)
     saved = any(n.startswith("reducer_dp_") for n in os.listdir(rank_dir)) if os.path.isdir(rank_dir) else False
-    squinch_now = any(type(r).__name__ == "SquinchReducer" for r in reducers)
+    squinch_now = any(r.carries_feedback for r in reducers)
     saved_args = meta.get("args") or {}
     if saved and not squinch_now:
         return (f"{rank_dir} holds Squinch error-feedback state (reducer_dp_*.pt) but this run does not use "
