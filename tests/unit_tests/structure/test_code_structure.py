@@ -396,3 +396,22 @@ def test_training_has_at_most_14_top_level_modules():
     entries = sorted(n for n in os.listdir(top) if n != "__init__.py" and not n.startswith((".", "__"))
                      and (n.endswith(".py") or os.path.isfile(os.path.join(top, n, "__init__.py"))))
     assert "checkpoint" in entries and len(entries) <= 14, entries
+
+
+def _test_folders_without_init(tests_root: str) -> list[str]:
+    """Folders of unit_tests/ and functional_tests/ holding test modules but no ``__init__.py``."""
+    out = []
+    for top in ("unit_tests", "functional_tests"):
+        for dirpath, _, files in os.walk(os.path.join(tests_root, top)):
+            if any(f.endswith(".py") for f in files) and "__init__.py" not in files:
+                out.append(os.path.relpath(dirpath, tests_root))
+    return sorted(out)
+
+
+def test_every_test_folder_is_a_package(tmp_path):
+    """Test modules are imported by their dotted path (tests/unit_tests/<area>/...), so that two areas may hold
+    files of the same name; shared helpers live in tests/testlib/."""
+    assert _test_folders_without_init(os.path.join(ROOT, "tests")) == []
+    (tmp_path / "unit_tests" / "newarea").mkdir(parents=True)
+    (tmp_path / "unit_tests" / "newarea" / "test_x.py").write_text("")
+    assert _test_folders_without_init(str(tmp_path)) == ["unit_tests/newarea"]
