@@ -431,3 +431,72 @@ def test_nothing_in_the_repository_points_at_the_team_notes():
             if "shared/" in text:
                 hits.append(os.path.relpath(f, ROOT))
     assert not hits, hits
+
+
+# ------------------------------------------------------------------------------- the design map
+_MAP_ENTRY = re.compile(r"[\w.-]+(?:/[\w.-]+)*(?:\.py|/)")
+
+
+def _design_map(text: str) -> set[str]:
+    """Paths of the modules listed in the first code block of ``## Layers``: an indented tree, one entry per
+    line (``name.py`` or ``folder/``, then a description); deeper lines that start otherwise continue one."""
+    block = text[text.index("## Layers"):].split("```")[1]
+    stack: list[tuple[int, str]] = []  # (indent, folder path)
+    out = set()
+    for line in block.splitlines():
+        head = line.strip().split("  ")[0]
+        if not head or not _MAP_ENTRY.fullmatch(head):
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = (stack[-1][1] if stack else "") + head
+        if head.endswith("/"):
+            stack.append((indent, path))
+        else:
+            out.add(path)
+    return out
+
+
+def test_the_design_map_lists_every_module():
+    mapped = {p for p in _design_map(open(os.path.join(ROOT, "docs", "design.md")).read())
+              if p.startswith("megatron_cai/")}
+    modules = {os.path.relpath(p, ROOT) for p in MODULES.values() if not p.endswith("__init__.py")}
+    assert len(modules) > 80
+    assert not modules - mapped, f"docs/design.md's map (## Layers) lacks {sorted(modules - mapped)}"
+    assert not mapped - modules, f"docs/design.md's map lists modules that do not exist: {sorted(mapped - modules)}"
+
+
+def test_the_design_map_reader_sees_a_missing_module():
+    text = ("## Layers\n```\nmegatron_cai/\n  core/             the library\n    device.py       devices\n"
+            "    models/gpt/\n      model.py      GPTModel: embedding -> layers\n                    (continued)\n"
+            "  training/\n    training.py     the loop\ntools/            scripts\n```\n")
+    assert _design_map(text) == {"megatron_cai/core/device.py", "megatron_cai/core/models/gpt/model.py",
+                                 "megatron_cai/training/training.py"}
+
+
+def test_training_has_at_most_14_top_level_modules():
+    """Issue 32's bound: each top-level module of training/ says what it holds (a package counts once)."""
+    top = os.path.join(PACKAGE, "training")
+    entries = sorted(n for n in os.listdir(top) if n != "__init__.py" and not n.startswith((".", "__"))
+                     and (n.endswith(".py") or os.path.isfile(os.path.join(top, n, "__init__.py"))))
+    assert "checkpoint" in entries and len(entries) <= 14, entries
+
+
+def _test_folders_without_init(tests_root: str) -> list[str]:
+    """Folders of unit_tests/ and functional_tests/ holding test modules but no ``__init__.py``."""
+    out = []
+    for top in ("unit_tests", "functional_tests"):
+        for dirpath, _, files in os.walk(os.path.join(tests_root, top)):
+            if any(f.endswith(".py") for f in files) and "__init__.py" not in files:
+                out.append(os.path.relpath(dirpath, tests_root))
+    return sorted(out)
+
+
+def test_every_test_folder_is_a_package(tmp_path):
+    """Test modules are imported by their dotted path (tests/unit_tests/<area>/...), so that two areas may hold
+    files of the same name; shared helpers live in tests/testlib/."""
+    assert _test_folders_without_init(os.path.join(ROOT, "tests")) == []
+    (tmp_path / "unit_tests" / "newarea").mkdir(parents=True)
+    (tmp_path / "unit_tests" / "newarea" / "test_x.py").write_text("")
+    assert _test_folders_without_init(str(tmp_path)) == ["unit_tests/newarea"]
