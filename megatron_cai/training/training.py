@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
-from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
+from ..core.distributed.comm_timing import StepTimeline, timeline_log_lines, timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
@@ -124,12 +124,16 @@ class Trainer:
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         self.param_layout = checkpointing.tp_layout(chunks)
         self.model = []
+        self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per chunk
         for m in chunks:
             m.to(self.device)
             if not config.ddp.use_torch_fsdp2:
                 reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
                                         timing_level=config.logging.timing_log_level)
-                self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
+                timeline = StepTimeline(config.logging.timing_log_level >= 2, self.device)
+                self.timelines.append(timeline)
+                self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device,
+                                                          timeline=timeline))
         if config.ddp.use_torch_fsdp2:  # FSDP2 chunks and AdamW over the shards (core/distributed/fsdp.py)
             from ..core.distributed.fsdp import build_fsdp2
 
@@ -259,6 +263,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- step
     def train_step(self) -> tuple[dict[str, float], float, bool]:
         """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+        for t in self.timelines:
+            t.step_start()
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -267,8 +273,10 @@ class Trainer:
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
+        self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
+        self._mark_timelines("sync end")
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
@@ -291,7 +299,13 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
-        return self._average_stats(stats), grad_norm, finite
+        averaged = self._average_stats(stats)
+        self._mark_timelines("step end")
+        return averaged, grad_norm, finite
+
+    def _mark_timelines(self, name: str) -> None:
+        for t in self.timelines:
+            t.mark(name)
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -506,6 +520,8 @@ class Trainer:
             reducers = [getattr(m, "reducer", None) for m in self.model]
             timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
+                print_rank_last(line)
+            for line in timeline_log_lines(st.iteration, [t.collect() for t in self.timelines]):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:
                 self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)

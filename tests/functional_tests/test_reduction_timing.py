@@ -6,7 +6,7 @@ import torch
 from dist_utils import run_distributed
 from train_utils import TINY_MODEL, train
 
-from megatron_cai.core.distributed.comm_timing import PHASES, PhaseTimers, timing_log_lines
+from megatron_cai.core.distributed.comm_timing import PHASES, PhaseTimers, StepTimeline, timing_log_lines
 
 AR_PHASES = ("encode", "all-to-all", "decode-accumulate", "owner re-encode", "all-gather", "decode")
 
@@ -29,6 +29,34 @@ def test_timers_are_free_when_off_and_measure_wall_clock_when_on():
     assert on.collect()["phases"] == {}  # collect() clears
     lines = timing_log_lines(7, [got], 2, iters=2)
     assert "iteration 7" in lines[0] and any("encode" in x for x in lines) and any("bucket 3" in x for x in lines)
+
+
+def test_step_timeline_takes_the_reducer_off_the_compute_clock():
+    off = StepTimeline(False)
+    off.step_start()
+    off.bucket_ready(0, 10)
+    off.mark("step end")
+    assert off.collect() == {}
+    tl = StepTimeline(True, torch.device("cpu"))
+    for _ in range(3):
+        tl.step_start()
+        time.sleep(0.01)
+        tl.bucket_ready(4, 128)
+        with tl.in_reducer():
+            time.sleep(0.02)  # the reducer's host work inside backward
+        time.sleep(0.01)
+        tl.mark("backward end")
+        with tl.in_reducer():
+            time.sleep(0.005)
+        tl.mark("sync end")
+        tl.mark("step end")
+    got = tl.collect()
+    assert got["steps"] == 3 and tl.collect() == {}  # collect() clears
+    (index, numel, ready, compute), = got["buckets"]
+    assert (index, numel) == (4, 128) and ready == compute >= 10.0
+    assert got["backward end"] >= 40.0 and got["backward end"] - got["backward end compute"] >= 20.0
+    assert got["backward end compute"] < got["backward end"] - 19.0
+    assert got["step end"] >= got["sync end"] >= got["backward end"] + 5.0 and got["reducer host"] >= 25.0
 
 
 def _worker(rank, world, argv):
@@ -64,6 +92,18 @@ def test_phase_breakdown_in_log_and_tensorboard(tmp_path, level):
     for phase in AR_PHASES:
         assert f"    {phase} ." in text, phase
     assert "chunk 0 bucket 1:" in text  # level 2: per bucket (several buckets with --ddp-bucket-size)
+    # level 2: the backward timeline, every bucket handed over once, in backward, on a consistent clock
+    import re
+
+    block = text.split("backward timeline at iteration 4")[1]
+    buckets = [tuple(map(float, m)) for m in re.findall(r"bucket (\d+): (\d+) elements ready at ([0-9.]+) "
+                                                        r"\(compute ([0-9.]+)\)", block)]
+    ends = re.search(r"backward end ([0-9.]+) \(compute ([0-9.]+)\), sync end ([0-9.]+), step end ([0-9.]+)",
+                     block)
+    assert len(buckets) >= 2 and sorted(int(b[0]) for b in buckets) == list(range(len(buckets)))
+    assert all(ready >= compute > 0 for _, _, ready, compute in buckets)
+    bwd, bwd_compute, sync, step = map(float, ends.groups())
+    assert max(b[2] for b in buckets) <= bwd <= sync <= step and bwd_compute <= bwd
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(tb)

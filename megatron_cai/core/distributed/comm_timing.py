@@ -14,12 +14,21 @@ then synchronises once per logged iteration (only when timing is on).
 ``collect()`` returns and clears what was recorded since the last call (totals, in ms):
 ``{"phases": {phase: ms}, "buckets": {bucket_index: {phase: ms}}}``; callers divide by the number of
 iterations it covers.
+
+Level 2 also records a :class:`StepTimeline` per model chunk, for every reducer: when each bucket
+becomes ready in backward, when backward ends, when the gradient sync and the step end. These are the
+inputs of the step-time model (``comm_model``): on CPU the reducer's own work runs on the host inside
+backward, so the ready times are also given on a compute-only clock (minus the host time spent in the
+reducer so far). On an accelerator the marks are events on the compute stream (the reducer works on
+its own stream, so the two clocks are one).
 """
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,3 +118,107 @@ def timing_scalars(timings: list[dict], iters: int) -> dict[str, float]:
             key = "grad-reduce-time/" + name.replace(" ", "-")
             out[key] = out.get(key, 0.0) + ms / steps
     return out
+
+
+# ------------------------------------------------------------------------------------ step timeline
+MARKS = ("backward end", "sync end", "step end")
+
+
+@dataclass
+class _StepRecord:
+    start: object = None
+    buckets: list = field(default_factory=list)   # (index, numel, mark, reducer host seconds before it)
+    marks: dict = field(default_factory=dict)      # name -> (mark, reducer host seconds before it)
+    reducer_s: float = 0.0
+
+
+class StepTimeline:
+    """Per step: when each bucket was handed to the reducer, and the ends of backward, of the gradient
+    sync and of the step (``--timing-log-level 2``; off: every method returns at once).
+
+    ``collect()`` returns and clears the medians over the steps recorded since the last call, in ms from
+    the step's start: ``{"steps", "buckets": [(index, numel, ready_ms, compute_ms)], "backward end",
+    "backward end compute", "sync end", "step end", "reducer host"}``. ``compute_ms`` is ``ready_ms``
+    minus the host time spent inside the reducer before that hand-over (zero on an accelerator)."""
+
+    def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
+        self.enabled = enabled
+        self.device = device if device is not None else torch.device("cpu")
+        self._cur: _StepRecord | None = None
+        self._done: list[_StepRecord] = []
+
+    def _mark(self):
+        if self.device.type == "cpu":
+            return time.perf_counter()
+        ev = torch.Event(self.device, enable_timing=True)
+        ev.record()
+        return ev
+
+    def _ms(self, start, mark) -> float:
+        if isinstance(start, float):
+            return 1000.0 * (mark - start)
+        mark.synchronize()
+        return start.elapsed_time(mark)
+
+    def step_start(self) -> None:
+        if self.enabled:
+            self._cur = _StepRecord(start=self._mark())
+
+    def bucket_ready(self, index: int, numel: int) -> None:
+        if self.enabled and self._cur is not None:
+            self._cur.buckets.append((index, numel, self._mark(), self._cur.reducer_s))
+
+    @contextlib.contextmanager
+    def in_reducer(self) -> Iterator[None]:
+        """Wrap a reducer call: its host time is taken off the compute clock (CPU)."""
+        if not (self.enabled and self._cur is not None and self.device.type == "cpu"):
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        self._cur.reducer_s += time.perf_counter() - t0
+
+    def mark(self, name: str) -> None:
+        """``name``: one of MARKS; "step end" closes the step."""
+        if not (self.enabled and self._cur is not None):
+            return
+        self._cur.marks[name] = (self._mark(), self._cur.reducer_s)
+        if name == "step end":
+            self._done.append(self._cur)
+            self._cur = None
+
+    def collect(self) -> dict:
+        recs = [r for r in self._done if all(m in r.marks for m in MARKS)]
+        self._done = []
+        if not recs:
+            return {}
+        med = statistics.median
+        out: dict = {"steps": len(recs), "buckets": []}
+        if len({tuple(b[0] for b in r.buckets) for r in recs}) == 1:  # the same hand-over order every step
+            for k, (index, numel, _, _) in enumerate(recs[0].buckets):
+                ready = [self._ms(r.start, r.buckets[k][2]) for r in recs]
+                host = [1000.0 * r.buckets[k][3] for r in recs]
+                out["buckets"].append((index, numel, med(ready), med(x - h for x, h in zip(ready, host))))
+        for name in MARKS:
+            vals = [self._ms(r.start, r.marks[name][0]) for r in recs]
+            out[name] = med(vals)
+            if name == "backward end":
+                out["backward end compute"] = med(v - 1000.0 * r.marks[name][1] for v, r in zip(vals, recs))
+        out["reducer host"] = med(1000.0 * r.reducer_s for r in recs)
+        return out
+
+
+def timeline_log_lines(iteration: int, timelines: list[dict]) -> list[str]:
+    """The level-2 lines of ``StepTimeline.collect()`` results (one per model chunk)."""
+    lines = []
+    for chunk, t in enumerate(timelines):
+        if not t:
+            continue
+        lines.append(f" backward timeline at iteration {iteration} (ms from the step's start, median of {t['steps']} "
+                     f"iterations, this rank, chunk {chunk}):")
+        lines += [f"    bucket {i}: {n} elements ready at {ready:.3f} (compute {comp:.3f})"
+                  for i, n, ready, comp in t["buckets"]]
+        lines.append(f"    backward end {t['backward end']:.3f} (compute {t['backward end compute']:.3f}), "
+                     f"sync end {t['sync end']:.3f}, step end {t['step end']:.3f}, "
+                     f"reducer host {t['reducer host']:.3f}")
+    return lines
