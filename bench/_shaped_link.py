@@ -181,3 +181,13 @@ class RowCache:
         with open(self.path + ".tmp", "w") as f:
             json.dump({"settings": self.settings, "rows": self.rows}, f)
         os.replace(self.path + ".tmp", self.path)
+
+
+def drift_lines(a: dict[str, float], b: dict[str, float], limit: float) -> list[str]:
+    """Two runs' ratios side by side; the ones that moved by more than ``limit`` start with 'DRIFT'."""
+    lines = []
+    for name in sorted(set(a) & set(b)):
+        drift = abs(b[name] / a[name] - 1)
+        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
+                     f"({100 * drift:.1f}%)")
+    return lines + [f"DRIFT {name}: in one run only" for name in sorted(set(a) ^ set(b))]

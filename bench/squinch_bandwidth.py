@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from _shaped_link import (  # noqa: E402  (the link, the runs over it and their row cache)
     RowCache,
     alternate,
+    drift_lines,
     load,
     paired_ratio,
     run_job,
@@ -243,14 +244,7 @@ def ratios(res: dict) -> dict[str, float]:
 
 def compare(first: dict, second: dict, limit: float) -> list[str]:
     """Lines comparing two runs' ratios; the ones that moved by more than ``limit`` start with 'DRIFT'."""
-    a, b, lines = ratios(first), ratios(second), []
-    for name in sorted(set(a) & set(b)):
-        drift = abs(b[name] / a[name] - 1)
-        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
-                     f"({100 * drift:.1f}%)")
-    for name in sorted(set(a) ^ set(b)):
-        lines.append(f"DRIFT {name}: in one run only")
-    return lines
+    return drift_lines(ratios(first), ratios(second), limit)
 
 
 def main() -> None:

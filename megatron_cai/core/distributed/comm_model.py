@@ -70,10 +70,15 @@ class OpCost:
 @dataclass(frozen=True)
 class Tier:
     """One kind of link. ``ops`` overrides ``default`` per collective: key ``"<op>_<dtype>"`` (e.g.
-    ``"allreduce_bf16"``, its reduction's arithmetic included) or ``"<op>"`` (e.g. ``"all_to_all"``)."""
+    ``"allreduce_bf16"``, its reduction's arithmetic included) or ``"<op>"`` (e.g. ``"all_to_all"``).
+
+    ``burst_bytes`` / ``refill_bytes_per_s``: a token-bucket shaper (``tc tbf``): after an idle period
+    up to ``burst_bytes`` pass at once, refilled at the shaped rate; 0 for an unshaped link."""
 
     default: OpCost
     ops: Mapping[str, OpCost] = field(default_factory=dict)
+    burst_bytes: float = 0.0
+    refill_bytes_per_s: float = 0.0
 
     def cost(self, op: str, dtype: str) -> OpCost:
         return self.ops.get(f"{op}_{dtype}") or self.ops.get(op) or self.default
@@ -245,8 +250,9 @@ def _steps(op: str, n: int, tree: bool) -> int:
     return n - 1
 
 
-def collective_time(topo: Topology, c: Collective) -> tuple[str, float, float]:
-    """(the tier it occupies, its duration in seconds, executor time to issue it)."""
+def collective_time(topo: Topology, c: Collective, tokens: float = 0.0) -> tuple[str, float, float]:
+    """(the tier it occupies, its duration in seconds, executor time to issue it); ``tokens``: bytes the
+    inter-node shaper lets through at once (its bucket's fill when the collective starts)."""
     if c.ranks == 1:
         return "intra", 0.0, 0.0
     op = "reduce_scatter_a2a" if c.op == "reduce_scatter" and topo.reduce_scatter == "all_to_all" else c.op
@@ -260,7 +266,7 @@ def collective_time(topo: Topology, c: Collective) -> tuple[str, float, float]:
         t += (c.ranks - 1) * main.per_peer_s
     if nodes > 1:
         share = c.per_node / topo.ranks_per_node
-        t_bw = node_bytes / (main.bytes_per_s * share)
+        t_bw = max(0.0, node_bytes - tokens * share) / (main.bytes_per_s * share)
         if c.per_node > 1:  # the ring's hops inside a node, or the all-to-all's local peers
             intra = topo.intra.cost(key, c.dtype)
             ring = op in ("allreduce", "reduce_scatter", "all_gather")
@@ -392,6 +398,7 @@ class _Sim:
     def __init__(self, topo: Topology, codec: CodecCost, mode: ReducerMode) -> None:
         self.topo, self.codec, self.mode = topo, codec, mode
         self.free = {"intra": 0.0, "inter": 0.0}
+        self.tokens = topo.inter.burst_bytes  # the inter-node shaper's bucket at self.free["inter"]
         self.exe = 0.0  # the executor's clock: the host on CPU, the reducer's stream on an accelerator
         self.fifo: list[_Flight] = []
         self.events: list[tuple[int, str, str, float, float]] = []
@@ -405,13 +412,18 @@ class _Sim:
             t += work_time(w, self.codec)
             self.launches += launches(w, self.codec)
         if st.collective is not None:
-            tier, dur, issue = collective_time(self.topo, st.collective)
-            t += issue
-            begin = max(t, self.free[tier])
-            f.finish = self.free[tier] = begin + dur
             c = st.collective
             a2a = c.op == "reduce_scatter" and self.topo.reduce_scatter == "all_to_all"
             rb, nb = wire_bytes(replace(c, op="reduce_scatter_a2a") if a2a else c)
+            inter = self.topo.inter
+            t += collective_time(self.topo, c)[2]
+            begin = max(t, self.free["inter"]) if nb else t
+            tokens = min(inter.burst_bytes, self.tokens + (begin - self.free["inter"]) * inter.refill_bytes_per_s)
+            tier, dur, _ = collective_time(self.topo, c, tokens if nb else 0.0)
+            begin = max(t, self.free[tier])
+            f.finish = self.free[tier] = begin + dur
+            if nb:
+                self.tokens = max(0.0, tokens - nb * self.topo.ranks_per_node / c.per_node)
             self.rank_bytes += rb
             self.node_bytes += nb * self.topo.ranks_per_node / c.per_node  # every local rank's group
             self.events.append((f.index, st.name, tier, begin, f.finish))

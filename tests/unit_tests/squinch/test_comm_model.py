@@ -180,3 +180,17 @@ def test_per_op_costs_and_uniform_timeline():
         BackwardTimeline((1, 2), (2.0, 1.0), 3.0, 0.0)
     with pytest.raises(ValueError):
         ReducerMode("bf16", hierarchical=True)
+
+
+def test_token_bucket_shaper_lets_a_burst_through_after_idle():
+    # tbf: 1000 B of burst, refilled at 1e6 B/s. Three fp32 buckets of 256 elements (1024 B, all-reduce
+    # at n = 2 sends 1024 B): ready at 0, 0 and 10 ms; each costs 2 x 1 ms + bytes not covered by tokens.
+    # b0: full bucket: 2 + 24 B / 1e6 = 2.024 ms (0 -> 2.024); b1 right behind it, empty bucket:
+    # 2 + 1.024 = 3.024 ms (2.024 -> 5.048); b2 at 10 ms: refilled min(1000, 4.952 ms x 1e6 B/s) = 1000 B:
+    # 2.024 ms (10 -> 12.024).
+    shaped = Tier(OpCost(1 * MS, 1e6), burst_bytes=1000, refill_bytes_per_s=1e6)
+    free = CodecCost(1e18, 1e18, 1e18, 1e18, 0.0, on_host=False, launch_overlaps_work=True)
+    tl = BackwardTimeline((256, 256, 256), (0.0, 0.0, 10 * MS), 10 * MS, 0.0)
+    p = predict(tl, dp2(shaped), free, ReducerMode("fp32"))
+    assert [e[3:] for e in p.events] == [pytest.approx((0, 2.024 * MS)), pytest.approx((2.024 * MS, 5.048 * MS)),
+                                         pytest.approx((10 * MS, 12.024 * MS))]
