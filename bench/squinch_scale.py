@@ -121,7 +121,8 @@ def flags_of(group: Group, label: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ measurements
 TIMELINE_RE = re.compile(r"bucket (\d+): (\d+) elements ready at ([0-9.]+) \(compute ([0-9.]+)\)")
-ENDS_RE = re.compile(r"backward end ([0-9.]+) \(compute ([0-9.]+)\), sync end ([0-9.]+), step end ([0-9.]+)")
+ENDS_RE = re.compile(r"backward end ([0-9.]+) \(compute ([0-9.]+)\), sync end ([0-9.]+), step end ([0-9.]+) "
+                     r"\(after sync, compute ([0-9.]+)\)")
 
 
 def parse_timeline(log: str, warmup: int) -> dict:
@@ -139,7 +140,7 @@ def parse_timeline(log: str, warmup: int) -> dict:
     med = statistics.median
     return {"bucket_elems": [per_bucket[i][0][0] for i in order],
             "ready_ms": [med(c for _, c in per_bucket[i]) for i in order],
-            "backward_end_ms": med(e[1] for e in ends), "after_sync_ms": med(e[3] - e[2] for e in ends),
+            "backward_end_ms": med(e[1] for e in ends), "after_sync_ms": med(e[4] for e in ends),
             "raw_step_ms": med(e[3] for e in ends), "iterations": len(blocks)}
 
 

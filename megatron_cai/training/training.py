@@ -130,7 +130,8 @@ class Trainer:
             if not config.ddp.use_torch_fsdp2:
                 reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
                                         timing_level=config.logging.timing_log_level)
-                timeline = StepTimeline(config.logging.timing_log_level >= 2, self.device)
+                timeline = StepTimeline(config.logging.timing_log_level >= 2, self.device,
+                                        group=ps.get_data_parallel_group())
                 self.timelines.append(timeline)
                 self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device,
                                                           timeline=timeline))

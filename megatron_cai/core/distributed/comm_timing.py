@@ -138,12 +138,16 @@ class StepTimeline:
 
     ``collect()`` returns and clears the medians over the steps recorded since the last call, in ms from
     the step's start: ``{"steps", "buckets": [(index, numel, ready_ms, compute_ms)], "backward end",
-    "backward end compute", "sync end", "step end", "reducer host"}``. ``compute_ms`` is ``ready_ms``
-    minus the host time spent inside the reducer before that hand-over (zero on an accelerator)."""
+    "backward end compute", "sync end", "step end", "after sync", "reducer host"}``, buckets by index.
+    The compute clock is this rank's clock minus the host time spent inside the reducer so far (CPU; on
+    an accelerator the two are one), and its values (``compute_ms``, "backward end compute", "after
+    sync") are, step by step, the largest over the ranks of ``group``: a collective starts when its
+    slowest rank gets there. ``collect()`` is then collective over ``group``."""
 
-    def __init__(self, enabled: bool, device: torch.device | None = None) -> None:
+    def __init__(self, enabled: bool, device: torch.device | None = None, group=None) -> None:
         self.enabled = enabled
         self.device = device if device is not None else torch.device("cpu")
+        self.group = group
         self._cur: _StepRecord | None = None
         self._done: list[_StepRecord] = []
 
@@ -187,23 +191,37 @@ class StepTimeline:
             self._done.append(self._cur)
             self._cur = None
 
+    def _step_row(self, r: _StepRecord, indices: list[int]) -> tuple[list[float], list[float]]:
+        """(raw ms, compute-clock ms) of one step: bucket ready times by index, then the marks."""
+        by_index = {i: (self._ms(r.start, mark), 1000.0 * host) for i, _, mark, host in r.buckets}
+        raw = [by_index[i][0] for i in indices] + [self._ms(r.start, r.marks[m][0]) for m in MARKS]
+        compute = [by_index[i][0] - by_index[i][1] for i in indices]
+        compute += [raw[-3] - 1000.0 * r.marks["backward end"][1], raw[-1] - raw[-2]]  # backward end, after sync
+        return raw, compute
+
     def collect(self) -> dict:
         recs = [r for r in self._done if all(m in r.marks for m in MARKS)]
         self._done = []
         if not recs:
             return {}
+        numel = {i: n for r in recs for i, n, _, _ in r.buckets}
+        indices = sorted(numel)
+        recs = [r for r in recs if sorted(b[0] for b in r.buckets) == indices]
+        rows = [self._step_row(r, indices) for r in recs]
+        compute = torch.tensor([c for _, c in rows], dtype=torch.float64)
+        if self.group is not None and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size(self.group) > 1:
+            worst = compute.to(self.device)
+            torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            compute = worst.cpu()
         med = statistics.median
-        out: dict = {"steps": len(recs), "buckets": []}
-        if len({tuple(b[0] for b in r.buckets) for r in recs}) == 1:  # the same hand-over order every step
-            for k, (index, numel, _, _) in enumerate(recs[0].buckets):
-                ready = [self._ms(r.start, r.buckets[k][2]) for r in recs]
-                host = [1000.0 * r.buckets[k][3] for r in recs]
-                out["buckets"].append((index, numel, med(ready), med(x - h for x, h in zip(ready, host))))
-        for name in MARKS:
-            vals = [self._ms(r.start, r.marks[name][0]) for r in recs]
-            out[name] = med(vals)
-            if name == "backward end":
-                out["backward end compute"] = med(v - 1000.0 * r.marks[name][1] for v, r in zip(vals, recs))
+        raw = [[row[k] for row, _ in rows] for k in range(len(indices) + len(MARKS))]
+        comp = [med(col) for col in compute.T.tolist()]
+        out: dict = {"steps": len(rows),
+                     "buckets": [(i, numel[i], med(raw[k]), comp[k]) for k, i in enumerate(indices)]}
+        for k, name in enumerate(MARKS):
+            out[name] = med(raw[len(indices) + k])
+        out["backward end compute"], out["after sync"] = comp[-2], comp[-1]
         out["reducer host"] = med(1000.0 * r.reducer_s for r in recs)
         return out
 
@@ -215,10 +233,10 @@ def timeline_log_lines(iteration: int, timelines: list[dict]) -> list[str]:
         if not t:
             continue
         lines.append(f" backward timeline at iteration {iteration} (ms from the step's start, median of {t['steps']} "
-                     f"iterations, this rank, chunk {chunk}):")
+                     f"iterations, chunk {chunk}; compute: the slowest data-parallel rank's):")
         lines += [f"    bucket {i}: {n} elements ready at {ready:.3f} (compute {comp:.3f})"
                   for i, n, ready, comp in t["buckets"]]
         lines.append(f"    backward end {t['backward end']:.3f} (compute {t['backward end compute']:.3f}), "
-                     f"sync end {t['sync end']:.3f}, step end {t['step end']:.3f}, "
-                     f"reducer host {t['reducer host']:.3f}")
+                     f"sync end {t['sync end']:.3f}, step end {t['step end']:.3f} (after sync, compute "
+                     f"{t['after sync']:.3f}), reducer host {t['reducer host']:.3f}")
     return lines
