@@ -7,7 +7,8 @@ On each link, for every message size of --sizes (bytes of the buffer reduced; an
 and every collective as the reducers issue it (fp32 and bf16 all-reduce, fp32 and bf16 reduce-scatter
 through core.device, Squinch's uint8 all-to-all and all-gather), alternating collective by collective,
 --repeats times: the time from issue to the end of wait() (the largest of the two ranks, after a
-barrier; back-to-back repetitions of small messages averaged) and the host time of the issue. Sizes
+barrier; back-to-back repetitions of small messages averaged), the host time of the issue and the
+rank's CPU time over the collective (every thread: gloo's and the kernel's TCP work). Sizes
 whose all-reduce would take more than --max-op-s at the link's rate are skipped.
 
 The codec (one thread, as each training rank runs): encode with error feedback of a bucket cut into
@@ -15,7 +16,8 @@ The codec (one thread, as each training rank runs): encode with error feedback o
 all-gather side's decode (``decode_rows_into``) and the 1/DP scaling, at --codec-sizes elements.
 
 Fits: per link and collective, time = steps x alpha + wire bytes / beta (weighted by 1/time, so small
-and large messages count alike; wire bytes per rank at n = 2: all-reduce S, the others S/2), and for
+and large messages count alike; wire bytes per rank at n = 2: all-reduce S, the others S/2) and the
+transport's CPU seconds per wire byte (the slope of CPU time against wire bytes), and for
 the codec one least-squares fit of time = launches x launch_s + elements / rate (a rate per codec step,
 launches as comm_model counts them). Medians [min-max] over repeats; every figure with the load average.
 
@@ -97,12 +99,13 @@ def worker(sizes: list[int], repeats: int) -> None:
         issue(op, dt, sizes[0]).wait()
     times: dict[str, list[float]] = {}
     issues: dict[str, list[float]] = {}
+    cpus: dict[str, list[float]] = {}
     for _ in range(repeats):
         for size in sizes:
             inner = max(1, min(8, math.ceil(KIB * KIB / size)))
             for op, dt in OPS:
                 dist.barrier()
-                t0, spent = time.perf_counter(), 0.0
+                t0, c0, spent = time.perf_counter(), time.process_time(), 0.0
                 for _ in range(inner):
                     a = time.perf_counter()
                     work = issue(op, dt, size)
@@ -110,13 +113,15 @@ def worker(sizes: list[int], repeats: int) -> None:
                     work.wait()
                 key = f"{op_key(op, dt)}|{size}"
                 times.setdefault(key, []).append((time.perf_counter() - t0) / inner)
+                cpus.setdefault(key, []).append((time.process_time() - c0) / inner)  # every thread of the rank
                 issues.setdefault(key, []).append(spent / inner)
     keys = sorted(times)
     worst = torch.tensor([times[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank is done
     if dist.get_rank() == 0:
         print(MARKER + json.dumps({"times": {k: worst[i].tolist() for i, k in enumerate(keys)},
-                                   "issue": {k: issues[k] for k in keys}}), flush=True)
+                                   "issue": {k: issues[k] for k in keys}, "cpu": {k: cpus[k] for k in keys}}),
+              flush=True)
     dist.destroy_process_group()
 
 
@@ -131,7 +136,8 @@ def measure_link(rate, sizes: list[int], repeats: int, loopback: bool = False) -
         name, size = key.split("|")
         samples.setdefault(name, {})[size] = {"median_s": statistics.median(runs), "min_s": min(runs),
                                               "max_s": max(runs), "runs_s": runs,
-                                              "issue_s": statistics.median(raw["issue"][key])}
+                                              "issue_s": statistics.median(raw["issue"][key]),
+                                              "cpu_s": statistics.median(raw["cpu"][key])}
     return {"rate_mbit": rate, "loopback": loopback, "load": load(), "samples": samples}
 
 
@@ -218,8 +224,10 @@ def fit_link(link: dict) -> dict[str, dict]:
         sizes = sorted(by_size, key=int)
         xs = [wire_bytes_at_2(op, int(s)) for s in sizes]
         a, b, resid = fit_line(xs, [by_size[s]["median_s"] for s in sizes])
+        _, cpu_per_byte, _ = fit_line(xs, [max(by_size[s]["cpu_s"], 1e-9) for s in sizes])
         out[name] = {"alpha_s": a / STEPS_AT_2[op], "bytes_per_s": 1.0 / b if b > 0 else float("inf"),
-                     "issue_s": statistics.median(by_size[s]["issue_s"] for s in sizes), "max_rel_residual": resid}
+                     "issue_s": statistics.median(by_size[s]["issue_s"] for s in sizes),
+                     "cpu_s_per_byte": max(cpu_per_byte, 0.0), "max_rel_residual": resid}
     return out
 
 
@@ -265,13 +273,13 @@ def report(res: dict) -> list[str]:
                 for c in cells) + " |")
         L.append("")
     L += ["## Fits: time = steps x alpha + wire bytes / beta (per direction)", "",
-          "| link | collective | alpha (us per step) | beta (MB/s) | beta (Mbit/s) | issue (us) | max fit error |",
-          "|---|---|---|---|---|---|---|"]
+          "| link | collective | alpha (us per step) | beta (MB/s) | beta (Mbit/s) | issue (us) | "
+          "transport CPU (ns/B) | max fit error |", "|---|---|---|---|---|---|---|---|"]
     for key, fits in res["fits"]["links"].items():
         for name, f in fits.items():
             L.append(f"| {link_label(key)} | {name} | {1e6 * f['alpha_s']:.0f} | {f['bytes_per_s'] / 1e6:.1f} | "
                      f"{8 * f['bytes_per_s'] / 1e6:.0f} | {1e6 * f['issue_s']:.0f} | "
-                     f"{100 * f['max_rel_residual']:.0f}% |")
+                     f"{1e9 * f['cpu_s_per_byte']:.2f} | {100 * f['max_rel_residual']:.0f}% |")
     c = res["fits"]["codec"]
     L += ["", f"## Codec on one CPU thread ({res['codec']['load']})", "",
           "time = launches x launch + elements / rate (launches: encode and the all-gather decode loop over "
@@ -321,6 +329,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-op-s", type=float, default=1.0, help="skip sizes whose all-reduce takes longer")
 
 
+ROW_FORMAT = 2  # bump when a finished link's record changes shape (2: transport CPU time)
+
+
+def row_settings(opts) -> dict:
+    """What a finished link's measurement depends on (a cached link with other settings is not reused)."""
+    return {"format": ROW_FORMAT, **{k: getattr(opts, k) for k in ("sizes", "codec_sizes", "repeats", "max_op_s")}}
+
+
 def quick(opts) -> None:
     opts.rates, opts.sizes, opts.codec_sizes, opts.repeats = [64], [64 * KIB, 256 * KIB], [65536, 262144], 2
 
@@ -351,8 +367,8 @@ def main() -> None:
         p.error("a measurement needs --repeats >= 3 (use --quick for a smoke run)")
     where = ".cache" if opts.quick else "results"
     tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
-    rows = RowCache(os.path.join(ROOT, "bench", where, f"squinch_phases_rows_{tag}.json"),
-                    {k: getattr(opts, k) for k in ("sizes", "codec_sizes", "repeats", "max_op_s")}, opts.fresh)
+    rows = RowCache(os.path.join(ROOT, "bench", where, f"squinch_phases_rows_{tag}.json"), row_settings(opts),
+                    opts.fresh)
     print(load(), flush=True)
     res = run(opts, rows)
     print("\n".join(report(res)))

@@ -75,7 +75,8 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
                      ReducerMode("squinch", hierarchical=True), {}),
 }
 TBF_BURST = 64 * 1024  # _shaped_link's tbf burst
-ROW_SETTINGS = ("repeats", "steps", "warmup")
+ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
+ROW_FORMAT = 2  # bump when a cached timeline or group changes shape
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ def quarter_group(size: str, timeline: dict, fp32_bytes: int, opts, rows: RowCac
 
 # --------------------------------------------------------------------------------------- the model
 def op_costs(fits: dict) -> dict[str, OpCost]:
-    return {k: OpCost(f["alpha_s"], f["bytes_per_s"], issue_s=f["issue_s"]) for k, f in fits.items()}
+    return {k: OpCost(f["alpha_s"], f["bytes_per_s"], issue_s=f["issue_s"], cpu_s_per_byte=f["cpu_s_per_byte"])
+            for k, f in fits.items()}
 
 
 def inter_tier(phases: dict, rate: float | None) -> Tier:
@@ -218,7 +220,7 @@ def inter_tier(phases: dict, rate: float | None) -> Tier:
         shaped = [(float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback")]
         fits = {name: {"alpha_s": statistics.median(v[name]["alpha_s"] for _, v in shaped),
                        "bytes_per_s": rate * statistics.median(v[name]["bytes_per_s"] / r for r, v in shaped),
-                       "issue_s": statistics.median(v[name]["issue_s"] for _, v in shaped)}
+                       **{k: statistics.median(v[name][k] for _, v in shaped) for k in ("issue_s", "cpu_s_per_byte")}}
                 for name in shaped[0][1]}
     costs = op_costs(fits)
     refill = rate * 1e6 / 8 if rate is not None else 0.0
@@ -380,8 +382,8 @@ def main() -> None:
         "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "phase_repeats": opts.repeats}}
 
     # 1. phases
-    phase_rows = RowCache(os.path.join(results, f"squinch_phases_rows_{tag}.json"),
-                          {k: getattr(opts, k) for k in ("sizes", "codec_sizes", "repeats", "max_op_s")}, opts.fresh)
+    phase_rows = RowCache(os.path.join(results, f"squinch_phases_rows_{tag}.json"), squinch_phases.row_settings(opts),
+                          opts.fresh)
     t0 = time.time()
     phases = squinch_phases.run(opts, phase_rows)
     res["phases_wall_s"] = time.time() - t0
@@ -389,15 +391,16 @@ def main() -> None:
 
     # 2.-3. timelines and the real set
     real = argparse.Namespace(repeats=opts.repeats_real, steps=opts.steps, warmup=opts.warmup, reuse=None)
-    rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"),
-                    {k: getattr(real, k) for k in ROW_SETTINGS}, opts.fresh)
+    settings = {k: getattr(real, k) for k in ROW_SETTINGS}
+    rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"), {"format": ROW_FORMAT, **settings},
+                    opts.fresh)
     reuse_path = opts.reuse or (os.path.join(ROOT, "bench", "results", "squinch_bandwidth_rows_1.json")
                                 if opts.run_id == "1" and not opts.quick else "none")
     reuse = {}
     if reuse_path != "none" and os.path.exists(reuse_path):
         with open(reuse_path) as f:
             saved = json.load(f)
-        if saved.get("settings") == rows.settings:
+        if json.loads(saved.get("settings", "{}")) == settings:
             reuse, real.reuse = saved["rows"], os.path.relpath(reuse_path, ROOT)
     groups = QUICK_SET if opts.quick else REAL_SET
     big = "toy" if opts.quick else "large"

@@ -59,12 +59,15 @@ STAGE_POLICIES = ("progress", "wait", "chained")
 class OpCost:
     """alpha-beta cost of a collective on one tier: ``alpha_s`` per algorithm step, ``bytes_per_s`` per
     direction; ``issue_s``: executor time to start it (gloo: the host enqueues it; GPU: a launch);
-    ``per_peer_s``: an all-to-all's extra latency per peer."""
+    ``per_peer_s``: an all-to-all's extra latency per peer; ``cpu_s_per_byte``: host CPU time the
+    transport spends per byte a rank sends (gloo over TCP: its threads and the kernel's network stack),
+    which takes cores from compute when it overlaps backward (``CodecCost.on_host``)."""
 
     alpha_s: float
     bytes_per_s: float
     issue_s: float = 0.0
     per_peer_s: float = 0.0
+    cpu_s_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -404,6 +407,7 @@ class _Sim:
         self.events: list[tuple[int, str, str, float, float]] = []
         self.rank_bytes = self.node_bytes = 0.0
         self.launches = 0
+        self.cpu: list[tuple[float, float, float]] = []  # (begin, end, transport CPU seconds) per collective
 
     def run_stage(self, f: _Flight, start: float) -> None:
         st = f.stages[f.stage]
@@ -424,11 +428,24 @@ class _Sim:
             f.finish = self.free[tier] = begin + dur
             if nb:
                 self.tokens = max(0.0, tokens - nb * self.topo.ranks_per_node / c.per_node)
+            tier_obj = self.topo.inter if tier == "inter" else self.topo.intra
+            cpu = tier_obj.cost("reduce_scatter" if c.op == "reduce_scatter" else c.op, c.dtype).cpu_s_per_byte * rb
+            if cpu:
+                self.cpu.append((begin, f.finish, cpu))
             self.rank_bytes += rb
             self.node_bytes += nb * self.topo.ranks_per_node / c.per_node  # every local rank's group
             self.events.append((f.index, st.name, tier, begin, f.finish))
         self.exe = t
         f.stage += 1
+
+    def transport_cpu(self, a: float, b: float) -> float:
+        """Transport CPU seconds of the collectives in flight during [a, b] (spread over each one)."""
+        out = 0.0
+        for begin, end, cpu in self.cpu:
+            overlap = min(b, end) - max(a, begin)
+            if overlap > 0:
+                out += cpu * overlap / max(end - begin, 1e-12)
+        return out
 
     def progress(self, poll: float | None) -> None:
         """SquinchReducer.progress(): later stages of buckets whose collective completed by the poll time
@@ -461,14 +478,18 @@ def predict(timeline: BackwardTimeline, topo: Topology, codec: CodecCost, mode: 
     """The step time of ``mode`` on ``topo`` with compute ``timeline`` (see the module docstring)."""
     tl = timeline if mode.overlap else timeline.single_bucket()
     sim = _Sim(topo, codec, mode)
-    delay = 0.0  # CPU: reducer work the host did inside backward
+    delay = 0.0  # CPU: reducer work the host did inside backward, and the transport's CPU next to it
     for i, (elems, ready) in enumerate(zip(tl.bucket_elems, tl.ready_s)):
         at = ready + delay
         if codec.on_host:
+            stolen = sim.transport_cpu(sim.exe, at)
+            delay, at = delay + stolen, at + stolen
             sim.exe = max(sim.exe, at)
         sim.hand_over(i, padded(elems, topo.dp), at)
         if codec.on_host and mode.overlap:
             delay = sim.exe - ready
+    if codec.on_host and mode.overlap:
+        delay += sim.transport_cpu(sim.exe, tl.backward_end_s + delay)
     backward_end = tl.backward_end_s + delay
     if codec.on_host:
         sim.exe = max(sim.exe, backward_end)

@@ -3,6 +3,8 @@
 Every expected value below is worked out by hand from the cost table in the module docstring (ms and
 bytes written out), not by calling the model's own helpers.
 """
+from dataclasses import replace
+
 import pytest
 
 from megatron_cai.core.distributed.comm_model import (
@@ -194,3 +196,19 @@ def test_token_bucket_shaper_lets_a_burst_through_after_idle():
     p = predict(tl, dp2(shaped), free, ReducerMode("fp32"))
     assert [e[3:] for e in p.events] == [pytest.approx((0, 2.024 * MS)), pytest.approx((2.024 * MS, 5.048 * MS)),
                                          pytest.approx((10 * MS, 12.024 * MS))]
+
+
+def test_transport_cpu_overlapping_backward_delays_compute_on_the_host():
+    # Two fp32 buckets of 256 elements (all-reduce sends 1024 B at n = 2: 2 + 1.024 ms on the link), the
+    # transport costing 1 us of host CPU per byte: 1.024 ms per all-reduce, taken from backward while they
+    # overlap it. b0 at 0 ms runs 0 -> 3.024; the host reaches b1's hand-over 1.024 ms late, at 11.024
+    # (b1: 11.024 -> 14.048, inside backward too); backward ends at 20 + 2 x 1.024 = 22.048 ms.
+    link = Tier(OpCost(1 * MS, 1e6, cpu_s_per_byte=1e-6))
+    free = CodecCost(1e18, 1e18, 1e18, 1e18, 0.0, on_host=True)
+    tl = BackwardTimeline((256, 256), (0.0, 10 * MS), 20 * MS, 1 * MS)
+    p = predict(tl, dp2(link), free, ReducerMode("fp32"))
+    assert [e[3:] for e in p.events] == [pytest.approx((0, 3.024 * MS)), pytest.approx((11.024 * MS, 14.048 * MS))]
+    assert p.step_s == pytest.approx(23.048 * MS) and p.host_in_backward_s == pytest.approx(2.048 * MS)
+    # on an accelerator (the reducer on its own stream) compute is not delayed
+    gpu = predict(tl, dp2(link), replace(free, on_host=False), ReducerMode("fp32"))
+    assert gpu.step_s == pytest.approx(21 * MS)
