@@ -8,7 +8,9 @@ dense); NVLink 900 GB/s per GPU (450 GB/s each way); the node's NICs from 100 to
 the node's data-parallel groups. The Squinch codec is costed memory-bound at 0.7 x 3.35 TB/s (HBM3)
 with 5 us per kernel launch: PROJECTED until a GPU measurement replaces it. Columns: fp32 all-reduce
 (Megatron's default for bf16 training), bf16 all-reduce (--grad-reduce-in-bf16), Squinch flat and
-Squinch hierarchical, each with --overlap-grad-reduce and Megatron's bucket size max(40M, 1M x DP).
+Squinch hierarchical, each with --overlap-grad-reduce and the default bucket size (Megatron's
+max(40M, 1M x DP); hierarchical Squinch max(40M, 1M x nodes), DDPConfig.bucket_elements). A third table
+compares bucket sizes for hierarchical Squinch.
 
 The seed claim (Squinch on a quarter of the bandwidth trains as fast): Squinch at 800 Gbit/s against
 bf16 and fp32 at 3,200 Gbit/s, with and without overlap, and the compute per step under which it holds.
@@ -40,6 +42,7 @@ from megatron_cai.core.distributed.comm_model import (  # noqa: E402
     launches_per_bucket,
     predict,
 )
+from megatron_cai.core.distributed.config import DDPConfig, SquinchConfig  # noqa: E402
 from megatron_cai.training.logging import gpt_flops_per_iteration  # noqa: E402
 
 PEAK_FLOPS = 989e12      # H100 SXM bf16 dense
@@ -99,9 +102,14 @@ def setup(model: Model, gpus: int) -> dict | None:
     per_node = GPUS_PER_NODE // model.tp if model.tp <= GPUS_PER_NODE else 1  # DP ranks of one group per node
     compute = model.flops(seqs) / gpus / (MFU * PEAK_FLOPS)
     elems = model.params // (model.tp * model.pp)
-    return {"dp": dp, "per_node": min(per_node, dp), "microbatches": microbatches, "compute_s": compute,
-            "grad_elems": elems, "tokens_per_gpu": GLOBAL_TOKENS / gpus, "bucket": max(40_000_000, 1_000_000 * dp),
+    per_node = min(per_node, dp)
+    return {"dp": dp, "per_node": per_node, "microbatches": microbatches, "compute_s": compute,
+            "grad_elems": elems, "tokens_per_gpu": GLOBAL_TOKENS / gpus, "bucket": DDPConfig().bucket_elements(dp),
+            "bucket_hierarchical": HIER.bucket_elements(dp, nodes=dp // per_node),
             "optimizer_s": elems * ADAM_BYTES / HBM}
+
+
+HIER = DDPConfig(reducer="squinch", squinch=SquinchConfig(hierarchical=True))  # the reducer's own bucket rule
 
 
 def topology(s: dict, gbit: float) -> Topology:
@@ -110,9 +118,11 @@ def topology(s: dict, gbit: float) -> Topology:
     return Topology(dp=s["dp"], ranks_per_node=s["per_node"], intra=INTRA, inter=inter, tree_latency=True)
 
 
-def timeline(s: dict) -> BackwardTimeline:
+def timeline(s: dict, mode: ReducerMode | None = None) -> BackwardTimeline:
+    """Buckets as the DDP wrapper cuts them for ``mode`` (hierarchical Squinch: its own rule)."""
     k, c = s["microbatches"], s["compute_s"]
-    return BackwardTimeline.uniform(s["grad_elems"], s["bucket"], c / (3 * k), 2 * c / (3 * k), s["optimizer_s"],
+    bucket = s["bucket_hierarchical"] if mode is not None and mode.hierarchical else s["bucket"]
+    return BackwardTimeline.uniform(s["grad_elems"], bucket, c / (3 * k), 2 * c / (3 * k), s["optimizer_s"],
                                     microbatches=k)
 
 
@@ -122,7 +132,7 @@ def codec(per_rank_launches: bool) -> CodecCost:
 
 def step(model: Model, gpus: int, gbit: float, mode: ReducerMode, per_rank_launches: bool = True):
     s = setup(model, gpus)
-    return None if s is None else predict(timeline(s), topology(s, gbit), codec(per_rank_launches), mode)
+    return None if s is None else predict(timeline(s, mode), topology(s, gbit), codec(per_rank_launches), mode)
 
 
 def project(bandwidths, clusters) -> dict:
@@ -137,7 +147,7 @@ def project(bandwidths, clusters) -> dict:
                     row["step_s"][name] = p.step_s if p else None
                     row["exposed_s"][name] = p.exposed_s if p else None
                 cells.append(row)
-    return {"cells": cells, "seed": seed_claim(clusters), "launches": launch_table()}
+    return {"cells": cells, "seed": seed_claim(clusters), "launches": launch_table(), "buckets": bucket_table(clusters)}
 
 
 def seed_claim(clusters) -> list[dict]:
@@ -165,15 +175,37 @@ def launch_table() -> list[dict]:
         if s is None:
             continue
         topo = topology(s, 800)
-        buckets = timeline(s).bucket_elems
         for name in ("squinch flat", "squinch hierarchical"):
             mode = COLUMNS[name]
+            buckets = timeline(s, mode).bucket_elems
             n = {r: sum(launches_per_bucket(b, topo, codec(r), mode) for b in buckets) for r in (True, False)}
             steps = {r: step(m, 512, 800, mode, per_rank_launches=r).step_s for r in (True, False)}
             out.append({"model": m.name, "reducer": name, "dp": s["dp"], "buckets": len(buckets),
                         "launches_per_rank": n[True], "launches_per_bucket": n[False],
                         "launch_s_per_rank": n[True] * LAUNCH_S, "launch_s_per_bucket": n[False] * LAUNCH_S,
                         "step_s_per_rank": steps[True], "step_s_per_bucket": steps[False]})
+    return out
+
+
+def bucket_table(clusters, candidates=(10, 20, 40, 64, 128, 256, 512)) -> list[dict]:
+    """Hierarchical Squinch at 800 Gbit/s: the step with Megatron's bucket rule, with the reducer's
+    (1M x nodes), and with the best of ``candidates`` (millions of elements)."""
+    out, mode = [], COLUMNS["squinch hierarchical"]
+    for m in MODELS:
+        for gpus in clusters:
+            s = setup(m, gpus)
+            if s is None:
+                continue
+
+            def at(bucket: int, s: dict = s) -> float:
+                return predict(timeline(dict(s, bucket_hierarchical=bucket), mode), topology(s, 800), codec(True),
+                               mode).step_s
+            tried = {b: at(b * 1_000_000) for b in candidates}
+            best = min(tried, key=tried.get)
+            out.append({"model": m.name, "gpus": gpus, "nodes": s["dp"] // s["per_node"],
+                        "megatron_bucket": s["bucket"], "megatron_s": at(s["bucket"]),
+                        "rule_bucket": s["bucket_hierarchical"], "rule_s": at(s["bucket_hierarchical"]),
+                        "best_bucket": best * 1_000_000, "best_s": tried[best]})
     return out
 
 
@@ -211,6 +243,12 @@ def report(res: dict) -> list[str]:
         L.append(f"| {r['model']} | {r['gpus']} | {r['tokens_per_gpu']:.0f} | {r['compute_s']:.3f} | "
                  + " | ".join(f"{r[k]:.2f}" for k in ("fp32 overlap=True", "bf16 overlap=True", "fp32 overlap=False",
                                                       "bf16 overlap=False")) + " |")
+    L += ["", "## Bucket size of hierarchical Squinch at 800 Gbit/s (step, s)", "",
+          "Megatron's max(40M, 1M x DP) against the reducer's max(40M, 1M x nodes) and the best of 10M-512M.", "",
+          "| model | GPUs | nodes | Megatron's rule | the reducer's rule | best |", "|---|---|---|---|---|---|"]
+    for r in res["buckets"]:
+        cells = [f"{r[k + '_bucket'] / 1e6:.0f}M: {r[k + '_s']:.3f}" for k in ("megatron", "rule", "best")]
+        L.append(f"| {r['model']} | {r['gpus']} | {r['nodes']} | " + " | ".join(cells) + " |")
     L += ["", "## Codec launches per step at 512 GPUs, 800 Gbit/s: per DP rank (today) vs per bucket", "",
           "| model | reducer | DP | buckets | launches (per rank / per bucket) | launch time (ms) | step (s) |",
           "|---|---|---|---|---|---|---|"]

@@ -33,7 +33,8 @@ class DistributedDataParallel(nn.Module):
         self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
-        bucket_size = config.bucket_elements(ps.get_data_parallel_world_size())
+        bucket_size = config.bucket_elements(ps.get_data_parallel_world_size(),
+                                             nodes=ps.get_data_parallel_inter_node_world_size())
         reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}

@@ -48,3 +48,19 @@ def test_layout_and_compute():
     assert six_pt < s["compute_s"] < 1.3 * six_pt
     assert C.setup(C.MODELS[0], 4096) is None  # 2048 sequences cannot feed 4096 data-parallel ranks
     assert m.params == pytest.approx(6.65e9, rel=0.01)
+
+
+def test_hierarchical_squinch_buckets_count_nodes():
+    """DDPConfig's rule for hierarchical Squinch: max(40M, 1M x nodes), not Megatron's 1M x DP; the model
+    puts it within 2% of the best bucket size where Megatron's rule is >= 10% slower (GPT 1.3B, 512 GPUs)."""
+    from megatron_cai.core.distributed.config import DDPConfig, SquinchConfig
+
+    hier = DDPConfig(reducer="squinch", squinch=SquinchConfig(hierarchical=True))
+    assert hier.bucket_elements(512, nodes=64) == 64_000_000
+    assert hier.bucket_elements(64, nodes=8) == 40_000_000
+    assert DDPConfig(reducer="squinch").bucket_elements(512, nodes=64) == 512_000_000  # flat: Megatron's
+    assert DDPConfig().bucket_elements(512, nodes=64) == 512_000_000
+    assert DDPConfig(reducer="squinch", bucket_size=123, squinch=SquinchConfig(hierarchical=True)).bucket_elements(
+        512, nodes=64) == 123
+    row = [r for r in C.bucket_table((512,)) if r["model"] == "GPT 1.3B"][0]
+    assert row["rule_s"] <= 1.02 * row["best_s"] and row["megatron_s"] >= 1.10 * row["best_s"]
