@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_cai.core.distributed.comm_model import (  # noqa: E402
+    STAGE_POLICIES,
     BackwardTimeline,
     CodecCost,
     OpCost,
@@ -147,7 +148,8 @@ def project(bandwidths, clusters) -> dict:
                     row["step_s"][name] = p.step_s if p else None
                     row["exposed_s"][name] = p.exposed_s if p else None
                 cells.append(row)
-    return {"cells": cells, "seed": seed_claim(clusters), "launches": launch_table(), "buckets": bucket_table(clusters)}
+    return {"cells": cells, "seed": seed_claim(clusters), "launches": launch_table(), "buckets": bucket_table(clusters),
+            "stages": stage_table(clusters)}
 
 
 def seed_claim(clusters) -> list[dict]:
@@ -184,6 +186,22 @@ def launch_table() -> list[dict]:
                         "launches_per_rank": n[True], "launches_per_bucket": n[False],
                         "launch_s_per_rank": n[True] * LAUNCH_S, "launch_s_per_bucket": n[False] * LAUNCH_S,
                         "step_s_per_rank": steps[True], "step_s_per_bucket": steps[False]})
+    return out
+
+
+def stage_table(clusters) -> list[dict]:
+    """Hierarchical Squinch at 800 Gbit/s under the three rules for starting a bucket's later stages
+    (comm_model.STAGE_POLICIES), against bf16 at 3,200 Gbit/s."""
+    out = []
+    for m in MODELS:
+        for gpus in clusters:
+            if setup(m, gpus) is None:
+                continue
+            bf16 = step(m, gpus, 3200, COLUMNS["bf16"]).step_s
+            row = {"model": m.name, "gpus": gpus, "bf16_3200_s": bf16}
+            for rule in STAGE_POLICIES:
+                row[rule] = step(m, gpus, 800, ReducerMode("squinch", hierarchical=True, stages=rule)).step_s
+            out.append(row)
     return out
 
 
@@ -249,6 +267,14 @@ def report(res: dict) -> list[str]:
     for r in res["buckets"]:
         cells = [f"{r[k + '_bucket'] / 1e6:.0f}M: {r[k + '_s']:.3f}" for k in ("megatron", "rule", "best")]
         L.append(f"| {r['model']} | {r['gpus']} | {r['nodes']} | " + " | ".join(cells) + " |")
+    L += ["", "## When a bucket's later stages start: hierarchical Squinch at 800 Gbit/s (step, s)", "",
+          "progress: the reducer's host-side progress() at each hand-over (the other columns assume it); wait: "
+          "every later stage in wait() (a host that runs ahead of the device); chained: on the device, as soon "
+          "as the collective completes. In brackets: against bf16 at 3,200 Gbit/s.", "",
+          "| model | GPUs | bf16 at 3,200 | progress | wait | chained |", "|---|---|---|---|---|---|"]
+    for r in res["stages"]:
+        L.append(f"| {r['model']} | {r['gpus']} | {r['bf16_3200_s']:.3f} | " + " | ".join(
+            f"{r[k]:.3f} ({r[k] / r['bf16_3200_s']:.2f})" for k in STAGE_POLICIES) + " |")
     L += ["", "## Codec launches per step at 512 GPUs, 800 Gbit/s: per DP rank (today) vs per bucket", "",
           "| model | reducer | DP | buckets | launches (per rank / per bucket) | launch time (ms) | step (s) |",
           "|---|---|---|---|---|---|---|"]

@@ -325,6 +325,55 @@ def report(res: dict) -> list[str]:
     return L
 
 
+DOC = os.path.join(ROOT, "docs", "squinch-performance.md")
+DOC_BEGIN, DOC_END = "<!-- squinch_scale: begin -->", "<!-- squinch_scale: end -->"
+
+
+def doc_section(runs: list[dict], phases: dict) -> list[str]:
+    """The measured section of docs/squinch-performance.md: the fits of the first run's phases, and
+    every run's model error and quarter-bandwidth row."""
+    L = ["## Measured here", "", f"Phases: {phases['load_before']} (`bench/results/squinch_phases.md`). "
+         "alpha per algorithm step (us) / beta per direction (Mbit/s), per collective:", "",
+         "| link | fp32 all-reduce | bf16 all-reduce | fp32 reduce-scatter | all-to-all (uint8) | all-gather (uint8) |",
+         "|---|---|---|---|---|---|"]
+    for key, fits in phases["fits"]["links"].items():
+        cells = [fits[k] for k in ("allreduce_fp32", "allreduce_bf16", "reduce_scatter_fp32", "all_to_all",
+                                   "all_gather")]
+        L.append(f"| {squinch_phases.link_label(key)} | " + " | ".join(
+            f"{1e6 * f['alpha_s']:.0f} / {8 * f['bytes_per_s'] / 1e6:.0f}" for f in cells) + " |")
+    c = phases["fits"]["codec"]
+    L += ["", f"Codec on one CPU thread: encode with error feedback {c['encode_elems_per_s'] / 1e6:.0f} M el/s, "
+          f"decode-accumulate {c['decode_accumulate_elems_per_s'] / 1e6:.0f} M el/s, decode "
+          f"{c['decode_elems_per_s'] / 1e6:.0f} M el/s, {1e6 * c['launch_s']:.1f} us per call.", "",
+          "| run | rows | model error: median / max | Squinch at B/4 / fp32 at B (large model): measured / predicted "
+          "| wall time |", "|---|---|---|---|---|"]
+    for r in runs:
+        v, q = r["validation"], r["quarter"]
+        L.append(f"| {r['run_id']} | {len(v['rows'])} | {100 * v['median_abs_error']:.1f}% / "
+                 f"{100 * v['max_abs_error']:.1f}% | {q['squinch/fp32']['ratio']:.3f} / "
+                 f"{q['predicted squinch/fp32']:.3f} | {r['wall_s'] / 60:.1f} min |")
+        if r.get("compare"):
+            moved = [x for x in r["compare"]["lines"] if x.startswith("DRIFT")]
+            L.append(f"| {r['run_id']} vs {r['compare']['path']} | {len(r['compare']['lines'])} ratios | "
+                     f"{len(moved)} moved by more than {100 * r['compare']['limit']:.0f}% | | |")
+    return L + ["", "Per row: `bench/results/squinch_scale.md` (run 1) and `squinch_scale_run<id>.md`."]
+
+
+def update_doc(results_dir: str, phases: dict) -> None:
+    """Rewrite the measured section of the doc from every committed run of this bench."""
+    runs = []
+    for name in sorted(os.listdir(results_dir)):
+        if re.fullmatch(r"squinch_scale(_run\w+)?\.json", name):
+            with open(os.path.join(results_dir, name)) as f:
+                runs.append(json.load(f))
+    with open(DOC) as f:
+        text = f.read()
+    head, rest = text.split(DOC_BEGIN)
+    _, tail = rest.split(DOC_END)
+    with open(DOC, "w") as f:
+        f.write(head + DOC_BEGIN + "\n" + "\n".join(doc_section(runs, phases)) + "\n" + DOC_END + tail)
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
 
@@ -347,6 +396,14 @@ def plot(res: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _first_phases(results_dir: str, fallback: dict) -> dict:
+    path = os.path.join(results_dir, "squinch_phases.json")
+    if not os.path.exists(path):
+        return fallback
+    with open(path) as f:
+        return json.load(f)
 
 
 # -------------------------------------------------------------------------------------------- main
@@ -435,6 +492,8 @@ def main() -> None:
         f.write("\n".join(lines) + "\n")
     plot(res, out + ".png")
     print(f"wrote {out}.json, .md, .png")
+    if not opts.quick and opts.out is None:
+        update_doc(results, phases if opts.run_id == "1" else _first_phases(results, phases))
 
     # 6. the projection (the model on clusters; no measurement)
     if not opts.no_projection:

@@ -129,3 +129,26 @@ def test_validation_rows_ratios_and_drift():
     lines = S.compare(res, moved, 0.05)
     assert [x for x in lines if x.startswith("DRIFT")] == ["DRIFT quarter small squinch(B/4)/fp32(B): 0.800 -> 0.850 "
                                                             "(6.2%)"]
+
+
+def test_doc_section_is_rewritten_between_its_markers(tmp_path, monkeypatch):
+    ph = _phases()
+    ph["load_before"] = "load average 0.10"
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{S.DOC_BEGIN}\nold text\n{S.DOC_END}\noutro\n")
+    monkeypatch.setattr(S, "DOC", str(doc))
+    run = {"run_id": "1", "wall_s": 1200.0, "validation": {"rows": [{}] * 23, "median_abs_error": 0.04,
+                                                         "max_abs_error": 0.15},
+           "quarter": {"squinch/fp32": {"ratio": 0.912}, "predicted squinch/fp32": 0.9}}
+    run2 = {**run, "run_id": "2", "compare": {"path": "bench/results/squinch_scale.json", "limit": 0.05,
+                                              "lines": ["ok a: 1 -> 1 (0.0%)", "DRIFT b: 1 -> 2 (100.0%)"]}}
+    (tmp_path / "squinch_scale.json").write_text(__import__("json").dumps(run))
+    (tmp_path / "squinch_scale_run2.json").write_text(__import__("json").dumps(run2))
+    (tmp_path / "squinch_scale_quick.json").write_text("{}")  # not a run of record
+    for _ in range(2):  # idempotent
+        S.update_doc(str(tmp_path), ph)
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old text" not in text
+    assert text.count(S.DOC_BEGIN) == 1 and "| 1 | 23 | 4.0% / 15.0% | 0.912 / 0.900 | 20.0 min |" in text
+    assert "| 2 vs bench/results/squinch_scale.json | 2 ratios | 1 moved by more than 5% | | |" in text
+    assert "| 256 Mbit/s | 200 / 230 |" in text  # alpha 200 us per step, beta 0.9 x 256 Mbit/s
