@@ -1,6 +1,6 @@
 """The arithmetic of bench/squinch_phases.py and bench/squinch_scale.py, on synthetic measurements with
 known answers (the benches themselves need root and a quiet machine; their --quick runs are checked in
-test_scale_bench_quick)."""
+test_scale_bench_quick.py)."""
 import os
 import sys
 
