@@ -45,6 +45,7 @@ def test_step_timeline_takes_the_reducer_off_the_compute_clock():
         with tl.in_reducer():
             time.sleep(0.02)  # the reducer's host work inside backward
         time.sleep(0.01)
+        tl.bucket_ready(5, 64)
         tl.mark("backward end")
         with tl.in_reducer():
             time.sleep(0.005)
@@ -52,8 +53,9 @@ def test_step_timeline_takes_the_reducer_off_the_compute_clock():
         tl.mark("step end")
     got = tl.collect()
     assert got["steps"] == 3 and tl.collect() == {}  # collect() clears
-    (index, numel, ready, compute), = got["buckets"]
-    assert (index, numel) == (4, 128) and ready == compute >= 10.0
+    (index, numel, ready, compute), (index5, numel5, ready5, compute5) = got["buckets"]
+    assert (index, numel, index5, numel5) == (4, 128, 5, 64) and ready == compute >= 10.0
+    assert ready5 >= 40.0 and ready5 - compute5 >= 20.0 and compute5 >= 20.0  # the reducer's 20 ms taken off
     assert got["backward end"] >= 40.0 and got["backward end"] - got["backward end compute"] >= 20.0
     assert got["backward end compute"] < got["backward end"] - 19.0
     assert got["step end"] >= got["sync end"] >= got["backward end"] + 5.0 and got["reducer host"] >= 25.0
