@@ -152,3 +152,13 @@ def test_doc_section_is_rewritten_between_its_markers(tmp_path, monkeypatch):
     assert text.count(S.DOC_BEGIN) == 1 and "| 1 | 23 | 4.0% / 15.0% | 0.912 / 0.900 | 20.0 min |" in text
     assert "| 2 vs bench/results/squinch_scale.json | 2 ratios | 1 moved by more than 5% | | |" in text
     assert "| 256 Mbit/s | 200 / 230 |" in text  # alpha 200 us per step, beta 0.9 x 256 Mbit/s
+
+
+def test_fit_link_bounds_beta_when_time_does_not_grow():
+    link = _link(alpha=1e-3, beta=1e9, cpu=0.0, sizes=(64 * KIB, 256 * KIB))
+    for by_size in link["samples"].values():  # noise: the larger message measured faster
+        by_size[str(256 * KIB)]["median_s"], by_size[str(64 * KIB)]["median_s"] = 1e-3, 2e-3
+    fits = P.fit_link(link)
+    f = fits["all_to_all"]  # wire bytes at n = 2: half the buffer
+    assert f["beta_is_bound"] and f["bytes_per_s"] == pytest.approx(128 * KIB / 1e-3)
+    assert fits["allreduce_fp32"]["bytes_per_s"] == pytest.approx(256 * KIB / 1e-3)
