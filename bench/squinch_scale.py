@@ -22,8 +22,11 @@ One command runs the whole chain and writes every result file:
     python bench/squinch_scale.py --quick                # a few minutes: toy sizes, writes bench/.cache/
 
 Resumable: finished phases, timelines and row groups are kept per run id
-(``bench/results/squinch_{phases,scale}_rows_<id>.json``); --fresh discards them. Needs root (ip netns,
-tc). Every timing is printed with the load average; take it on a quiet machine.
+(``bench/results/squinch_{phases,scale}_rows_<id>.json``); --fresh discards them. A configuration whose
+repeats spread more than --max-spread (10%) stops the run before anything of the real set is written
+(exit 3); ``--drop-noisy`` re-measures those groups. Writes bench/results/squinch_phases*,
+squinch_scale*, squinch_cluster_projection.* and the measured section of docs/squinch-performance.md.
+Needs root (ip netns, tc). Every timing is printed with the load average; take it on a quiet machine.
 """
 from __future__ import annotations
 
@@ -156,6 +159,12 @@ def timeline_of(t: dict) -> BackwardTimeline:
     ready = [min(r, t["backward_end_ms"]) / 1e3 for r in t["ready_ms"]]
     return BackwardTimeline(tuple(t["bucket_elems"]), tuple(ready), t["backward_end_ms"] / 1e3,
                             t["after_sync_ms"] / 1e3)
+
+
+def noisy_keys(rows: dict, limit: float) -> list[str]:
+    """Finished groups (and quarter rows) of a rows cache with a configuration spread above ``limit``."""
+    return [key for key, row in rows.items() if not key.startswith("timeline|")
+            and any(isinstance(v, dict) and v.get("spread", 0.0) > limit for v in row.values())]
 
 
 def measure_group(group: Group, labels: tuple[str, ...], opts, key: str) -> dict:
@@ -420,6 +429,10 @@ def main() -> None:
                                                 "bench/results/squinch_bandwidth_rows_1.json; 'none': measure all)")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
     p.add_argument("--max-drift", type=float, default=0.05)
+    p.add_argument("--max-spread", type=float, default=0.10,
+                   help="a configuration whose repeats spread more than this is noisy: nothing is written (exit 3)")
+    p.add_argument("--drop-noisy", action="store_true",
+                   help="forget this run id's noisy groups first, so that they are measured again")
     p.add_argument("--no-projection", action="store_true", help="skip squinch_cluster_projection")
     p.add_argument("--out", default=None, help="default bench/results/squinch_scale[_run<id>] (--quick: bench/.cache)")
     opts = p.parse_args()
@@ -460,6 +473,11 @@ def main() -> None:
         if json.loads(saved.get("settings", "{}")) == settings:
             reuse, real.reuse = saved["rows"], os.path.relpath(reuse_path, ROOT)
     groups = QUICK_SET if opts.quick else REAL_SET
+    if opts.drop_noisy:
+        for key in noisy_keys(rows.rows, opts.max_spread):
+            print(f"  dropping noisy {key}: measured again", flush=True)
+            del rows.rows[key]
+        rows.save()
     big = "toy" if opts.quick else "large"
     try:
         timelines = {}
@@ -475,6 +493,18 @@ def main() -> None:
     res["groups"] = [{"key": g.key, "size": g.size, "dp": g.dp, "link": link_name(g.rate), "overlap": g.overlap,
                       "configs": list(g.configs), "rows": r} for g, r in measured]
     res["quarter"] = quarter
+
+    noisy = [f"{r['size']} DP {r['dp']} {r['link']} overlap={r['overlap']} {r['config']}: spread "
+             f"{100 * r['spread']:.0f}%" for r in validate(measured, quarter, timelines, phases)["rows"]
+             if r["spread"] > opts.max_spread and not r["reused"]]
+    if noisy and not opts.quick:
+        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
+        with open(os.path.join(ROOT, "bench", ".cache", "squinch_scale_refused.json"), "w") as f:
+            json.dump({**res, "noisy": noisy}, f, indent=1)
+        print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than {100 * opts.max_spread:.0f}% "
+              f"over their repeats:\n  " + "\n  ".join(noisy) + f"\nre-measure them on a quiet machine: "
+              f"python bench/squinch_scale.py --run-id {opts.run_id} --drop-noisy", flush=True)
+        sys.exit(3)
 
     # 4.-5. the model against them
     res["validation"] = validate(measured, quarter, timelines, phases)

@@ -162,3 +162,11 @@ def test_fit_link_bounds_beta_when_time_does_not_grow():
     f = fits["all_to_all"]  # wire bytes at n = 2: half the buffer
     assert f["beta_is_bound"] and f["bytes_per_s"] == pytest.approx(128 * KIB / 1e-3)
     assert fits["allreduce_fp32"]["bytes_per_s"] == pytest.approx(256 * KIB / 1e-3)
+
+
+def test_noisy_groups_are_named_for_a_remeasure():
+    rows = {"timeline|small|2": {"bucket_elems": [1]},
+            "dp2|small|256|False": {"load": "x", "fp32": {"spread": 0.02}, "bf16": {"spread": 0.12}},
+            "dp2|small|64|True|rest": {"load": "x", "fp32": {"spread": 0.03}},
+            "quarter-fp32|large|813": {"load": "x", "fp32": {"spread": 0.0}, "squinch": {"spread": 0.2}}}
+    assert S.noisy_keys(rows, 0.10) == ["dp2|small|256|False", "quarter-fp32|large|813"]
