@@ -249,7 +249,8 @@ def _logging(p: argparse.ArgumentParser) -> None:
     # gradient-reduction phase timers (core/distributed/comm_timing.py)
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="1: per-phase time of the Squinch gradient reduction every --log-interval; "
-                        "2: also per bucket")
+                        "2: also per bucket, and the backward timeline (when each bucket is handed to the reducer; "
+                        "the step-time model's input, bench/squinch_scale.py)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
                    help="write TensorBoard scalars at log iterations divisible by this")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
-from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
+from ..core.distributed.comm_timing import StepTimeline, timeline_log_lines, timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.fsdp import build_fsdp2
 from ..core.distributed.memory import max_over_ranks, memory_report
@@ -184,13 +184,17 @@ class Trainer:
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
+        self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
         if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
+            self.timelines = [StepTimeline(config.logging.timing_log_level >= 2, self.device,
+                                           group=ps.get_data_parallel_group()) for _ in chunks]
             self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device) for m in chunks]
+                                                  config.ddp, device=self.device, timeline=t)
+                          for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
@@ -311,6 +315,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- step
     def train_step(self) -> tuple[dict[str, float], float, bool]:
         """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+        for t in self.timelines:
+            t.step_start()
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -319,8 +325,10 @@ class Trainer:
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
+        self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
+        self._mark_timelines("sync end")
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
@@ -343,7 +351,13 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
-        return self._average_stats(stats), grad_norm, finite
+        averaged = self._average_stats(stats)
+        self._mark_timelines("step end")
+        return averaged, grad_norm, finite
+
+    def _mark_timelines(self, name: str) -> None:
+        for t in self.timelines:
+            t.mark(name)
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -535,6 +549,8 @@ class Trainer:
         if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
             timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
+                print_rank_last(line)
+            for line in timeline_log_lines(st.iteration, [t.collect() for t in self.timelines]):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:
                 self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)
