@@ -52,9 +52,9 @@ COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", 
           "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
           "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
-    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
-    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
-    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+    "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--squared-relu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]

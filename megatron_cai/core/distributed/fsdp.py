@@ -235,17 +235,20 @@ class FullyShardedAdamW:
     def __init__(self, chunks: list[FullyShardedChunk], *, lr: float, weight_decay: float = 0.01,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
         self.model_chunks = chunks
-        decay, no_decay = [], []
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}  # (decay, decoupled) -> parameters
         self.norm_params: list[nn.Parameter] = []
         for c in chunks:
             for name, p in c.module.named_parameters():
-                (decay if c.meta[name].decay else no_decay).append(p)
+                # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
+                decoupled = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+                groups.setdefault((c.meta[name].decay, decoupled), []).append(p)
                 if c.counted_in_norm(name):
                     self.norm_params.append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
-                                           foreach=False)
-        self.all_params = decay + no_decay
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps_, "weight_decay": weight_decay if decay else 0.0, "decoupled": decoupled}
+             for (decay, decoupled), ps_ in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
+            lr=lr, betas=betas, eps=eps, foreach=False)
+        self.all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def grad_norm(self) -> float:
         """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite)."""
@@ -258,6 +261,25 @@ class FullyShardedAdamW:
         if ps.get_world_size() > 1:
             dist.all_reduce(total)
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+
+    @torch.no_grad()
+    def _sum_over_shards(self, fn) -> float:
+        """sum of ``fn(local parameter shard, local grad shard or None)`` over the grad norm's parameters, all
+        ranks (each distinct element once)."""
+        total = torch.zeros((), dtype=torch.float64, device=local(self.all_params[0]).device)
+        for p in self.norm_params:
+            total += fn(local(p).reshape(-1), None if p.grad is None else local(p.grad).reshape(-1))
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total.item()
+
+    def params_norm(self) -> float:
+        """Global L2 norm of the parameters (--log-params-norm; collective)."""
+        return math.sqrt(self._sum_over_shards(lambda p, g: torch.dot(p.float(), p.float()).double()))
+
+    def num_zeros_in_grad(self) -> int:
+        """Zero gradient elements over the distinct parameters (--log-num-zeros-in-grad; collective)."""
+        return int(self._sum_over_shards(lambda p, g: (g == 0).sum().double() if g is not None else 0.0))
 
     def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
         """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
@@ -274,10 +296,10 @@ class FullyShardedAdamW:
 
     @torch.no_grad()
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
-        """One AdamW step at `lr` (--decoupled-lr is refused with FSDP2 at start-up, so `decoupled_lr` is unused)."""
+        """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr)."""
         if lr is not None:
             for g in self.optimizer.param_groups:
-                g["lr"] = lr
+                g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
         self.optimizer.step()
 
     def finish_param_sync(self) -> None:

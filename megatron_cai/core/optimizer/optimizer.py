@@ -104,6 +104,28 @@ class DistributedAdamW:
             dist.all_reduce(total)
         return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
 
+    def _sum_over_norm_segments(self, fn) -> float:
+        """sum of ``fn(param slice, grad slice)`` over each distinct element once (the grad norm's segments:
+        TP-replicated tensors on TP rank 0, DP replicas on DP rank 0, tied-embedding copies never), all ranks."""
+        total = torch.zeros((), dtype=torch.float64, device=self._device())
+        for chunk_list in self.chunks:
+            for c in chunk_list:
+                for s, e in c.norm:
+                    total += fn(c.param[s:e], c.grad[s:e])
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total.item()
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Global L2 norm of the (fp32) parameters, each distinct element once (--log-params-norm; collective)."""
+        return math.sqrt(self._sum_over_norm_segments(lambda p, g: torch.dot(p.float(), p.float()).double()))
+
+    @torch.no_grad()
+    def num_zeros_in_grad(self) -> int:
+        """Zero gradient elements over the distinct parameters (--log-num-zeros-in-grad; collective)."""
+        return int(self._sum_over_norm_segments(lambda p, g: (g == 0).sum().double()))
+
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
         """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
