@@ -126,3 +126,59 @@ def _expand(text: str, env: dict[str, str]) -> str:
     for key, value in env.items():
         text = text.replace("${" + key + "}", value).replace("$" + key, value)
     return text
+
+
+# ------------------------------------------------------------------------------------ the demo corpus
+def tool(name: str, *args) -> str:
+    """Run tools/<name> (this repository's); its stdout."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def demo_corpus(tmp: Path, max_mb: float = 0.15) -> dict:
+    """The demo corpus as JSONL and a byte-level BPE trained on it (GPT-2's vocab.json / merges.txt and a
+    tokenizer.json)."""
+    import tokenizers
+
+    jsonl = tmp / "demo.jsonl"
+    tool("make_demo_corpus.py", "--output", jsonl, "--max-mb", max_mb)
+    texts = [json.loads(line)["text"] for line in open(jsonl, encoding="utf-8")]
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(tmp))  # vocab.json, merges.txt (GPT-2's files)
+    bpe.save(str(tmp / "tokenizer.json"))
+    return {"dir": tmp, "jsonl": jsonl}
+
+
+def preprocess(corpus: dict, name: str, *tokenizer_flags) -> str:
+    """tools/preprocess_data.py on the demo corpus; the dataset prefix."""
+    prefix = corpus["dir"] / name
+    tool("preprocess_data.py", "--input", corpus["jsonl"], "--output-prefix", prefix, "--append-eod", "--workers", 1,
+         *tokenizer_flags)
+    return f"{prefix}_text_document"
+
+
+def resize(argv: list[str], sizes: dict[str, list[str]]) -> list[str]:
+    """``argv`` with the values of the flags in ``sizes`` replaced (flags not in ``argv`` are left out)."""
+    out = list(argv)
+    for flag, values in sizes.items():
+        if flag in out:
+            i = out.index(flag)
+            j = i + 1
+            while j < len(out) and not out[j].startswith("--"):
+                j += 1
+            out[i + 1:j] = values
+    return out
+
+
+def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` without these flags and their values."""
+    out, skip = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skip = a in flags
+        if not skip:
+            out.append(a)
+    return out

@@ -655,6 +655,7 @@ def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerCon
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
+        use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
     )
 
 

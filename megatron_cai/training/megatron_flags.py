@@ -176,10 +176,10 @@ def batch_schedule(args: argparse.Namespace, global_batch_size: int, micro_batch
                    data_parallel_size: int) -> NumMicroBatchesCalculator:
     """The --rampup-batch-size / --step-batch-size-schedule calculator; every batch size of the schedule
     checked against micro batch x DP."""
-    step = None
-    if args.step_batch_size_schedule is not None:
-        step = tuple(parse_step_schedule(_schedule(args), args.seq_length))
     try:
+        step = None
+        if args.step_batch_size_schedule is not None:
+            step = tuple(parse_step_schedule(_schedule(args), args.seq_length))
         calc = NumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
                                          parse_rampup(args.rampup_batch_size), args.decrease_batch_size_if_needed,
                                          step_schedule=step)

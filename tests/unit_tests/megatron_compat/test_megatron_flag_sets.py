@@ -19,6 +19,7 @@ if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.
 margs = pytest.importorskip("megatron.training.arguments")
 
 import megatron_scripts as ms  # noqa: E402
+from megatron_scripts import without_flags  # noqa: E402
 
 RELEASE_ENV = {"DATA_PATH": "/data", "DATA_BLEND": "/data/blend_text_document", "DATA_CACHE_PATH": "/cache",
                "CHECKPOINT_SAVE_PATH": "/ckpt", "CHECKPOINT_LOAD_PATH": "/ckpt", "TENSORBOARD_PATH": "/tb",
@@ -28,6 +29,7 @@ SCRIPTS = {ms.GPT3: ["ckpt", "tb", "vocab.json", "merges.txt", "data/corpus_text
            ms.LLAMA: [], ms.LLAMA_FSDP: [], ms.MIXTRAL: ["ckpt", "tokenizer.model", "data/corpus_text_document"]}
 # flags of the GPU environment, not of the model: W&B needs its package, which the CPU tests do not install
 ENVIRONMENT = ("--wandb-project needs the wandb package",)
+WANDB = ("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir")
 # implemented on the training/checkpoint/ package (issue 29's last step); refused until then
 NOT_YET = ("--save-retain-interval",)
 
@@ -75,7 +77,7 @@ def test_complete_flag_sets_build_a_config_for_their_own_layout(flag_sets):
     for name, argv in flag_sets.items():
         if name in ms.MODEL_FLAG_FILES or name == ms.MIXTRAL:
             continue
-        argv = _without(argv, ("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir") + NOT_YET)
+        argv = without_flags(argv, WANDB + NOT_YET)
         config = build_config(parse_args(argv), _layout_world(argv), vocab_size=50257)
         assert config.parallel.data_parallel_size == 1, name
     step = build_config(parse_args(flag_sets[ms.GPT3_STEP]), 128, vocab_size=50257)
@@ -87,15 +89,6 @@ def test_complete_flag_sets_build_a_config_for_their_own_layout(flag_sets):
     assert [n.split(":")[0] for n in fsdp.logging.megatron_notes] == [
         " > --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", " > --ckpt-format fsdp_dtensor"]
 
-
-def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if a.startswith("--"):
-            skip = a in flags
-        if not skip:
-            out.append(a)
-    return out
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
