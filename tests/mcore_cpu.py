@@ -38,10 +38,12 @@ def shim_cpu() -> None:
             sys.path.insert(0, p)
 
 
-def megatron_args(argv: list[str], world: int, padded_vocab: tuple[int, int, int] | None = None):
+def megatron_args(argv: list[str], world: int, padded_vocab: tuple[int, int, int] | None = None,
+                  before_validation=None):
     """Megatron-LM's args for ``pretrain_gpt.py argv`` through its own parser and validate_args.
     ``padded_vocab``: (vocabulary, make_vocab_size_divisible_by, TP) to set ``padded_vocab_size`` as its
-    tokenizer builder would."""
+    tokenizer builder would; ``before_validation(args) -> args``: what initialize_megatron does between the two
+    (load_args_from_checkpoint with --use-checkpoint-args)."""
     import megatron.training.arguments as margs
     from megatron.training.vocab_utils import calculate_padded_vocab_size
 
@@ -53,6 +55,8 @@ def megatron_args(argv: list[str], world: int, padded_vocab: tuple[int, int, int
         with contextlib.redirect_stdout(io.StringIO()):
             args = margs.parse_args()
             args.world_size = world
+            if before_validation is not None:
+                args = before_validation(args)
             margs.validate_args(args, {})
     finally:
         sys.argv = saved
@@ -89,6 +93,17 @@ def read_tracker(path: str) -> tuple[int, bool]:
     return (0, True) if text == "release" else (int(text), False)
 
 
+def args_from_checkpoint(args):
+    """Megatron-LM's load_args_from_checkpoint (--use-checkpoint-args), with its tracker read on CPU."""
+    import megatron.training.checkpointing as mckpt
+    from megatron.core.safe_globals import register_safe_globals
+
+    mckpt.read_metadata = read_tracker  # its own all-reduces the iteration in a CUDA tensor
+    register_safe_globals()  # as Megatron-LM's initialisation does: args is an argparse.Namespace
+    with contextlib.redirect_stdout(io.StringIO()):
+        return mckpt.load_args_from_checkpoint(args)[0]
+
+
 def megatron_lm_load(argv: list[str], world: int):
     """A fresh megatron-core model loaded by Megatron-LM's own ``load_checkpoint`` (strict) after its
     ``load_args_from_checkpoint`` read the checkpoint's args, for ``pretrain_gpt.py argv`` (which holds
@@ -98,17 +113,14 @@ def megatron_lm_load(argv: list[str], world: int):
         destroy_num_microbatches_calculator,
         init_num_microbatches_calculator,
     )
-    from megatron.core.safe_globals import register_safe_globals
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.training import global_vars
 
-    mckpt.read_metadata = read_tracker  # its own all-reduces the iteration in a CUDA tensor
-    register_safe_globals()  # as Megatron-LM's initialisation does: args is an argparse.Namespace
     torch.cuda.synchronize = lambda *a, **k: None
     model_parallel_cuda_manual_seed(99)  # another initialisation: everything must come from the file
-    args = megatron_args(argv, world)
+    # as initialize_megatron: parse, load_args_from_checkpoint (--use-checkpoint-args), then validate_args
+    args = megatron_args(argv, world, before_validation=args_from_checkpoint)
     with contextlib.redirect_stdout(io.StringIO()):
-        args, _ = mckpt.load_args_from_checkpoint(args)
         global_vars._GLOBAL_ARGS = None
         global_vars.set_args(args)
         destroy_num_microbatches_calculator()

@@ -135,7 +135,8 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
         rope_scaling=bool(_get(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0) or 8.0),
         add_qkv_bias=bool(_get(args, "add_qkv_bias", bias)) and not bias,
-        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False)), normalization=norm,
+        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False) or _get(args, "layernorm_zero_centered_gamma")),
+        normalization=norm,
         layernorm_epsilon=float(_get(args, "layernorm_epsilon", _get(args, "norm_epsilon", 1e-5))),
         activation=activation,
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
@@ -166,7 +167,8 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         if float(c.rotary_base).is_integer() else c.rotary_base, rotary_percent=c.rotary_percent,
         rotary_interleaved=False, normalization=c.normalization, layernorm_epsilon=c.layernorm_epsilon,
         norm_epsilon=c.layernorm_epsilon,
-        apply_layernorm_1p=c.apply_layernorm_1p, qk_layernorm=c.qk_layernorm, swiglu=c.activation == "swiglu",
+        apply_layernorm_1p=c.apply_layernorm_1p, layernorm_zero_centered_gamma=c.apply_layernorm_1p,
+        qk_layernorm=c.qk_layernorm, swiglu=c.activation == "swiglu",
         squared_relu=c.activation == "relu2", bias_gelu_fusion=c.activation == "gelu_tanh", bias_swiglu_fusion=True,
         add_bias_linear=c.add_bias_linear, add_qkv_bias=c.qkv_bias, use_rope_scaling=c.rope_scaling,
         rope_scaling_factor=c.rope_scaling_factor,
@@ -527,7 +529,8 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
         f"at (TP, PP) = ({target.tp}, {target.pp}); vocabulary {config.vocab_size} (Megatron's padded rows); "
         f"optimizer state not carried. Continue with\n   pretrain_gpt.py --load {save} --no-load-optim "
-        f"--no-load-rng {' '.join(args['pretrain_flags'])} --vocab-size {config.vocab_size} ...")
+        f"--no-load-rng {' '.join(args['pretrain_flags'])} --vocab-size {config.vocab_size} "
+        f"--make-vocab-size-divisible-by {divisible} ...")
     return out
 
 
@@ -607,17 +610,19 @@ def megatron_load_flags(config: GPTConfig, spec: str, ckpt_format: str) -> list[
     """What Megatron-LM's ``pretrain_gpt.py`` needs besides ``--load DIR --use-checkpoint-args`` to rebuild this
     model: the options that its ``load_args_from_checkpoint`` does not restore from the checkpoint's args
     (megatron-core 0.19.2 restores the sizes, positions, RoPE base and percent, biases, SwiGLU / squared ReLU,
-    untied embeddings, layernorm-1p, the norm type and dropouts), and the format and layer implementation."""
+    untied embeddings, the norm type and dropouts), and the format and layer implementation."""
     c = config
     flags = ["--no-load-optim", "--no-load-rng", "--use-checkpoint-args", "--ckpt-format", ckpt_format]
     if spec == "local":
         flags += ["--transformer-impl", "local"]
     if c.qk_layernorm:
         flags.append("--qk-layernorm")
+    if c.apply_layernorm_1p:  # 0.19.2 restores args.apply_layernorm_1p, no longer the flag's destination
+        flags.append("--apply-layernorm-1p")
     if c.layernorm_epsilon != 1e-5:
         flags += ["--norm-epsilon", repr(c.layernorm_epsilon)]
-    if c.activation == "gelu_erf" and c.add_bias_linear:  # without biases megatron-core turns the fusion off
-        flags.append("--no-bias-gelu-fusion")  # the fused kernel is the tanh GeLU
+    if c.activation in ("gelu_erf", "relu2") and c.add_bias_linear:  # (without biases the fusion is turned off)
+        flags.append("--no-bias-gelu-fusion")  # its fused kernel is the tanh GeLU, and refuses squared ReLU
     if c.rope_scaling:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
     return flags
