@@ -30,7 +30,7 @@ import torch
 from ..core.models.gpt.config import LEGACY_ACTIVATIONS, GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from ..core.transformer.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
-from ..training.checkpoint_conversion import (
+from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     CanonicalCheckpoint,
     ConversionError,

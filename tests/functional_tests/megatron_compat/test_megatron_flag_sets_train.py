@@ -10,7 +10,7 @@ import io
 import os
 
 import pytest
-from megatron_scripts import (
+from testlib.megatron_scripts import (
     GPT3_STEP,
     LLAMA_FSDP,
     demo_corpus,
@@ -22,7 +22,7 @@ from megatron_scripts import (
     tool,
     without_flags,
 )
-from train_utils import train
+from testlib.train import train
 
 SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["128"],
          "--num-attention-heads": ["4"], "--num-query-groups": ["2"], "--kv-channels": ["16"],

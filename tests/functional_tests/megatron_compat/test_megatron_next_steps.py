@@ -20,7 +20,7 @@ import typing
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from testlib.distributed import run_distributed
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f
@@ -55,7 +55,7 @@ def _checkpoint(root: str, config) -> None:
     """Ours, TP = 1, random weights (norm weights around 1, biases around 0, all distinct)."""
     from megatron_cai.core.models.gpt.model import GPTModel
     from megatron_cai.interop.hf import param_layout
-    from megatron_cai.training.checkpoint_conversion import CanonicalCheckpoint, Layout, save_resharded
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint, Layout, save_resharded
 
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in GPTModel(config).named_parameters()}
@@ -70,8 +70,9 @@ def _checkpoint(root: str, config) -> None:
 
 
 def _our_logits(root: str, config, tokens, pos) -> torch.Tensor:
-    from megatron_cai.core.models.gpt.model import GPTModel
     from megatron_cai.training.checkpointing import load_checkpoint
+
+    from megatron_cai.core.models.gpt.model import GPTModel
 
     model = GPTModel(config)
     load_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
@@ -95,7 +96,7 @@ def _printed(log: str) -> tuple[str, list[str]]:
 
 
 def _worker(rank: int, world: int, tmp: str) -> dict:
-    import mcore_cpu
+    from testlib import mcore_cpu
 
     mcore_cpu.shim_cpu()
     from megatron.core import parallel_state as mps
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     from megatron_cai.core import parallel_state as ps
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.training.arguments import parse_config
-    from megatron_cai.training.checkpointing import read_metadata
+    from megatron_cai.training.checkpoint import read_metadata
 
     mps.initialize_model_parallel(tensor_model_parallel_size=1)
     ps.initialize_model_parallel()

@@ -19,8 +19,8 @@ import typing
 
 import pytest
 import torch
-from dist_utils import run_distributed
-from train_utils import train
+from testlib.distributed import run_distributed
+from testlib.train import train
 
 if not hasattr(typing, "override"):
     typing.override = lambda f: f

@@ -18,8 +18,8 @@ if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.
     typing.override = lambda f: f
 margs = pytest.importorskip("megatron.training.arguments")
 
-import megatron_scripts as ms  # noqa: E402
-from megatron_scripts import without_flags  # noqa: E402
+import testlib.megatron_scripts as ms  # noqa: E402
+from testlib.megatron_scripts import without_flags  # noqa: E402
 
 RELEASE_ENV = {"DATA_PATH": "/data", "DATA_BLEND": "/data/blend_text_document", "DATA_CACHE_PATH": "/cache",
                "CHECKPOINT_SAVE_PATH": "/ckpt", "CHECKPOINT_LOAD_PATH": "/ckpt", "TENSORBOARD_PATH": "/tb",

@@ -70,7 +70,7 @@ def test_rope_scaling_exports_to_transformers_llama(tmp_path):
     """A Llama 3.1-style model (--use-rope-scaling) exported to transformers gives the same logits."""
     transformers = pytest.importorskip("transformers")
     from megatron_cai.interop.hf import export_to_hf, param_layout
-    from megatron_cai.training.checkpoint_conversion import CanonicalCheckpoint, Layout, save_resharded
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint, Layout, save_resharded
 
     config = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=96,
                        ffn_hidden_size=96, seq_length=64, max_position_embeddings=32768, normalization="RMSNorm",

@@ -1,0 +1,61 @@
+"""AdamW over FSDP2's parameter shards (``--use-torch-fsdp2``).
+
+``torch.optim.AdamW`` updates the local DTensor shards; no weight decay on 1-D parameters (as
+Megatron). The global grad norm, clipping and non-finite check are the DDP path's
+(``clip_grads.GlobalNormClipping``), over this rank's shards of the gradients that
+``FullyShardedChunk.counted_in_norm`` counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed.fsdp import FullyShardedChunk, local
+from .clip_grads import GlobalNormClipping
+from .config import OptimizerConfig
+
+
+class FullyShardedAdamW(GlobalNormClipping):
+    """``torch.optim.AdamW`` over the FSDP2 shards of ``chunks``."""
+
+    def __init__(self, chunks: list[FullyShardedChunk], config: OptimizerConfig) -> None:
+        self.model_chunks = chunks
+        self.grad_scaler = None  # set by the trainer (--fp16 is refused with FSDP2 at start-up)
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}  # (decay, decoupled) -> parameters
+        self.counted: list[nn.Parameter] = []
+        for c in chunks:
+            for name, p in c.module.named_parameters():
+                # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
+                decoupled = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+                groups.setdefault((c.meta[name].decay, decoupled), []).append(p)
+                if c.counted_in_norm(name):
+                    self.counted.append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
+             for (decay, decoupled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
+            lr=config.lr, betas=config.betas, eps=config.adam_eps, foreach=False)
+        self.all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def owned_grads(self):
+        return (local(p.grad) for p in self.all_params if p.grad is not None)
+
+    def norm_grads(self):
+        return (local(p.grad) for p in self.counted if p.grad is not None)
+
+    def norm_params(self):
+        return (local(p) for p in self.counted)
+
+    def grad_device(self) -> torch.device:
+        return local(self.all_params[0]).device
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
+        """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr)."""
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
+        self.optimizer.step()
+
+    def finish_param_sync(self) -> None:
+        """Nothing pending: FSDP2 all-gathers the parameter shards itself in each forward."""
+        return None
