@@ -70,12 +70,11 @@ def _checkpoint(root: str, config) -> None:
 
 
 def _our_logits(root: str, config, tokens, pos) -> torch.Tensor:
-    from megatron_cai.training.checkpointing import load_checkpoint
-
     from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.training.checkpoint import load_torch_checkpoint
 
     model = GPTModel(config)
-    load_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
+    load_torch_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
     with torch.no_grad():
         return model.eval()(tokens, pos)[..., :VOCAB]
 
