@@ -19,7 +19,7 @@ import typing
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from . import ROOT, TOOLS
 
 
 def shim_cpu() -> None:
@@ -33,7 +33,7 @@ def shim_cpu() -> None:
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.current_stream = lambda *a, **k: None  # read, not used, by megatron DDP's grad sync (no overlap)
-    for p in (ROOT, os.path.join(ROOT, "tools")):
+    for p in (ROOT, TOOLS):
         if p not in sys.path:
             sys.path.insert(0, p)
 
