@@ -22,6 +22,36 @@ import torch
 from . import ROOT, TOOLS
 
 
+class CpuTorch:
+    """``torch`` for megatron-core modules (assign it to their ``torch``): ``device='cuda'`` tensors made on the
+    CPU, and a ``cuda`` namespace with a CPU current device and fixed allocator statistics."""
+
+    class cuda:  # noqa: N801 - stands for torch.cuda
+        @staticmethod
+        def current_device():
+            return "cpu"
+
+        @staticmethod
+        def memory_stats(*a, **k):
+            return {"reserved_bytes.all.current": 1, "allocated_bytes.all.current": 2,
+                    "allocated_bytes.all.peak": 3, "allocation.all.current": 4}
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kw):
+        if str(kw.get("device", "")).startswith("cuda"):
+            kw["device"] = "cpu"
+        return kw
+
+    def tensor(self, *a, **kw):
+        return torch.tensor(*a, **self._cpu(kw))
+
+    def zeros(self, *a, **kw):
+        return torch.zeros(*a, **self._cpu(kw))
+
+
 def shim_cpu() -> None:
     if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
         typing.override = lambda f: f

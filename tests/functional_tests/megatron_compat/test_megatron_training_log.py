@@ -6,7 +6,7 @@ and ``validate_args`` read the same flags, its ``get_optimizer_param_scheduler``
 and its ``training_log`` is called for each of the 20 iterations (with the losses and norms of our run, so that
 both sides log the same figures) with a recording TensorBoard writer. Our run writes a real event file, read back
 with TensorBoard's ``EventAccumulator``. CPU shims on the megatron-core side: ``torch.cuda.current_device``,
-``torch.cuda.synchronize`` and its ``memory_stats``, and CUDA tensors made on the CPU (``_CpuTorch``).
+``torch.cuda.synchronize`` and its ``memory_stats``, and CUDA tensors made on the CPU (``mcore_cpu.CpuTorch``).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import typing
 
 import pytest
 import torch
+from testlib import mcore_cpu
 from testlib.distributed import run_distributed
 from testlib.train import train
 
@@ -56,32 +57,6 @@ class _Recorder:
         self.calls.append((tag, float(value), int(step)))
 
 
-class _CpuTorch:
-    """``torch`` for megatron-core's training module: ``device='cuda'`` tensors on the CPU, fixed memory stats."""
-
-    class cuda:  # noqa: N801 - stands for torch.cuda
-        @staticmethod
-        def current_device():
-            return "cpu"
-
-        @staticmethod
-        def memory_stats(*a, **k):
-            return {"reserved_bytes.all.current": 1, "allocated_bytes.all.current": 2,
-                    "allocated_bytes.all.peak": 3, "allocation.all.current": 4}
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(kw):
-        if str(kw.get("device", "")).startswith("cuda"):
-            kw["device"] = "cpu"
-        return kw
-
-    def tensor(self, *a, **kw):
-        return torch.tensor(*a, **self._cpu(kw))
-
-
 def _megatron_run(rank: int, world: int, per_iteration: list[dict]) -> dict:
     """megatron-core 0.19.2's training_log for the 20 iterations, its scheduler's rates in the optimizer groups."""
     torch.cuda.current_device = lambda: "cpu"
@@ -96,7 +71,7 @@ def _megatron_run(rank: int, world: int, per_iteration: list[dict]) -> dict:
 
     mps.initialize_model_parallel(1, 1)
     margs.get_device_arch_version = lambda: 9
-    mtraining.torch = common.torch = _CpuTorch()
+    mtraining.torch = common.torch = mcore_cpu.CpuTorch()
     argv, sys.argv = sys.argv, ["pretrain_gpt.py", *MEGATRON_FLAGS]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
