@@ -26,10 +26,8 @@ from .config import (
     TrainConfig,
     TrainingConfig,
 )
-from .flag_report import FlagProblems, parse_collecting
-from .flag_rules import check_flags, normalize_split, resolve_megatron_flags
-from .megatron_compat import add_compat_arguments, attention_backend_for
-from .megatron_flags import (
+from .flags.megatron_compat import add_compat_arguments, attention_backend_for
+from .flags.megatron_features import (
     add_megatron_features,
     add_megatron_numerics,
     batch_schedule,
@@ -37,6 +35,8 @@ from .megatron_flags import (
     loss_scale_config,
     step_schedule_global_batch,
 )
+from .flags.report import FlagProblems, parse_collecting
+from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.

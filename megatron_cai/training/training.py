@@ -46,6 +46,7 @@ from .checkpoint import Checkpointer, check_run_dirs, iteration_dir, tp_layout
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .errors import DataError
+from .flags.megatron_compat import no_op_message
 from .initialize import discover_env, initialize_distributed
 from .logging import (
     LogWindow,
@@ -59,7 +60,6 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .megatron_compat import no_op_message
 from .training_log import (
     IterationStats,
     log_line_timers,

@@ -12,7 +12,6 @@ import typing
 
 import pytest
 
-from megatron_cai.training import megatron_compat as compat
 from megatron_cai.training.arguments import (
     ArgumentError,
     build_parser,
@@ -20,6 +19,7 @@ from megatron_cai.training.arguments import (
     parse_config,
     resolve_megatron_flags,
 )
+from megatron_cai.training.flags import megatron_compat as compat
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f

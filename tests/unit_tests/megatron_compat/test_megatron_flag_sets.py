@@ -12,7 +12,7 @@ import typing
 import pytest
 
 from megatron_cai.training.arguments import build_config, build_parser, parse_args, resolve_megatron_flags
-from megatron_cai.training.flag_report import MAX_LINES, FlagProblems, FlagProblemsError, parse_collecting
+from megatron_cai.training.flags.report import MAX_LINES, FlagProblems, FlagProblemsError, parse_collecting
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f

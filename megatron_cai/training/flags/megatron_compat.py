@@ -4,7 +4,7 @@ Every flag of megatron-core 0.19.2's ``megatron/training/arguments.py`` that a d
 script commonly sets is one of: implemented (in ``arguments.py``), listed in ``NO_OP_FLAGS`` (parsed,
 named once at start-up as "accepted for Megatron-LM compatibility, no effect here"), or listed in
 ``REFUSED_FLAGS`` (parsed, then refused, naming the flag and the reason, unless its value is one that means
-the same thing here; every refused flag of a command line is listed in one report, training/flag_report.py).
+the same thing here; every refused flag of a command line is listed in one report, training/flags/report.py).
 Types, choices and defaults follow megatron-core's.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .flag_report import FlagProblems
+from .report import FlagProblems
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup, parse_step_schedule
-from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
-from .config import ArgumentError
-from .flag_report import FlagProblems
+from ...core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup, parse_step_schedule
+from ...core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
+from ..config import ArgumentError
+from .report import FlagProblems
 
 SHARDING_STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # --data-parallel-sharding-strategy under --use-megatron-fsdp -> what runs here
@@ -27,8 +27,8 @@ _FSDP_MAPPING = {"optim_grads_params": "PyTorch FSDP2 (--use-torch-fsdp2: parame
 def add_megatron_numerics(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's fp16 loss scaling, batch-size schedules, tokenizers and LR-schedule flags (its names and
     defaults); extends the choices of --tokenizer-type and --lr-decay-style defined in arguments.py."""
-    from ..core.optimizer.config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
-    from .tokenizer import TOKENIZER_TYPES
+    from ...core.optimizer.config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
+    from ..tokenizer import TOKENIZER_TYPES
 
     for action in p._actions:
         if action.dest == "tokenizer_type":
@@ -217,7 +217,7 @@ def _transformer_impl(args: argparse.Namespace) -> list[str]:
     (CUDA); otherwise, and for every other precision, the local implementation runs (one line)."""
     if args.transformer_impl != "transformer_engine":
         return []
-    from ..core.quantization.gemm_backends import transformer_engine_available
+    from ...core.quantization.gemm_backends import transformer_engine_available
 
     if args.qat == "fp8" and transformer_engine_available() and args.device != "cpu":
         return []

@@ -14,7 +14,7 @@ import argparse
 import difflib
 from dataclasses import dataclass
 
-from .config import ArgumentError
+from ..config import ArgumentError
 
 CATEGORIES = ("unknown", "invalid", "refused", "conflict", "missing")
 MAX_LINES = 40  # one screen

@@ -1,15 +1,15 @@
 """Megatron-LM's aliases, value rules and cross-flag checks, each recorded in a :class:`FlagProblems` collector
-so that one report lists every problem of a command line (``flag_report.py``)."""
+so that one report lists every problem of a command line (``report.py``)."""
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import re
 
-from .config import ArgumentError
-from .flag_report import FlagProblems
+from ..config import ArgumentError
 from .megatron_compat import check_compat
-from .megatron_flags import resolve_megatron_features
+from .megatron_features import resolve_megatron_features
+from .report import FlagProblems
 
 
 def normalize_split(value: str) -> str:
@@ -24,7 +24,7 @@ def normalize_split(value: str) -> str:
 def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | None = None) -> argparse.Namespace:
     """A copy of the parsed flags with Megatron-LM's aliases, value rules and mappings applied (``flags`` is not
     modified; applying it twice gives the same result). The no-op flags given are listed in
-    ``megatron_no_op_flags`` (training/megatron_compat.py), the mappings' start-up lines in ``megatron_notes``.
+    ``megatron_no_op_flags`` (flags/megatron_compat.py), the mappings' start-up lines in ``megatron_notes``.
 
     Refused, invalid and conflicting flags are recorded in ``problems``; without a collector, they raise one
     ArgumentError (``FlagProblemsError``) that lists them all."""
