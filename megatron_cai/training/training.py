@@ -569,7 +569,7 @@ class Trainer:
         scalars = {**log_line_timers(elapsed, throughput, log, first), "tokens-per-second": tps,
                    "grad-comm-bytes": comm_bytes, **extra}
         self.tb.scalars(scalars, st.iteration)
-        if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
+        if log.timing_log_level and st.iteration % log.log_interval == 0:  # phase timers, per full window
             timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
                 print_rank_last(line)

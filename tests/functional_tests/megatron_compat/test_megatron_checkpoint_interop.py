@@ -21,6 +21,7 @@ import contextlib
 import io
 import os
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,7 +151,8 @@ def _our_model(root: str, tp: int):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = GPTConfig.from_dict(read_metadata(root, ITERATION)["model_config"])
     model = GPTModel(config)
-    counters = load_torch_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
+    chunk = SimpleNamespace(module=model)  # the loader reads ModelChunk.module only
+    counters = load_torch_checkpoint(root, [chunk], None, None, config, load_optim=False, load_rng=False)
     return model.eval(), counters
 
 

@@ -17,6 +17,7 @@ import io
 import os
 import re
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -74,7 +75,8 @@ def _our_logits(root: str, config, tokens, pos) -> torch.Tensor:
     from megatron_cai.training.checkpoint import load_torch_checkpoint
 
     model = GPTModel(config)
-    load_torch_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
+    chunk = SimpleNamespace(module=model)  # the loader reads ModelChunk.module only
+    load_torch_checkpoint(root, [chunk], None, None, config, load_optim=False, load_rng=False)
     with torch.no_grad():
         return model.eval()(tokens, pos)[..., :VOCAB]
 

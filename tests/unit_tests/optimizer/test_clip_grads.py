@@ -22,6 +22,9 @@ class _Grads(GlobalNormClipping):
     def norm_grads(self):
         return (self.grads[i] for i in self.counted)
 
+    def norm_params(self):
+        return (self.grads[i] for i in self.counted)
+
     def grad_device(self) -> torch.device:
         return torch.device("cpu")
 
