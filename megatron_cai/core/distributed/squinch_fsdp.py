@@ -93,6 +93,7 @@ class SquinchReduceScatter(CountingReduceScatter):
         self.residual: torch.Tensor | None = None        # flat FSDP2: the reduce-scatter rows
         self.residuals: dict[str, torch.Tensor] = {}     # HSDP: the cross-node all-reduce's
         self.generator: torch.Generator | None = None
+        self._generator_state: torch.Tensor | None = None  # restored before the gradients' device was known
         self._seed = seed
         self.hierarchical = inter_group is not None
         self.inter_group = inter_group
@@ -118,8 +119,15 @@ class SquinchReduceScatter(CountingReduceScatter):
         return r
 
     def _gen(self, device: torch.device) -> torch.Generator | None:
-        if self.stochastic and self.generator is None:
+        """The stochastic-rounding generator, created on the gradients' device at first use (with the
+        restored state, if any), as ``SquinchReducer`` does."""
+        if not self.stochastic:
+            return None
+        if self.generator is None:
             self.generator = torch.Generator(device=device).manual_seed(self._seed)
+            if self._generator_state is not None:
+                self.generator.set_state(self._generator_state)
+                self._generator_state = None
         return self.generator
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
@@ -169,12 +177,13 @@ class SquinchReduceScatter(CountingReduceScatter):
             state["residuals"] = {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
+        elif self._generator_state is not None:  # restored and not used yet
+            state["generator"] = self._generator_state.clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         r = state.get("residual")
         self.residual = None if r is None else r.clone()
         self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
-        if "generator" in state:
-            self.generator = torch.Generator().manual_seed(self._seed)
-            self.generator.set_state(state["generator"])
+        if "generator" in state:  # placed on the gradients' device at first use, like the residuals
+            self._generator_state, self.generator = state["generator"].clone(), None
