@@ -132,6 +132,16 @@ ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple, ...]] = {
 }
 
 
+# The backward's preprocess (delta = rowsum(dO * O) in fp32): query rows per program and warps (no shared
+# memory, no loop); BLOCK_N is unused.
+DELTA_TILES = Tiles(64, 1, 4, 1)
+
+
+def delta_tiles(target: Target | None) -> Tiles:
+    """The preprocess kernel's rows and warps on `target` (None: the CPU interpreter)."""
+    return INTERPRETER_TILES if target is None else DELTA_TILES
+
+
 def dtype_kind(dtype: torch.dtype) -> str:
     """The table's dtype column: "16bit" for bf16/fp16, "fp32" otherwise (fp64 is computed in fp32)."""
     return "16bit" if dtype in (torch.bfloat16, torch.float16) else "fp32"
@@ -194,10 +204,12 @@ class CodecLaunch:
     num_stages: int
 
 
-# The encoder with error feedback and stochastic rounding spilled 8 B at 4 warps (80 registers); 8 warps
-# hold half the elements per thread (40 registers, no spill). Payloads do not depend on these numbers.
+# Full blocks take an unmasked path (16-byte loads and residual stores, 4 elements per thread) and only a
+# row's last program is masked, so each program compiles both: 128 blocks on 8 warps then spilled 16 B at
+# 40 registers on sm_86/sm_89 (bf16 residual); 64 blocks on 4 warps (the same 4 elements per thread) use
+# 40-56 registers and never spill. Payloads do not depend on these numbers.
 SQUINCH_TABLE: dict[str, CodecLaunch] = {
-    "encode": CodecLaunch(blocks=128, num_warps=8, num_stages=3),
+    "encode": CodecLaunch(blocks=64, num_warps=4, num_stages=3),
     "decode": CodecLaunch(blocks=128, num_warps=4, num_stages=3),
 }
 SQUINCH_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -224,8 +224,10 @@ def attention_cases(dtypes=kc.ATTENTION_DTYPES, head_dims=kc.ATTENTION_HEAD_DIMS
 
 
 def squinch_cases(dtypes=kc.SQUINCH_INPUT_DTYPES, residuals=kc.SQUINCH_RESIDUALS, stochastic=(False, True),
-                  misaligned=(0, 1)) -> Iterator[tuple[str, int | None, Callable[[], None]]]:
-    """Encode (input dtype x residual x stochastic) and decode (accumulate), aligned and misaligned."""
+                  misaligned=(0, 1), wire_rows=(False, True)) -> Iterator[tuple[str, int | None, Callable[[], None]]]:
+    """Encode (input dtype x residual x stochastic) and decode (accumulate), aligned and misaligned; the
+    collectives' wire-row variants (encode writing every row's flag byte, decode reading them) for the
+    fp32 / bf16 gradients and fp32 / no residual that the reducers use."""
     from megatron_cai.core.squinch import format as fmt
     from megatron_cai.core.squinch import triton_kernels as tk
 
@@ -234,23 +236,38 @@ def squinch_cases(dtypes=kc.SQUINCH_INPUT_DTYPES, residuals=kc.SQUINCH_RESIDUALS
         for dtype in dtypes:
             for res in residuals:
                 for stoch in stochastic:
-                    label = f"encode {str(dtype)[6:]} res={str(res)[6:] if res else 'none'}" \
-                            f"{' stochastic' if stoch else ''}{' misaligned' if misalign else ''}"
+                    for rows in wire_rows:
+                        if rows and (dtype == torch.float16 or res == torch.bfloat16 or misalign):
+                            continue
+                        label = f"encode {str(dtype)[6:]} res={str(res)[6:] if res else 'none'}" \
+                                f"{' stochastic' if stoch else ''}{' rows' if rows else ''}" \
+                                f"{' misaligned' if misalign else ''}"
 
-                    def run(dtype=dtype, res=res, stoch=stoch, o=misalign):
-                        x = torch.zeros(n + o, dtype=dtype)[o:]
-                        r = None if res is None else torch.zeros(n + o, dtype=res)[o:]
-                        out = torch.zeros(fmt.payload_nbytes(n) + o, dtype=torch.uint8)[o:]
-                        tk.encode_into(x, r, out, stoch, torch.zeros(1, dtype=torch.int64) if stoch else None)
+                        def run(dtype=dtype, res=res, stoch=stoch, o=misalign, rows=rows):
+                            x = torch.zeros(n + o, dtype=dtype)[o:]
+                            r = None if res is None else torch.zeros(n + o, dtype=res)[o:]
+                            seed = torch.zeros(1, dtype=torch.int64) if stoch else None
+                            if rows:  # two wire rows of n / 2 elements: payload | flag | padding
+                                p = fmt.payload_nbytes(n // 2)
+                                wire = torch.zeros(2, p + 16, dtype=torch.uint8)
+                                tk.encode_rows_into(x, r, wire[:, :p], stoch, seed, wire[:, p:])
+                            else:
+                                out = torch.zeros(fmt.payload_nbytes(n) + o, dtype=torch.uint8)[o:]
+                                tk.encode_into(x, r, out, stoch, seed)
 
-                    yield label, None, run
-        for acc in (False, True):
-            def run(acc=acc, o=misalign):
+                        yield label, None, run
+        for acc, flags in ((False, False), (True, False), (False, True)):
+            if flags and (misalign or not any(wire_rows)):
+                continue
+
+            def run(acc=acc, o=misalign, flags=flags):
                 nbytes = fmt.payload_nbytes(n)
-                payloads = torch.zeros(3 * nbytes + o, dtype=torch.uint8)[o:].view(3, nbytes)
-                tk.decode_into(payloads, n, torch.zeros(n + o)[o:], acc)
+                payloads = torch.zeros(3 * (nbytes + 16) + o, dtype=torch.uint8)[o:].view(3, nbytes + 16)
+                tk.decode_into(payloads[:, :nbytes], n, torch.zeros(n + o)[o:], acc,
+                               payloads[:, nbytes] if flags else None)
 
-            yield f"decode{' accumulate' if acc else ''}{' misaligned' if misalign else ''}", None, run
+            yield (f"decode{' accumulate' if acc else ''}{' rows' if flags else ''}"
+                   f"{' misaligned' if misalign else ''}"), None, run
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -261,6 +278,10 @@ def _config_of(kernel) -> tuple[str, str, int | None, int | None]:
     consts = {names[path[0]]: val for path, val in src.constants.items() if len(path) == 1}
     sig = {k: v for k, v in src.signature.items() if v != "constexpr"}
     name = meta.name
+    if name == "_bwd_delta_kernel":  # the backward's preprocess: rows per program, no table row
+        dtype = sig["O"].lstrip("*")
+        return name, f"{dtype} d{consts['HEAD_DIM']} {consts['BLOCK_M']} rows w{meta.num_warps}", \
+            consts["HEAD_DIM"], None
     if "HEAD_DIM" in consts:
         dtype = sig["Q"].lstrip("*")
         tiles = kc.Tiles(consts["BLOCK_M"], consts["BLOCK_N"], meta.num_warps, meta.num_stages)
@@ -328,7 +349,7 @@ def all_cases(subset: str = "full"):
         yield from attention_cases(dtypes=(torch.bfloat16,), head_dims=(128,), layouts=("plain",), windows=(None,),
                                    zregs=(0.0,))
         yield from squinch_cases(dtypes=(torch.float32,), residuals=(torch.float32,), stochastic=(True,),
-                                 misaligned=(0,))
+                                 misaligned=(0,), wire_rows=(True,))
     else:
         raise ValueError(f"subset must be 'full' or 'ci', got {subset!r}")
 

@@ -103,5 +103,8 @@ def test_every_table_row_is_enumerated_by_the_check() -> None:
         names = ("float32",) if kind == "fp32" else ("bfloat16", "float16")
         assert any(label.startswith(f"{n} d{dim} ") for n in names for label in labels), (role, kind, dim)
     squinch = [label for label, _, _ in triton_aot.squinch_cases()]
-    assert sum(label.startswith("encode") for label in squinch) == 2 * 3 * 3 * 2
-    assert sum(label.startswith("decode") for label in squinch) == 4
+    # (aligned, misaligned) x 3 input dtypes x 3 residuals x (deterministic, stochastic), plus the wire-row
+    # encoder (aligned; fp32 / bf16 gradients, no / fp32 residual, both roundings)
+    assert sum(label.startswith("encode") for label in squinch) == 2 * 3 * 3 * 2 + 2 * 2 * 2
+    assert sum(label.endswith("rows") for label in squinch) == 2 * 2 * 2 + 1  # and the flag-reading decode
+    assert sum(label.startswith("decode") for label in squinch) == 2 * 2 + 1
