@@ -50,6 +50,8 @@ class KernelRecord:
     smem_limit: int = 0
     declared_smem: int | None = None
     compile_s: float = 0.0
+    wide_loads: int | None = None  # 16-byte global loads / stores in the PTX (vectorised accesses)
+    wide_stores: int | None = None
     variants: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -179,6 +181,15 @@ def ptxas_stats(ptx: str, capability: int, fp_fusion: bool) -> tuple[int, int]:
         json.dump(cache, f)
     os.replace(tmp_path, path)
     return regs, spills
+
+
+_WIDE_RE = re.compile(r"\b(ld|st)\.global[\w.:]*\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\b")
+
+
+def wide_accesses(ptx: str) -> tuple[int, int]:
+    """(16-byte global loads, 16-byte global stores) in a kernel's PTX."""
+    ops = [m.group(1) for m in _WIDE_RE.finditer(ptx)]
+    return ops.count("ld"), ops.count("st")
 
 
 # --------------------------------------------------------------------------------- launcher cases
@@ -312,6 +323,7 @@ def check_target(target: kc.Target, cases, log: Callable[[str], None] = print,
             rec = records[key] = KernelRecord(name, config, target.name, head_dim, smem_limit=target.smem_limit,
                                               declared_smem=declared, compile_s=round(seconds, 2))
             rec.shared_bytes = int(kernel.metadata.shared)
+            rec.wide_loads, rec.wide_stores = wide_accesses(kernel.asm["ptx"])
             try:
                 rec.registers, rec.spill_bytes = ptxas_stats(kernel.asm["ptx"], target.capability,
                                                              bool(kernel.metadata.enable_fp_fusion))
@@ -340,18 +352,25 @@ def check_target(target: kc.Target, cases, log: Callable[[str], None] = print,
 def all_cases(subset: str = "full"):
     """Every launcher case ("full"), or the CI subset ("ci"): the three attention kernels at bf16, head
     dim 128 (the largest kernels that must not spill, and the sm_86/sm_89 shared-memory defect), and the
-    fused encoder with error feedback and stochastic rounding plus decode-accumulate. The full set runs
-    in tools/compile_kernels.py (results in bench/results/compile_kernels.md)."""
+    fused encoder with error feedback and stochastic rounding plus decode-accumulate; or "hopper", what
+    training on the validation machine compiles (bf16 at head dims 64 / 128 with and without a window,
+    fp32 at 128, every Squinch kernel for fp32 / bf16 gradients), which CI checks for sm_90 with its
+    Triton (3.6.0). The full set runs in tools/compile_kernels.py (bench/results/compile_kernels.md)."""
     if subset == "full":
         yield from attention_cases()
         yield from squinch_cases()
+    elif subset == "hopper":
+        yield from attention_cases(dtypes=(torch.bfloat16,), head_dims=(64, 128), layouts=("plain",), zregs=(0.0,))
+        yield from attention_cases(dtypes=(torch.float32,), head_dims=(128,), layouts=("plain",), windows=(None,),
+                                   zregs=(0.0,))
+        yield from squinch_cases(dtypes=(torch.float32, torch.bfloat16), misaligned=(0,))
     elif subset == "ci":
         yield from attention_cases(dtypes=(torch.bfloat16,), head_dims=(128,), layouts=("plain",), windows=(None,),
                                    zregs=(0.0,))
         yield from squinch_cases(dtypes=(torch.float32,), residuals=(torch.float32,), stochastic=(True,),
                                  misaligned=(0,), wire_rows=(True,))
     else:
-        raise ValueError(f"subset must be 'full' or 'ci', got {subset!r}")
+        raise ValueError(f"subset must be 'full', 'hopper' or 'ci', got {subset!r}")
 
 
 def filter_cases(cases, only: str | None):
@@ -397,12 +416,13 @@ def unexercised_candidates(records: list[KernelRecord]) -> list[str]:
 
 
 def to_markdown(records: list[KernelRecord]) -> str:
-    head = "| kernel | config | target | registers | spill B | shared B | limit B | compile s | status |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| kernel | config | target | registers | spill B | shared B | limit B | 16-B ld / st | compile s "
+            "| status |")
+    lines = [head, "|" + "---|" * 10]
     for r in records:
         status = "; ".join(r.problems()) or "ok"
         lines.append(f"| {r.kernel} | {r.config} | {r.target} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} "
-                     f"| {r.smem_limit} | {r.compile_s} | {status} |")
+                     f"| {r.smem_limit} | {r.wide_loads} / {r.wide_stores} | {r.compile_s} | {status} |")
     return "\n".join(lines)
 
 
