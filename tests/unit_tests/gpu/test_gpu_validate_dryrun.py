@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
+from testlib import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 GPU = os.path.join(ROOT, "bench", "gpu")
 FILES = {"gpu_env.json", "gpu_codec.json", "gpu_attention.json", "gpu_train.json", "gpu_qat.json",
          "gpu_pytest.json", "gpu_summary.md", "gpu_log.txt"}
