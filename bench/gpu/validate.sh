@@ -7,7 +7,7 @@
 #   attention  our Triton kernels vs SDPA flash (causal) and FlexAttention (packed docs, trees), fwd / bwd
 #   training   350M and 1.3B GPTs through pretrain_gpt's Trainer vs a plain torch.compile loop
 #   qat        the int8 / FP8 real-GEMM paths (and Transformer Engine if installed)
-#   pytest     pytest -m gpu over tests/unit_tests, per-test time limit
+#   pytest     pytest -m gpu over the test files holding GPU tests, per-test time limit
 # Results in ${OUT:-bench/results}: gpu_{env,codec,attention,train,qat,pytest}.json (each rewritten after
 # every finished row or test, so a step stopped by its time limit keeps what it measured), gpu_summary.md
 # (every step's status and table) and gpu_log.txt (this script's whole output): 8 files.
@@ -37,17 +37,18 @@ if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1
   OUT="${OUT:-${TMPDIR:-/tmp}/megatron_cai_gpu_dryrun}"
   STEP_ARGS=(--dry-run)
-  PYTEST_TARGETS="tests/unit_tests/squinch/test_squinch_triton.py"  # its gpu tests skip on the CPU
   SCALE=4  # the limits are sized for the GPU; the interpreter on a shared CPU gets 4x
 else
   OUT="${OUT:-$ROOT/bench/results}"
   STEP_ARGS=()
-  PYTEST_TARGETS="tests/unit_tests"
   SCALE=1
 fi
 mkdir -p "$OUT" || { echo "error: cannot create OUT=$OUT" >&2; exit 2; }
 OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT" || exit 2
+# pytest collects only the test files holding @pytest.mark.gpu tests: fast, and no import of a module
+# that needs a package the machine lacks (on the CPU those tests skip)
+PYTEST_TARGETS=$(grep -rlE "pytest\.mark\.gpu" tests/unit_tests --include='test_*.py' | sort)
 LOG="$OUT/gpu_log.txt"
 : > "$LOG"
 STEPS=""   # name:status:seconds:limit, for the summary
@@ -63,7 +64,8 @@ T_ALL=$(date +%s)
 #                  then 1.3B rows (~20 s each) as the budget allows (each row is skipped, not cut, when
 #                  its estimate no longer fits)
 #   qat        20  two 8k x 4k x 4k GEMM paths (~12 s)
-#   pytest     80  collection (~15 s), the few -m gpu tests (flex ones last), 45 s per test at most
+#   pytest     80  collection of the 7 files with GPU tests (~10 s), ~40 GPU tests (flex ones last:
+#                  ~50 s of compiles), 45 s per test at most
 # Each step's own budget (--budget-s) is its limit minus 15 s, so it ends its rows itself and writes
 # them; `timeout` is the backstop (its rows so far are already on disk).
 LIMITS=(env:20 codec:40 attention:110 training:150 qat:20 pytest:80)
