@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from testlib.interpreted import run_interpreted
 
 B, H, T, D = 2, 32_800, 256, 128
 KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel")
@@ -25,12 +25,7 @@ KERNELS = ("_fwd_kernel", "_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kern
 
 def test_last_head_past_int32_offsets_and_grid_axis_limit() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = run_interpreted(__file__, timeout=900)
     assert B * H > 65_535 and B * H * T * D > 2**31
     assert sorted({name for name, _ in res["grids"]}) == sorted(KERNELS)
     for name, grid in res["grids"]:  # every axis past the first within CUDA's limit, pairs folded
