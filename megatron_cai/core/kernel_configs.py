@@ -110,7 +110,7 @@ INTERPRETER_TILES = Tiles(16, 16, 4, 1)
 # - Hopper (sm_90+, first in the 16-bit d64 / d128 rows): the generic d128 rows put 8 warps on a 64-row
 #   tile (warpsPerCTA=[8,1]: both warpgroups compute the same S and dP) and dK/dV has 1 stage (no
 #   cp.async). fwd / dQ take 128-row tiles on 8 warps (3 / 2 stages), dK/dV 2 stages. With triton 3.6.0
-#   and 3.9.0 (bench/results/compile_kernels_sm90.md): d128 dK/dV at 64 x 64 w8 s2 spilled 16-64 B (with
+#   and 3.9.0 (bench/results/compile_kernels*.md): d128 dK/dV at 64 x 64 w8 s2 spilled 16-64 B (with
 #   or without a window, depending on the version) and at 128 x 64 32-72 B with a window; 32 x 64 on
 #   8 warps does not spill. d64 dQ at 128 x 64 on 4 warps spilled 56 B with a window; 8 warps do not.
 _T = Tiles

@@ -7,6 +7,9 @@
   and loops over the query heads of its group, so no atomics are needed.
 - Z-Reg: the backward preprocess uses ``D'_i = rowsum(dO_i * O_i) - dlse_i`` with
   ``dlse_i = grad_lse_i + 2 w lse_i / N`` (see :mod:`zreg`).
+- Sizes: per-(batch, head) base offsets are int64 scalars (tile offsets stay int32), so B·H·T·D may pass
+  2^31; the (batch, head) pairs are folded over grid axes 1 and 2 (each capped at 65,535 by CUDA).
+- Backward: a preprocess kernel computes ``rowsum(dO * O)`` in fp32 (no full-size fp32 temporaries).
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported). fp64 inputs are computed in fp32.
