@@ -7,6 +7,9 @@
   and loops over the query heads of its group, so no atomics are needed.
 - Z-Reg: the backward preprocess uses ``D'_i = rowsum(dO_i * O_i) - dlse_i`` with
   ``dlse_i = grad_lse_i + 2 w lse_i / N`` (see :mod:`zreg`).
+- Sizes: per-(batch, head) base offsets are int64 scalars (tile offsets stay int32), so B·H·T·D may pass
+  2^31; the (batch, head) pairs are folded over grid axes 1 and 2 (each capped at 65,535 by CUDA).
+- Backward: a preprocess kernel computes ``rowsum(dO * O)`` in fp32 (no full-size fp32 temporaries).
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before
 this module is imported). fp64 inputs are computed in fp32.
@@ -30,7 +33,22 @@ LOG2E = 1.4426950408889634
 # kernel per table configuration, whatever the sequence length, head count or window, so the
 # ahead-of-time check (core/triton_aot.py) compiles exactly what runs. Strides stay specialised: the
 # launcher makes every tensor contiguous with a head dim that is a multiple of 16 or pads nothing else.
-_RUNTIME_INTS = ["seq_q", "seq_k", "heads", "kv_heads", "group", "n_kb", "n_qb", "window", "sib"]
+_RUNTIME_INTS = ["seq_q", "seq_k", "heads", "kv_heads", "group", "n_kb", "n_qb", "window", "sib", "n_bh"]
+GRID_AXIS_MAX = 65535  # CUDA's limit on grid axes 1 and 2: (batch, head) pairs are folded over both
+
+
+def fold_pairs(n_bh: int) -> tuple[int, int]:
+    """Grid axes (1, 2) covering ``n_bh`` (batch, head) pairs, each at most GRID_AXIS_MAX; a program's
+    pair is ``program_id(2) * num_programs(1) + program_id(1)`` (those past n_bh return at once)."""
+    z = triton.cdiv(n_bh, GRID_AXIS_MAX)
+    return triton.cdiv(n_bh, z), z
+
+
+@triton.jit
+def _pair_index(n_bh):
+    """This program's (batch, head) pair as int64 (see fold_pairs), and whether it is past the last."""
+    bh = tl.program_id(2).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    return bh, bh >= n_bh
 
 
 @triton.jit
@@ -55,11 +73,13 @@ def _tile_scores(q, k_ptrs, start_ptr, limit_ptr, pos_ptr, abs_m, offs_n, pos_m,
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
                 seq_q, seq_k, heads, group, n_kb, window, qk_scale,
-                sqb, sqh, sqt, skb, skh, skt, sib,
+                sqb, sqh, sqt, skb, skh, skt, sib, n_bh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     qb = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, past = _pair_index(n_bh)
+    if past:
+        return
     b = bh // heads
     h = bh % heads
     hk = h // group
@@ -106,17 +126,19 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     o_base = O + b * sqb + h * sqh
     tl.store(o_base + offs_m[:, None] * sqt + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
-    tl.store(LSE + (b * heads + h) * seq_q + offs_m, lse, mask=m_ok)
+    tl.store(LSE + bh * seq_q + offs_m, lse, mask=m_ok)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_IDX,
                    seq_q, seq_k, heads, group, n_kb, window, qk_scale, sm_scale,
-                   sqb, sqh, sqt, skb, skh, skt, sib,
+                   sqb, sqh, sqt, skb, skh, skt, sib, n_bh,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     qb = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, past = _pair_index(n_bh)
+    if past:
+        return
     b = bh // heads
     h = bh % heads
     hk = h // group
@@ -127,13 +149,13 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
     m_ok = offs_m < seq_q
     d_ok = offs_d < HEAD_DIM
     qd_mask = m_ok[:, None] & d_ok[None, :]
-    q_off = b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :]
-    q = tl.load(Q + q_off, mask=qd_mask, other=0.0)
-    do = tl.load(DO + q_off, mask=qd_mask, other=0.0)
-    row = (b * heads + h) * seq_q + offs_m
-    lse = tl.load(LSE + row, mask=m_ok, other=0.0)
+    q_base = b * sqb + h * sqh  # int64 scalar; the tile's offsets stay int32
+    q_off = offs_m[:, None] * sqt + offs_d[None, :]
+    q = tl.load(Q + q_base + q_off, mask=qd_mask, other=0.0)
+    do = tl.load(DO + q_base + q_off, mask=qd_mask, other=0.0)
+    lse = tl.load(LSE + bh * seq_q + offs_m, mask=m_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + bh * seq_q + offs_m, mask=m_ok, other=0.0)
     start_ptr = START + b * sib
     limit_ptr = LIMIT + b * sib
     pos_ptr = POS + b * sib
@@ -157,17 +179,19 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
+    tl.store(DQ + q_base + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=qd_mask)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, Q_IDX,
                      seq_q, seq_k, heads, kv_heads, group, n_qb, window, qk_scale, sm_scale,
-                     sqb, sqh, sqt, skb, skh, skt, sib,
+                     sqb, sqh, sqt, skb, skh, skt, sib, n_bh,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     kb = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh, past = _pair_index(n_bh)  # (batch, kv head) pairs here
+    if past:
+        return
     b = bh // kv_heads
     hk = bh % kv_heads
     n_kb = tl.cdiv(seq_k, BLOCK_N)
@@ -176,9 +200,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
     n_ok = offs_n < seq_k
     d_ok = offs_d < HEAD_DIM
     kd_mask = n_ok[:, None] & d_ok[None, :]
-    k_off = b * skb + hk * skh + offs_n[:, None] * skt + offs_d[None, :]
-    k = tl.load(K + k_off, mask=kd_mask, other=0.0)
-    v = tl.load(V + k_off, mask=kd_mask, other=0.0)
+    k_base = b * skb + hk * skh  # int64 scalar; the tile's offsets stay int32
+    k_off = offs_n[:, None] * skt + offs_d[None, :]
+    k = tl.load(K + k_base + k_off, mask=kd_mask, other=0.0)
+    v = tl.load(V + k_base + k_off, mask=kd_mask, other=0.0)
     ks = tl.load(START + b * sib + offs_n, mask=n_ok, other=seq_k + 1)
     kl = tl.load(LIMIT + b * sib + offs_n, mask=n_ok, other=0)
     pos_n = offs_n
@@ -196,13 +221,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
             abs_m = offs_m + (seq_k - seq_q)
             m_ok = offs_m < seq_q
             qd_mask = m_ok[:, None] & d_ok[None, :]
-            q_off = b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :]
-            q = tl.load(Q + q_off, mask=qd_mask, other=0.0)
-            do = tl.load(DO + q_off, mask=qd_mask, other=0.0)
-            row = (b * heads + h) * seq_q + offs_m
-            lse = tl.load(LSE + row, mask=m_ok, other=0.0)
+            q_base = b * sqb + h * sqh
+            q_off = offs_m[:, None] * sqt + offs_d[None, :]
+            q = tl.load(Q + q_base + q_off, mask=qd_mask, other=0.0)
+            do = tl.load(DO + q_base + q_off, mask=qd_mask, other=0.0)
+            row = (b * heads + h) * seq_q
+            lse = tl.load(LSE + row + offs_m, mask=m_ok, other=0.0)
             lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-            delta = tl.load(DELTA + row, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + row + offs_m, mask=m_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             vis = (ks[None, :] <= abs_m[:, None]) & (abs_m[:, None] < kl[None, :])
             if HAS_WINDOW:
@@ -214,8 +240,26 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    tl.store(DK + k_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kd_mask)
-    tl.store(DV + k_off, dv.to(DV.dtype.element_ty), mask=kd_mask)
+    tl.store(DK + k_base + k_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kd_mask)
+    tl.store(DV + k_base + k_off, dv.to(DV.dtype.element_ty), mask=kd_mask)
+
+
+@triton.jit(do_not_specialize=_RUNTIME_INTS)
+def _bwd_delta_kernel(O, DO, DELTA, seq_q, sqh, sqt, n_bh,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = rowsum(dO_i * O_i) in fp32 for BLOCK_M query rows of one (batch, head) pair."""
+    qb = tl.program_id(0)
+    bh, past = _pair_index(n_bh)
+    if past:
+        return
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_q
+    mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    off = offs_m[:, None] * sqt + offs_d[None, :]
+    o = tl.load(O + bh * sqh + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + bh * sqh + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh * seq_q + offs_m, tl.sum(o * do, 1), mask=m_ok)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
@@ -282,9 +326,9 @@ class _TritonAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(dim)
         win = int(window or 0)
         strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
-        _fwd_kernel[(fwd_map.shape[-2], bsz * heads)](
+        _fwd_kernel[(fwd_map.shape[-2], *fold_pairs(bsz * heads))](
             q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, heads // kv_heads, n_kb, win, scale * LOG2E, *strides,
+            seq_q, seq_k, heads, heads // kv_heads, n_kb, win, scale * LOG2E, *strides, bsz * heads,
             **_meta(cd, dim, fwd, win > 0),
         )
         ctx.save_for_backward(q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx)
@@ -297,24 +341,29 @@ class _TritonAttention(torch.autograd.Function):
         bsz, heads, seq_q, dim = q.shape
         kv_heads, seq_k = k.shape[1], k.shape[2]
         do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(q.dtype))
-        delta = (do.float() * out.float()).sum(-1)
+        delta = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
+        rows = kernel_configs.delta_tiles(kernel_configs.launch_target(q.device))
+        _bwd_delta_kernel[(triton.cdiv(seq_q, rows.block_m), *fold_pairs(bsz * heads))](
+            out, do, delta, seq_q, out.stride(1), out.stride(2), bsz * heads, HEAD_DIM=dim,
+            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=rows.block_m, num_warps=rows.num_warps,
+            num_stages=rows.num_stages,
+        )
         dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
         if dlse is not None:
-            delta = delta - dlse.float()
-        delta = _aligned(delta)
+            delta = _aligned(delta - dlse.float())
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         scale = 1.0 / math.sqrt(dim)
         group = heads // kv_heads
         win = ctx.win
-        _bwd_dq_kernel[(kv_idx.shape[-2], bsz * heads)](
+        _bwd_dq_kernel[(kv_idx.shape[-2], *fold_pairs(bsz * heads))](
             q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
+            seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides, bsz * heads,
             **_meta(q.dtype, dim, ctx.tiles["bwd_dq"], win > 0),
         )
-        _bwd_dkdv_kernel[(q_idx.shape[-2], bsz * kv_heads)](
+        _bwd_dkdv_kernel[(q_idx.shape[-2], *fold_pairs(bsz * kv_heads))](
             q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
             seq_q, seq_k, heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
-            **_meta(q.dtype, dim, ctx.tiles["bwd_dkdv"], win > 0),
+            bsz * kv_heads, **_meta(q.dtype, dim, ctx.tiles["bwd_dkdv"], win > 0),
         )
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
