@@ -9,7 +9,7 @@
 #
 #   bash examples/quickstart.sh            # the README gives its time on 2 idle cores, installs included
 #
-# Environment overrides: DATA_DIR (data/quickstart), CKPT_DIR (checkpoints/quickstart), TRAIN_ITERS (600),
+# Environment overrides: DATA_DIR (data/quickstart), CKPT_DIR (checkpoints/quickstart), TRAIN_ITERS (500),
 # PYTHON (python3). Extra arguments are passed to pretrain_gpt.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,7 @@ python -c "import megatron_cai, sentencepiece, tqdm" 2>/dev/null || pip install 
 
 DATA=${DATA_DIR:-data/quickstart}
 CKPT=${CKPT_DIR:-checkpoints/quickstart}
-ITERS=${TRAIN_ITERS:-600}
+ITERS=${TRAIN_ITERS:-500}
 HALF=$((ITERS / 2))
 LOGS=$CKPT/logs
 mkdir -p "$DATA"

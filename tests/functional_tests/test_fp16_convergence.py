@@ -11,13 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_fp16_within_one_percent_of_bf16(tmp_path):
-    sys.path.insert(0, ROOT)
-    from bench._demo_data import ensure_demo_data
-    from bench.fp16_training import run_one
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from fp16_training import run_one
+    from harness.data import demo_corpus
 
     opts = argparse.Namespace(layers=2, hidden=64, heads=4, seq=64, batch=8, iters=200, lr=1e-3, vocab=4096,
                               final_eval_iters=10, cache_dir=str(tmp_path))
-    data, tok = ensure_demo_data(opts.vocab)
+    data, tok = demo_corpus(str(tmp_path), opts.vocab, 4.0)
     bf16 = run_one("bf16", opts, data, tok, 1234)
     fp16 = run_one("fp16", opts, data, tok, 1234)
     assert fp16["skipped"] > 0  # the scaler started at 2**32 and backed off
