@@ -144,7 +144,7 @@ def to_markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = H.parser(__doc__, "qat_clamp", cache=False)
+    p = H.parser(__doc__, "qat_clamp")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024)

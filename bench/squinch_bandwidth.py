@@ -21,7 +21,8 @@ Tables, in order:
 The machine's load average is printed before and after. When any configuration's repeats spread by
 more than --max-spread (10%) of their median, the results are NOT written (exit code 3): a table whose
 answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
-written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
+written to bench/results, and run without namespaces: every rank on this host's loopback, no shaping;
+``--no-netns`` does that for any run). Needs root and iproute2 (``ip netns``, ``tc``).
 
 Every finished configuration row is kept in ``bench/results/squinch_bandwidth_rows_<run-id>.json``
 (committed: keyed by part, size, rate and overlap), so a run interrupted or split over several quiet
@@ -33,11 +34,11 @@ ratio's change and exits 4 when one moved by more than --max-drift (5%).
     python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine (~3 h; 4 Mbit/s dominates)
     python bench/squinch_bandwidth.py --run-id 2 --out bench/results/squinch_bandwidth_run2 \
         --compare bench/results/squinch_bandwidth.json
-    python bench/squinch_bandwidth.py --quick    # a few minutes; writes bench/.cache/squinch_bandwidth_quick.*
+    python bench/squinch_bandwidth.py --quick    # seconds: loopback, toy model; writes bench/.cache/quick/
+    python bench/squinch_bandwidth.py --from-cache --out DIR/partial   # the report of the rows so far
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -45,8 +46,10 @@ import statistics
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
+from harness.results import dump_json, load_line
+
+ROOT = H.ROOT
 COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
           "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
@@ -65,8 +68,7 @@ PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
 
 
 def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
+    return load_line()
 
 
 # ----------------------------------------------------------------------------------------- the link
@@ -76,7 +78,12 @@ def _sh(cmd: str) -> None:
         raise RuntimeError(f"`{cmd}` failed: {r.stderr.strip()}")
 
 
+NETNS = True  # False (--no-netns, --quick): every rank on this host's loopback, no shaping
+
+
 def teardown_link() -> None:
+    if not NETNS:
+        return
     for ns, _, _ in NS:
         subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
 
@@ -84,6 +91,8 @@ def teardown_link() -> None:
 def setup_link(rate_mbit: float | None) -> None:
     """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
     teardown_link()
+    if not NETNS:
+        return
     (a, da, ipa), (b, db, ipb) = NS
     for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
               f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
@@ -116,10 +125,11 @@ def run_job(flags: list[str], per_ns: int, steps: int, warmup: int, extra_env: d
         ns, dev, _ = NS[rank // per_ns]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
         env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2], "MASTER_PORT": str(port),
-                    "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})})
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "pretrain_gpt.py", *COMMON, *flags,
-               "--train-iters", str(warmup + steps)]
+                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2] if NETNS else "127.0.0.1",
+                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if NETNS else "lo", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": ROOT, **(extra_env or {})})
+        netns = ["ip", "netns", "exec", ns] if NETNS else []
+        cmd = [*netns, sys.executable, "pretrain_gpt.py", *COMMON, *flags, "--train-iters", str(warmup + steps)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     outs = [p.communicate(timeout=3600)[0] for p in procs]
@@ -145,18 +155,16 @@ WAIT_ENV = {"MEGATRON_CAI_SQUINCH_EARLY_STAGES": "0"}  # "before": later stages 
 def alternate(configs: dict[str, list[str]], per_ns: int, opts) -> dict:
     """Run every configuration opts.repeats times, alternating between them; summarise each.
     A label ending in "_wait" runs with the reducer's early stages switched off."""
-    runs: dict[str, list[dict]] = {k: [] for k in configs}
-    for _ in range(opts.repeats):
-        for label, flags in configs.items():
-            env = WAIT_ENV if label.endswith("_wait") else None
-            runs[label].append(run_job(flags, per_ns, opts.steps, opts.warmup, env))
+    runs = H.alternate({label: lambda label=label, flags=flags: run_job(
+        flags, per_ns, opts.steps, opts.warmup, WAIT_ENV if label.endswith("_wait") else None)
+        for label, flags in configs.items()}, opts.repeats)
     return {label: _summary(rs) for label, rs in runs.items()}
 
 
 def _summary(rs: list[dict]) -> dict:
     t = [r["step_s"] for r in rs]
-    med = statistics.median(t)
-    return {"median_s": med, "min_s": min(t), "max_s": max(t), "spread": (max(t) - min(t)) / med, "runs_s": t,
+    sp = H.spread(t)
+    return {"median_s": sp["median"], "min_s": sp["min"], "max_s": sp["max"], "spread": sp["spread"], "runs_s": t,
             "bytes": rs[-1]["bytes"], "phases_ms": rs[len(rs) // 2]["phases_ms"]}
 
 
@@ -166,36 +174,10 @@ def paired_ratio(res: dict, num: str, den: str) -> dict:
 
 
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
+SETTINGS = ("rates", "dp4_rates", "sizes", "repeats", "steps", "warmup", "max_spread", "parts", "quick", "from_cache")
 
 
-class RowCache:
-    """Finished configuration rows of one run id, on disk, so that a long run can resume.
-
-    A row's key names its part, model size, link rate and overlap; its bf16 and Squinch runs alternate
-    within the row, so rows measured in different quiet windows (or with other --rates/--sizes subsets)
-    combine into one run. Rows measured with other ``ROW_SETTINGS`` are not reused."""
-
-    def __init__(self, path: str, settings: dict, fresh: bool) -> None:
-        self.path, self.settings = path, json.dumps(settings, sort_keys=True)
-        self.rows: dict = {}
-        if os.path.exists(path) and not fresh:
-            with open(path) as f:
-                saved = json.load(f)
-            if saved.get("settings") == self.settings:
-                self.rows = saved["rows"]
-                print(f"resuming: {len(self.rows)} finished row(s) from {path}", flush=True)
-
-    def get(self, key: str, compute):
-        if key not in self.rows:
-            self.rows[key] = compute()
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path + ".tmp", "w") as f:
-                json.dump({"settings": self.settings, "rows": self.rows}, f)
-            os.replace(self.path + ".tmp", self.path)
-        return self.rows[key]
-
-
-ROWS: RowCache | None = None
+ROWS: H.Results | None = None  # this run id's finished rows (bench/results/squinch_bandwidth_rows_<id>.json)
 
 
 def _rate_key(rate: float | None) -> str:
@@ -203,14 +185,14 @@ def _rate_key(rate: float | None) -> str:
 
 
 def cached(key: str, compute):
-    return ROWS.get(key, compute) if ROWS is not None else compute()
+    return ROWS.row(key, compute) if ROWS is not None else compute()
 
 
 # ---------------------------------------------------------------------------------------- the parts
 def phase_breakdown(opts, size: str) -> list[dict]:
     rows = []
-    for rate in (None, min(opts.rates)):
-        for ov in (False, True):
+    for rate in [None] + ([min(opts.rates)] if opts.rates else []):
+        for ov in opts.overlaps:
             flags = SIZES[size] + REDUCERS["squinch"] + (OVERLAP if ov else []) + ["--timing-log-level", "1"]
 
             def measure(flags=flags, rate=rate, ov=ov):
@@ -226,7 +208,7 @@ def dp2_table(opts) -> list[dict]:
     rows = []
     for size in opts.sizes:
         for rate in [None] + sorted(opts.rates, reverse=True):
-            for ov in (False, True):
+            for ov in opts.overlaps:
                 def measure(size=size, rate=rate, ov=ov):
                     setup_link(rate)
                     cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
@@ -303,6 +285,8 @@ def rows_from_cache(rows: dict, sizes: list[str]) -> dict:
 
 # ------------------------------------------------------------------------------------------ report
 def _link_name(rate) -> str:
+    if not NETNS:
+        return "loopback"
     return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
 
 
@@ -390,18 +374,23 @@ def compare(first: dict, second: dict, limit: float) -> list[str]:
     return lines
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _quick(opts) -> None:
+    opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [], [], ["toy"], 2, 1, 1
+    opts.parts, opts.overlaps, opts.no_netns = ["phases", "dp2"], (False,), True
+    opts.run_id = f"quick{opts.run_id}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_bandwidth", from_json=False)  # its --from-cache reports from the rows
     p.add_argument("--rates", type=float, nargs="*", default=[1000, 256, 64, 16, 4], help="DP = 2 links, Mbit/s")
     p.add_argument("--dp4-rates", type=float, nargs="*", default=[16, 64, 256])
     p.add_argument("--sizes", nargs="*", default=["small", "large"], choices=list(SIZES))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
+    H.add(p, repeats=3, steps=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-spread", type=float, default=0.10)
     p.add_argument("--parts", nargs="*", default=["phases", "dp2", "quarter", "dp4"],
                    choices=["phases", "dp2", "quarter", "dp4"], help="a subset never writes bench/results")
-    p.add_argument("--quick", action="store_true", help="toy model, 2 links, 6 steps: checks the bench itself")
+    p.add_argument("--no-netns", action="store_true", help="every rank on this host's loopback, no shaping")
     p.add_argument("--run-id", default="1", help="finished rows are cached per run id (resume after a stop)")
     p.add_argument("--fresh", action="store_true", help="discard this run id's cached rows")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
@@ -409,33 +398,28 @@ def main() -> None:
     p.add_argument("--from-cache", action="store_true",
                    help="measure nothing: report this run id's finished rows (a run still in progress); "
                         "written to bench/results/squinch_bandwidth_partial unless --out")
-    p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
-                                                "(--quick: bench/.cache/squinch_bandwidth_quick)")
-    opts = p.parse_args()
-    out_given = opts.out
-    if opts.quick:
-        opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
-        opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
-        opts.run_id = f"quick{opts.run_id}"
-    elif opts.repeats < 3 or opts.steps < 20:
+    p.set_defaults(overlaps=(False, True))
+    out_default = p.get_default("out")
+    opts = H.parse(p, argv, quick=_quick)
+    if not opts.quick and (opts.repeats < 3 or opts.steps < 20):
         p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
-    opts.out = opts.out or os.path.join(ROOT, "bench", "results", "squinch_bandwidth")
-    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items()
-                                               if k not in ("out", "run_id", "fresh", "compare", "max_drift")}}
-    global ROWS
-    rows_dir = os.path.join(ROOT, "bench", ".cache" if opts.quick else "results")
-    ROWS = RowCache(os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
-                    {k: getattr(opts, k) for k in ROW_SETTINGS}, opts.fresh)
+    global ROWS, NETNS
+    NETNS = not opts.no_netns
+    res = {"load_before": load(), "settings": {k: getattr(opts, k) for k in SETTINGS}}
+    rows_dir = os.path.dirname(os.path.abspath(opts.out)) if opts.quick else H.RESULTS
+    ROWS = H.Results(os.path.join(rows_dir, "squinch_bandwidth"), {k: getattr(opts, k) for k in ROW_SETTINGS},
+                     rows_path=os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
+                     fresh=opts.fresh, keep_rows=True)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
-    if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
-        opts.out = os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_partial")
+    if not full and opts.out == out_default:
+        opts.out = os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")
     res.update({"phases": [], "dp2": [], "quarter": [], "dp4": []})
     if opts.from_cache:  # a report of the rows finished so far; never the committed full table
         res.update(rows_from_cache(ROWS.rows, list(SIZES)))
         res["load_before"] = "not recorded per row (--from-cache; each row was measured on a quiet machine)"
-        if out_given is None:
-            opts.out = os.path.join(ROOT, "bench", "results", "squinch_bandwidth_partial")
+        if opts.out in (out_default, os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")):
+            opts.out = os.path.join(H.RESULTS, "squinch_bandwidth_partial")
     else:
         try:
             if "phases" in opts.parts:
@@ -449,9 +433,7 @@ def main() -> None:
         finally:
             teardown_link()
     res["load_after"] = res["load_before"] if opts.from_cache else load()
-    os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
-        json.dump(res, f, indent=1)  # raw measurements, whatever happens next
+    dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_last_raw.json"), res)  # whatever happens next
     lines = report(res, opts)
     print("\n".join(lines))
     noisy = too_noisy(res, opts.max_spread)
@@ -462,9 +444,7 @@ def main() -> None:
     elif noisy:
         print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than "
               f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
-        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-        with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_refused.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_refused.json"), res)
         sys.exit(3)
     drift_lines: list[str] = []
     if opts.compare:
@@ -473,9 +453,7 @@ def main() -> None:
         lines += ["", f"## Against {os.path.relpath(opts.compare, ROOT)} (a ratio may move by at most "
                   f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drift_lines]]
         print("\n".join(drift_lines), flush=True)
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+    dump_json(opts.out + ".json", res)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if any(x.startswith("DRIFT") for x in drift_lines):

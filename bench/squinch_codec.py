@@ -348,7 +348,7 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = H.parser(__doc__, "squinch_codec", cache=False)
+    ap = H.parser(__doc__, "squinch_codec")
     ap.add_argument("--numel", type=int, default=800_000, help="elements per synthetic error dataset")
     ap.add_argument("--grad-steps", type=int, default=10, help="training steps before the last capture")
     ap.add_argument("--throughput-numel", type=int, default=1 << 24)

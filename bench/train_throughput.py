@@ -87,7 +87,7 @@ def render(payload: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = H.parser(__doc__, "train_throughput", cache=False)
+    p = H.parser(__doc__, "train_throughput")
     H.add(p, steps=8, rounds=5)
     opts = H.parse(p, argv, quick=dict(steps=1, rounds=1))
     settings = {"steps": opts.steps, "rounds": opts.rounds, "torch": torch.__version__}

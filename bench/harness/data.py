@@ -6,7 +6,9 @@
   into header-sharing trees of about ``max_tree_kb``, preprocessed with ``--tree`` (a ``.tree`` sidecar).
 
 Files are keyed by their inputs (corpus size, vocabulary), so benches sharing a cache share the data and
-never read data built with other settings. ``QUICK`` is the size every ``--quick`` mode uses.
+never read data built with other settings. ``QUICK`` is the size every ``--quick`` mode uses; a corpus under
+1 MB is cut into documents of about 1 KB (``make_demo_corpus.py --max-doc-kb 1``), so that even its small
+validation and test splits hold documents.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ def demo_corpus(cache: str, vocab: int = 4096, max_mb: float = 4.0) -> tuple[str
     tok = os.path.join(cache, f"tok_{max_mb:g}mb_{vocab}")
     prefix = os.path.join(cache, f"demo_{max_mb:g}mb_{vocab}")
     if not os.path.exists(corpus):
-        tool("make_demo_corpus.py", "--output", corpus, "--max-mb", max_mb)
+        short = ["--max-doc-kb", 1] if max_mb < 1 else []
+        tool("make_demo_corpus.py", "--output", corpus, "--max-mb", max_mb, *short)
     if not os.path.exists(tok + ".model"):
         tool("train_tokenizer.py", "--input", corpus, "--vocab-size", vocab, "--model-prefix", tok)
     if not os.path.exists(prefix + "_text_document.idx"):

@@ -51,9 +51,10 @@ SHARED: dict[str, tuple[type, str | None, str]] = {
 }
 
 
-def parser(doc: str | None, name: str, *, cache: bool = True, from_json: bool = True) -> argparse.ArgumentParser:
+def parser(doc: str | None, name: str, *, from_json: bool = True) -> argparse.ArgumentParser:
     """The parser of ``bench/NAME.py``: its docstring as help, ``--quick``, ``--out`` (bench/results/NAME),
-    ``--cache-dir`` (built data and finished runs) and ``--from-json`` (rewrite the report, measure nothing)."""
+    ``--cache-dir`` (built data, finished runs, scratch files) and ``--from-json`` (rewrite the report,
+    measure nothing). Every bench takes these four."""
     p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(bench=name)
@@ -62,9 +63,8 @@ def parser(doc: str | None, name: str, *, cache: bool = True, from_json: bool = 
                         "unless --out")
     p.add_argument("--out", default=os.path.join(RESULTS, name),
                    help="output prefix: PREFIX.json, PREFIX.md (and PREFIX.png) (default: bench/results/NAME)")
-    if cache:
-        p.add_argument("--cache-dir", default=os.path.join(CACHE, name),
-                       help="where the demo data and finished runs are kept between runs")
+    p.add_argument("--cache-dir", default=os.path.join(CACHE, name),
+                   help="where built data, finished runs and scratch files are kept between runs")
     if from_json:
         p.add_argument("--from-json", "--replot", dest="from_json", action="store_true",
                        help="measure nothing: rewrite PREFIX.md (and PREFIX.png) from PREFIX.json")

@@ -37,7 +37,7 @@ def build_trainer(argv: list[str], world_size: int = 1, datasets_provider=None):
     from megatron_cai.core import parallel_state as ps
     from megatron_cai.training.training import Trainer
 
-    if world_size == 1 and ps.model_parallel_is_initialized():
+    if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     config, tokenizer = pretrain_gpt.build_run(argv, world_size=world_size)
     return Trainer(config, datasets_provider or pretrain_gpt.train_valid_test_datasets_provider,
