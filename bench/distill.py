@@ -35,7 +35,7 @@ from harness.scripts import run_script
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
 from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
-from megatron_cai.training.checkpoint_conversion import load_canonical
+from megatron_cai.training.checkpoint import load_canonical
 from megatron_cai.training.distill import build_teacher
 
 RUNS = ("no KD", "full KD (online)", "top-k KD", "Gumbel-k KD")

@@ -20,8 +20,8 @@ import subprocess
 import sys
 
 import pytest
+from testlib import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCH = os.path.join(ROOT, "bench")
 RESULTS = os.path.join(BENCH, "results")
 sys.path.insert(0, BENCH)

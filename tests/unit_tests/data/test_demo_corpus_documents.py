@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+from testlib import TOOLS
+
+sys.path.insert(0, TOOLS)
 
 import make_demo_corpus  # noqa: E402
 

@@ -7,11 +7,11 @@ import sys
 
 import numpy as np
 import pytest
+from testlib import ROOT
 
 from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from megatron_cai.training.logging import parameter_count_line, training_log_line, validation_log_lines
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import quickstart_summary as S  # noqa: E402
