@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         return [{**r, "iters": opts.iters, "run_at": stamp} for r in runs]
 
-    if opts.quick:  # every variant in one set of ranks
+    if opts.quick and order:  # every variant in one set of ranks
         results.update({f"{n}@{s}": r for (n, s), r in zip(order, run(order))})
     for name, seed in order:
         key = f"{name}@{seed}"
