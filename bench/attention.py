@@ -377,6 +377,9 @@ def render(payload: dict) -> str:
             f"{_ratio(sd['peak_mib'], b['peak_mib'])} | {_ratio(e['peak_mib'], b['peak_mib'])} | "
             f"{r['interval_mask_bytes'] / 1024:.0f} KiB vs {r['dense_mask_bytes'] / 2**20:.0f} MiB |"
         )
+    if "machine" in payload:
+        lines += ["", f"Machine: {H.results.load_line(payload['machine']['start'])} at the start, "
+                  f"{H.results.load_line(payload['machine']['end'])} at the end."]
     lines += ["", "## Tree packing vs flattening every root-to-leaf branch", "",
               "| source | trees | leaves | tokens as trees | tokens as flattened branches | saved | ratio |",
               "|---|---|---|---|---|---|---|"]
