@@ -46,7 +46,7 @@ def _argv(layers: int, hidden: int, heads: int, fmt: str, save: str) -> list[str
             "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000", "--eval-interval", "0",
             "--eval-iters", "0", "--device", "cpu", "--num-workers", "0", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--ckpt-format", fmt, "--save", save]
+            "--position-embedding-type", "rope", "--squared-relu", "--ckpt-format", fmt, "--save", save]
 
 
 def _dir_bytes(path: str) -> int:

@@ -156,7 +156,7 @@ def main(argv=None) -> int:
               "--micro-batch-size", str(gbs), "--global-batch-size", str(gbs), "--eval-interval", "0",
               "--eval-iters", "0", "--seed", "1234", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
               "--no-save-optim", "--device", "cpu", "--position-embedding-type", "rope",
-              "--num-workers", "0"]
+              "--num-workers", "0", "--squared-relu"]
     teacher_dir = os.path.join(runs_dir, "teacher")
     timings = {}
     print("== teacher", flush=True)

@@ -24,7 +24,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "
          "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
          "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--position-embedding-type", "rope", "--lr-decay-style", "cosine",
-         "--num-workers", "0"]
+         "--num-workers", "0", "--squared-relu"]
 QUICK_MODEL = [{"2000": "256", "128": "32", "32": "16"}.get(a, a) for a in MODEL]
 
 REDUCERS = {

@@ -34,7 +34,7 @@ def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
             "--data-cache-path", os.path.join(opts.cache_dir, "index"), "--eval-interval", str(opts.iters + 1),
             "--eval-iters", "1", "--log-interval", str(opts.iters), "--device", "cpu",
             "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--num-workers", "0"]
+            "--position-embedding-type", "rope", "--num-workers", "0", "--squared-relu"]
 
 
 def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:

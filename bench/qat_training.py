@@ -54,7 +54,8 @@ def training_argv(opts, data: str, tok: str) -> list[str]:
             "--data-cache-path", os.path.join(opts.cache_dir, "index"), "--eval-interval", str(opts.eval_interval),
             "--eval-iters", str(opts.eval_iters), "--log-interval", str(opts.iters), "--device", "cpu",
             "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+            "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
+            "--squared-relu"]
 
 
 # ------------------------------------------------------------------------------------------ one run

@@ -53,7 +53,7 @@ ROOT = H.ROOT
 COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
           "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
-          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0", "--squared-relu"]
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
     "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
     "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],

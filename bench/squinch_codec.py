@@ -121,7 +121,8 @@ def capture_real_gradients(steps: int = 10, capture_at: tuple[int, ...] = (1, 10
         ps.initialize_model_parallel()
     try:
         cfg = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=256,
-                        padded_vocab_size=256, seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0)
+                        padded_vocab_size=256, seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0,
+                        activation="relu2")
         model = GPTModel(cfg)
         model.initialize(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                 "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
                 "--eval-iters", str(opts.eval_iters), "--seed", str(seed),
                 "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
-                *VARIANTS[name]]
+                "--squared-relu", *VARIANTS[name]]
 
     def run(pairs: list[tuple[str, int]]) -> list[dict]:
         argvs = [argv_of(n, s) for n, s in pairs]

@@ -34,7 +34,8 @@ def run_config(name: str, flags: list[str], steps: int, rounds: int) -> dict:
     argv = flags + ["--mock-data", "--vocab-size", "4096", "--train-iters", str(10_000), "--lr", "1e-3",
                     "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000",
                     "--eval-interval", "0", "--eval-iters", "0", "--clip-grad", "1.0",
-                    "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+                    "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
+                    "--squared-relu"]
     trainer = training.build_trainer(argv)
     config = trainer.config
     plain = GPTModel(config.model)

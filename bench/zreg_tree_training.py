@@ -41,7 +41,7 @@ def model_args(args, data: dict) -> list[str]:
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data["tokenizer"],
             "--log-interval", str(args.log_interval), "--eval-interval", str(args.iters),
             "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.cache_dir, "index"),
-            "--position-embedding-type", "rope", "--num-workers", "0"]
+            "--position-embedding-type", "rope", "--num-workers", "0", "--squared-relu"]
 
 
 def _run(rank, world_size, argv, tb_dir):

@@ -27,7 +27,7 @@ def small_gpt_argv(*, layers: int, hidden: int, heads: int, seq: int, batch: int
             "--eval-iters", str(valid_batches),
             "--log-interval", str(max(1, iters)), "--device", "cpu", "--make-vocab-size-divisible-by", "128",
             "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--num-workers", "0"]
+            "--position-embedding-type", "rope", "--num-workers", "0", "--squared-relu"]
     return argv + (["--bf16"] if bf16 else [])
 
 
