@@ -20,9 +20,9 @@ Tables, in order:
 
 The machine's load average is printed before and after. When any configuration's repeats spread by
 more than --max-spread (10%) of their median, the results are NOT written (exit code 3): a table whose
-answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
-written to bench/results, and run without namespaces: every rank on this host's loopback, no shaping;
-``--no-netns`` does that for any run). Needs root and iproute2 (``ip netns``, ``tc``).
+answer flips with the noise is worse than none. --quick is a toy-size smoke run of the phases and DP = 2
+parts (never written to bench/results); ``--no-netns`` runs every rank on this host's loopback, unshaped
+(no root; CI runs ``--quick --no-netns``). Needs root and iproute2 (``ip netns``, ``tc``).
 
 Every finished configuration row is kept in ``bench/results/squinch_bandwidth_rows_<run-id>.json``
 (committed: keyed by part, size, rate and overlap), so a run interrupted or split over several quiet
@@ -34,26 +34,34 @@ ratio's change and exits 4 when one moved by more than --max-drift (5%).
     python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine (~3 h; 4 Mbit/s dominates)
     python bench/squinch_bandwidth.py --run-id 2 --out bench/results/squinch_bandwidth_run2 \
         --compare bench/results/squinch_bandwidth.json
-    python bench/squinch_bandwidth.py --quick    # seconds: loopback, toy model; writes bench/.cache/quick/
+    python bench/squinch_bandwidth.py --quick    # a toy model over the veth link; writes bench/.cache/quick/
+    python bench/squinch_bandwidth.py --quick --no-netns   # seconds, no root: the loopback, unshaped
     python bench/squinch_bandwidth.py --from-cache --out DIR/partial   # the report of the rows so far
 """
 from __future__ import annotations
 
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 
 import harness as H
-from harness.results import dump_json, load_line
+from harness.results import dump_json
+from harness.shaped_link import (  # the link, the runs over it and their row cache
+    RowCache,
+    alternate,
+    drift_lines,
+    load,
+    paired_ratio,
+    run_job,
+    setup_link,
+    summary,
+    teardown_link,
+    use_namespaces,
+)
+from harness.shaped_link import link_name as _link_name
+from harness.shaped_link import rate_key as _rate_key
 
 ROOT = H.ROOT
-COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
-          "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
-          "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
-          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0", "--squared-relu"]
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
     "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
     "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
@@ -61,131 +69,13 @@ SIZES = {  # small: the model of the committed table (~0.66M gradient elements);
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]
-NS = (("mcaiA", "mcaiA0", "10.211.0.1"), ("mcaiB", "mcaiB0", "10.211.0.2"))
-STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-BYTES_RE = re.compile(r"grad comm bytes: ([0-9]+)")
-PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
-
-
-def load() -> str:
-    return load_line()
-
-
-# ----------------------------------------------------------------------------------------- the link
-def _sh(cmd: str) -> None:
-    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"`{cmd}` failed: {r.stderr.strip()}")
-
-
-NETNS = True  # False (--no-netns, --quick): every rank on this host's loopback, no shaping
-
-
-def teardown_link() -> None:
-    if not NETNS:
-        return
-    for ns, _, _ in NS:
-        subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
-
-
-def setup_link(rate_mbit: float | None) -> None:
-    """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
-    teardown_link()
-    if not NETNS:
-        return
-    (a, da, ipa), (b, db, ipb) = NS
-    for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
-              f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
-              f"ip -n {a} addr add {ipa}/24 dev {da}", f"ip -n {b} addr add {ipb}/24 dev {db}",
-              f"ip -n {a} link set {da} up", f"ip -n {b} link set {db} up",
-              f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"):
-        _sh(c)
-    if rate_mbit is not None:
-        for ns, dev, _ in NS:
-            _sh(f"ip netns exec {ns} tc qdisc add dev {dev} root tbf rate {rate_mbit}mbit burst 64kb latency 2000ms")
-
-
-class _Ports:
-    def __init__(self) -> None:
-        self.port = 29800
-
-    def next(self) -> int:
-        self.port += 1
-        return self.port
-
-
-PORTS = _Ports()
-
-
-def run_job(flags: list[str], per_ns: int, steps: int, warmup: int, extra_env: dict | None = None) -> dict:
-    """One pretrain_gpt run, `per_ns` ranks in each namespace. Returns the median steady step time (s),
-    the per-iteration times, the gradient bytes per step and the parsed phase lines (if any)."""
-    world, port, procs = 2 * per_ns, PORTS.next(), []
-    for rank in range(world):
-        ns, dev, _ = NS[rank // per_ns]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2] if NETNS else "127.0.0.1",
-                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if NETNS else "lo", "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": ROOT, **(extra_env or {})})
-        netns = ["ip", "netns", "exec", ns] if NETNS else []
-        cmd = [*netns, sys.executable, "pretrain_gpt.py", *COMMON, *flags, "--train-iters", str(warmup + steps)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outs = [p.communicate(timeout=3600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        bad = next(i for i, p in enumerate(procs) if p.returncode)
-        raise RuntimeError(f"rank {bad} of {' '.join(flags)} failed:\n{outs[bad][-3000:]}")
-    log = outs[-1]
-    ms = [float(x) for x in STEP_RE.findall(log)][warmup:]
-    if len(ms) < steps:
-        raise RuntimeError(f"expected {steps} steady iterations, parsed {len(ms)}:\n{log[-2000:]}")
-    phases: dict[str, list[float]] = {}
-    for block in log.split("gradient reduction phases")[1 + warmup:]:
-        for name, v in PHASE_RE.findall(block.split("\n iteration")[0]):
-            phases.setdefault(name, []).append(float(v))
-    nbytes = [int(x) for x in BYTES_RE.findall(log)]
-    return {"step_s": statistics.median(ms) / 1000.0, "steps_ms": ms, "bytes": nbytes[-1] if nbytes else 0,
-            "phases_ms": {k: statistics.median(v) for k, v in phases.items()}}
-
-
-WAIT_ENV = {"MEGATRON_CAI_SQUINCH_EARLY_STAGES": "0"}  # "before": later stages only in wait()
-
-
-def alternate(configs: dict[str, list[str]], per_ns: int, opts) -> dict:
-    """Run every configuration opts.repeats times, alternating between them; summarise each.
-    A label ending in "_wait" runs with the reducer's early stages switched off."""
-    runs = H.alternate({label: lambda label=label, flags=flags: run_job(
-        flags, per_ns, opts.steps, opts.warmup, WAIT_ENV if label.endswith("_wait") else None)
-        for label, flags in configs.items()}, opts.repeats)
-    return {label: _summary(rs) for label, rs in runs.items()}
-
-
-def _summary(rs: list[dict]) -> dict:
-    t = [r["step_s"] for r in rs]
-    sp = H.spread(t)
-    return {"median_s": sp["median"], "min_s": sp["min"], "max_s": sp["max"], "spread": sp["spread"], "runs_s": t,
-            "bytes": rs[-1]["bytes"], "phases_ms": rs[len(rs) // 2]["phases_ms"]}
-
-
-def paired_ratio(res: dict, num: str, den: str) -> dict:
-    pairs = [a / b for a, b in zip(res[num]["runs_s"], res[den]["runs_s"])]
-    return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
-
-
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
 SETTINGS = ("rates", "dp4_rates", "sizes", "repeats", "steps", "warmup", "max_spread", "parts", "quick", "from_cache")
-
-
-ROWS: H.Results | None = None  # this run id's finished rows (bench/results/squinch_bandwidth_rows_<id>.json)
-
-
-def _rate_key(rate: float | None) -> str:
-    return "unshaped" if rate is None else f"{rate:g}"  # 1000 and 1000.0 (from the command line) alike
+ROWS: RowCache | None = None
 
 
 def cached(key: str, compute):
-    return ROWS.row(key, compute) if ROWS is not None else compute()
+    return ROWS.get(key, compute) if ROWS is not None else compute()
 
 
 # ---------------------------------------------------------------------------------------- the parts
@@ -240,7 +130,7 @@ def quarter_row(opts, dp2: list[dict]) -> list[dict]:
                     setup_link(rate)
                     runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps,
                                                opts.warmup))
-            res = {label: _summary(rs) for label, rs in runs.items()}
+            res = {label: summary(rs) for label, rs in runs.items()}
             return {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
                     "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
         row = cached(f"quarter|{size}|{b_mbit:.6g}", measure)
@@ -284,12 +174,6 @@ def rows_from_cache(rows: dict, sizes: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _link_name(rate) -> str:
-    if not NETNS:
-        return "loopback"
-    return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
-
-
 def _cell(r: dict) -> str:
     return f"{1000 * r['median_s']:.1f} [{1000 * r['min_s']:.1f}-{1000 * r['max_s']:.1f}]"
 
@@ -364,19 +248,12 @@ def ratios(res: dict) -> dict[str, float]:
 
 def compare(first: dict, second: dict, limit: float) -> list[str]:
     """Lines comparing two runs' ratios; the ones that moved by more than ``limit`` start with 'DRIFT'."""
-    a, b, lines = ratios(first), ratios(second), []
-    for name in sorted(set(a) & set(b)):
-        drift = abs(b[name] / a[name] - 1)
-        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
-                     f"({100 * drift:.1f}%)")
-    for name in sorted(set(a) ^ set(b)):
-        lines.append(f"DRIFT {name}: in one run only")
-    return lines
+    return drift_lines(ratios(first), ratios(second), limit)
 
 
 def _quick(opts) -> None:
-    opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [], [], ["toy"], 2, 1, 1
-    opts.parts, opts.overlaps, opts.no_netns = ["phases", "dp2"], (False,), True
+    opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [], ["toy"], 2, 1, 1
+    opts.parts, opts.overlaps = ["phases", "dp2"], (False,)
     opts.run_id = f"quick{opts.run_id}"
 
 
@@ -403,13 +280,14 @@ def main(argv: list[str] | None = None) -> None:
     opts = H.parse(p, argv, quick=_quick)
     if not opts.quick and (opts.repeats < 3 or opts.steps < 20):
         p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
-    global ROWS, NETNS
-    NETNS = not opts.no_netns
+    global ROWS
+    use_namespaces(not opts.no_netns)
+    if opts.no_netns:  # nothing to shape
+        opts.rates, opts.dp4_rates = [], []
     res = {"load_before": load(), "settings": {k: getattr(opts, k) for k in SETTINGS}}
     rows_dir = os.path.dirname(os.path.abspath(opts.out)) if opts.quick else H.RESULTS
-    ROWS = H.Results(os.path.join(rows_dir, "squinch_bandwidth"), {k: getattr(opts, k) for k in ROW_SETTINGS},
-                     rows_path=os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
-                     fresh=opts.fresh, keep_rows=True)
+    ROWS = RowCache(os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
+                    {k: getattr(opts, k) for k in ROW_SETTINGS}, opts.fresh)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
     if not full and opts.out == out_default:
@@ -446,17 +324,17 @@ def main(argv: list[str] | None = None) -> None:
               f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
         dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_refused.json"), res)
         sys.exit(3)
-    drift_lines: list[str] = []
+    drifts: list[str] = []
     if opts.compare:
         with open(opts.compare) as f:
-            drift_lines = compare(json.load(f), res, opts.max_drift)
+            drifts = compare(json.load(f), res, opts.max_drift)
         lines += ["", f"## Against {os.path.relpath(opts.compare, ROOT)} (a ratio may move by at most "
-                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drift_lines]]
-        print("\n".join(drift_lines), flush=True)
+                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drifts]]
+        print("\n".join(drifts), flush=True)
     dump_json(opts.out + ".json", res)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    if any(x.startswith("DRIFT") for x in drift_lines):
+    if any(x.startswith("DRIFT") for x in drifts):
         sys.exit(4)
 
 

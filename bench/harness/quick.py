@@ -22,10 +22,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import harness  # noqa: E402
 from harness.results import dump_json, machine  # noqa: E402
 
-# Every bench of bench/ (bench/gpu/ is the GPU machine's), cheapest first.
-BENCHES = ("qat_clamp", "squinch_codec", "attention", "train_throughput", "checkpoint", "fp16_training",
-           "qat_training", "zreg_bf16", "clamp_drift", "distill_seeds", "distill", "zreg_tree_training",
-           "dp_comm", "fsdp_memory", "squinch_convergence", "squinch_bandwidth")
+# Every bench of bench/ (bench/gpu/ is the GPU machine's), cheapest first, with what CI adds to --quick:
+# the shaped-link benches run on the loopback, without network namespaces (no root).
+BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [], "attention": [],
+           "train_throughput": [], "checkpoint": [], "fp16_training": [], "qat_training": [], "zreg_bf16": [],
+           "clamp_drift": [], "distill_seeds": [], "distill": [], "zreg_tree_training": [], "dp_comm": [],
+           "fsdp_memory": [], "squinch_phases": ["--no-netns"], "squinch_convergence": [],
+           "squinch_bandwidth": ["--no-netns"]}
+# Benches whose --quick is not run here, and why.
+NOT_HERE = {"squinch_scale": "its --quick checks the whole chain (phases, timelines, 9 training configurations, "
+                             "the model, the projection) over a shaped veth link: root and minutes; "
+                             "tests/unit_tests/squinch/test_scale_bench_quick.py runs it (slow)"}
 
 
 def _cpu() -> tuple[float, float]:
@@ -34,7 +41,8 @@ def _cpu() -> tuple[float, float]:
 
 
 def run_one(name: str, out: str, cache: str) -> dict:
-    """``bench/NAME.py --quick --out OUT/NAME --cache-dir CACHE`` in this process: its time, or its error."""
+    """``bench/NAME.py --quick --out OUT/NAME --cache-dir CACHE`` (+ BENCHES[NAME]) in this process: its time,
+    or its error."""
     import torch
 
     threads = torch.get_num_threads()
@@ -42,7 +50,7 @@ def run_one(name: str, out: str, cache: str) -> dict:
     row = {"bench": name, "ok": True, "load_average_before": machine()["load_average"]}
     try:
         module = importlib.import_module(name)
-        module.main(["--quick", "--out", os.path.join(out, name), "--cache-dir", cache])
+        module.main(["--quick", "--out", os.path.join(out, name), "--cache-dir", cache, *BENCHES[name]])
     except SystemExit as e:  # a bench's own exit: 0 or None is success
         if e.code not in (0, None):
             row.update(ok=False, error=f"exit {e.code}")
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder of the quick results (never bench/results)")
     p.add_argument("--cache-dir", default=None, help="demo data and run caches (default: OUT/cache)")
-    p.add_argument("--only", nargs="*", default=None, choices=BENCHES)
+    p.add_argument("--only", nargs="*", default=None, choices=list(BENCHES))
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     if os.path.commonpath([out, harness.RESULTS]) == harness.RESULTS:

@@ -18,7 +18,7 @@ from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
 from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
-from . import divergence, startup_checks
+from . import divergence
 from .config import (
     ArgumentError,
     CheckpointConfig,
@@ -249,7 +249,8 @@ def _logging(p: argparse.ArgumentParser) -> None:
     # gradient-reduction phase timers (core/distributed/comm_timing.py)
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="1: per-phase time of the Squinch gradient reduction every --log-interval; "
-                        "2: also per bucket")
+                        "2: also per bucket, and the backward timeline (when each bucket is handed to the reducer; "
+                        "the step-time model's input, bench/squinch_scale.py)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
                    help="write TensorBoard scalars at log iterations divisible by this")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
@@ -818,9 +819,10 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
         raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
-    problem = startup_checks.position_limit(args.seq_length, args.max_position_embeddings)
-    if problem:  # as Megatron: checked at start-up for every position embedding type
-        raise ArgumentError(problem)
+    max_pos = args.max_position_embeddings
+    if max_pos is not None and args.seq_length > max_pos:  # as Megatron: for every position embedding type
+        raise ArgumentError(f"--seq-length {args.seq_length} is larger than --max-position-embeddings {max_pos}; "
+                            f"raise --max-position-embeddings to at least {args.seq_length} or lower --seq-length")
     if args.squinch_hierarchical and not args.squinch:
         raise ArgumentError("--squinch-hierarchical needs --squinch")
     if args.data_path is None and args.train_data_path is None and not args.mock_data:

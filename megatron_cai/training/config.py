@@ -34,12 +34,13 @@ from ..core.num_microbatches_calculator import BatchRampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.optimizer.grad_scaler import LossScaleConfig
 from .divergence import DivergenceConfig
+from .errors import UserError
 
 __all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
            "TokenizerConfig", "TrainConfig", "TrainingConfig", "config_diff", "flatten", "format_config"]
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A flag value that cannot work; the message names the flag."""
 
 

@@ -19,6 +19,7 @@ import inspect
 import math
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
-from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
+from ..core.distributed.comm_timing import StepTimeline, timeline_log_lines, timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.fsdp import build_fsdp2
 from ..core.distributed.memory import max_over_ranks, memory_report
@@ -38,14 +39,18 @@ from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import divergence, startup_checks
+from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, check_run_dirs, iteration_dir, tp_layout
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
+from .errors import DataError
 from .initialize import discover_env, initialize_distributed
 from .logging import (
+    LogWindow,
+    StepProfiler,
     TensorBoard,
+    WandbWriter,
     gpt_flops_per_iteration,
     parameter_count_line,
     print_rank_0,
@@ -54,7 +59,6 @@ from .logging import (
     validation_log_lines,
 )
 from .megatron_compat import no_op_message
-from .train_extras import LogWindow, StepProfiler, WandbWriter, empty_device_cache, per_token_loss_step
 
 
 @dataclass
@@ -93,6 +97,60 @@ class _ExitSignal:
         return bool(flag.item())
 
 
+def empty_device_cache(device: torch.device) -> None:
+    """--empty-unused-memory-level: release the CUDA caching allocator's unused blocks (no-op on CPU)."""
+    device_mod.empty_cache(device)
+
+
+class _RecordingIterator:
+    """Yields the micro-batches and remembers the last one (its loss mask weighs its loss)."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        self._it, self.last = iter(batches), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        self.last = next(self._it)
+        return self.last
+
+
+def per_token_loss_step(step_func: Callable, batches: list[dict], model_chunks: list, num_microbatches: int,
+                        device: torch.device) -> tuple[Callable, list]:
+    """--calculate-per-token-loss: the loss is the sum over every loss-mask token of the global batch divided
+    by their number (Megatron-LM's rule), instead of the mean of per-micro-batch means.
+
+    Each micro-batch's mean loss is weighted by n_mb * M * DP / N (N: tokens of the global batch), so that
+    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise."""
+    local = sum(float(b["loss_mask"].float().sum()) for b in batches)
+    total = torch.tensor([local], dtype=torch.float64, device=device)
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+    scale = num_microbatches * dp / max(float(total.item()), 1.0)
+
+    def step(data_iterator: _RecordingIterator, model):
+        output, loss_func = step_func(data_iterator, model)
+        weight = float(data_iterator.last["loss_mask"].float().sum()) * scale
+
+        def weighted(out):
+            loss, stats = loss_func(out)
+            return loss * weight, {k: v * weight for k, v in stats.items()}
+
+        return output, weighted
+
+    return step, [_RecordingIterator(batches) for _ in model_chunks]
+
+
+def _check_train_split(train_ds, train_iters: int, data_path, split: str) -> None:
+    """An empty train split (an empty corpus, or a --split that gives training none) is one error, not a crash."""
+    if train_ds is None and train_iters > 0:
+        raise DataError(f"--data-path {' '.join(map(str, data_path or []))}: the train split is empty (the corpus has "
+                        f"no documents with at least 2 tokens, or --split {split} gives training none); nothing to "
+                        f"train on")
+
+
 class Trainer:
     """Holds everything one run needs; ``train()`` runs the loop.
 
@@ -126,13 +184,17 @@ class Trainer:
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
+        self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
         if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
+            self.timelines = [StepTimeline(config.logging.timing_log_level >= 2, self.device,
+                                           group=ps.get_data_parallel_group()) for _ in chunks]
             self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device) for m in chunks]
+                                                  config.ddp, device=self.device, timeline=t)
+                          for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
@@ -161,8 +223,7 @@ class Trainer:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
-        startup_checks.raise_if(startup_checks.empty_train_split(train_ds, run.train_iters, config.data.data_path,
-                                                                 config.data.split))
+        _check_train_split(train_ds, run.train_iters, config.data.data_path, config.data.split)
         self.distiller, train_ds = setup_distillation(config.distill, model_cfg, seed=run.seed,
                                                       num_train_samples=num_samples[0], device=self.device,
                                                       train_ds=train_ds)
@@ -254,6 +315,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- step
     def train_step(self) -> tuple[dict[str, float], float, bool]:
         """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+        for t in self.timelines:
+            t.step_start()
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -262,8 +325,10 @@ class Trainer:
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
+        self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
+        self._mark_timelines("sync end")
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
@@ -286,7 +351,13 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
-        return self._average_stats(stats), grad_norm, finite
+        averaged = self._average_stats(stats)
+        self._mark_timelines("step end")
+        return averaged, grad_norm, finite
+
+    def _mark_timelines(self, name: str) -> None:
+        for t in self.timelines:
+            t.mark(name)
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
         if not ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -478,6 +549,8 @@ class Trainer:
         if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
             timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
+                print_rank_last(line)
+            for line in timeline_log_lines(st.iteration, [t.collect() for t in self.timelines]):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:
                 self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)

@@ -49,7 +49,7 @@ def train_argv(prefix: str, iters: int, extra: list[str] = (), gbs: int = 4, mbs
 
 def make_teacher(prefix: str, save: str) -> str:
     """Train the tiny teacher a few iterations on the corpus (in this process) and save it."""
-    from train_utils import train
+    from testlib.train import train
 
     train(train_argv(prefix, 4, ["--save", save, "--lr", "1e-2"]))
     ps.destroy_model_parallel()

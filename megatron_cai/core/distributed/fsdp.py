@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import parallel_state as ps
 from .config import DDPConfig
-from .contracts import StatelessReducer
+from .contracts import NO_TIMERS
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
@@ -191,9 +191,11 @@ class FullyShardedChunk(nn.Module):
         return self.reducer.bytes_sent
 
 
-class UnitReducers(StatelessReducer):
+class UnitReducers:
     """The reduce-scatter hooks of one chunk's ``fully_shard`` units, seen as one ``contracts.GradReducer``
     (bytes, skipped steps, state; no phase timers)."""
+
+    timers = NO_TIMERS
 
     def __init__(self, comms: dict[str, CountingReduceScatter]) -> None:
         self.comms = comms

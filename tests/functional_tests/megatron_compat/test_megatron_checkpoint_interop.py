@@ -349,7 +349,7 @@ def _training_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
     if rank == 0:
         _convert(["--from-megatron", "--load", meg, "--save", ours_dir])
     torch.distributed.barrier()
-    from train_utils import train
+    from testlib.train import train
 
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.interop.hf import pretrain_flags

@@ -30,7 +30,7 @@ import harness as H  # noqa: E402
 from harness import quick  # noqa: E402
 
 PLOTS = {"squinch_codec", "fp16_training", "qat_training", "zreg_bf16", "clamp_drift", "distill_seeds", "distill",
-         "zreg_tree_training", "squinch_convergence"}
+         "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection"}
 
 
 def _digest(folder: str) -> dict[str, str]:
@@ -58,13 +58,14 @@ def load(run, name: str) -> dict:
 
 def test_every_bench_has_a_quick_mode_and_all_of_them_ran(run):
     scripts = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(BENCH, "*.py"))}
-    assert scripts == set(quick.BENCHES), "bench/harness/quick.py must list every bench of bench/"
+    assert scripts == set(quick.BENCHES) | set(quick.NOT_HERE), "bench/harness/quick.py must name every bench"
+    assert not set(quick.BENCHES) & set(quick.NOT_HERE)
     for name in scripts:
         source = open(os.path.join(BENCH, name + ".py")).read()
-        assert "H.parser(" in source and "H.parse(" in source, f"{name} does not take the harness's flags"
+        assert "H.parser(" in source, f"{name} does not take the harness's flags"
     summary = {r["bench"]: r for r in run[1]["benches"]}
-    assert set(summary) == scripts and all(r["ok"] for r in summary.values())
-    for name in scripts:
+    assert set(summary) == set(quick.BENCHES) and all(r["ok"] for r in summary.values())
+    for name in quick.BENCHES:
         for ext in ("json", "md", *(["png"] if name in PLOTS else [])):
             assert os.path.getsize(os.path.join(run[0], f"{name}.{ext}")) > 0, (name, ext)
         md = open(os.path.join(run[0], f"{name}.md")).read()
@@ -87,6 +88,19 @@ def test_gradient_bytes_match_the_formulas(run):
         assert 0 < conv[key]["inter_node_bytes_per_iter"] < conv[key]["bytes_per_iter"]
     for r in conv.values():
         assert math.isfinite(r["validation"][-1]["lm loss"])
+
+
+def test_collectives_alone_and_the_projection(run):
+    phases = load(run, "squinch_phases")
+    assert list(phases["links"]) == ["loopback"]  # --no-netns: the one link there is
+    for fits in phases["fits"]["links"].values():
+        assert all(f["bytes_per_s"] > 0 and math.isfinite(f["alpha_s"]) for f in fits.values())
+    assert phases["fits"]["codec"]["encode_elems_per_s"] > 0
+    cells = load(run, "squinch_cluster_projection")["cells"]
+    assert {(c["gpus"], c["gbit"]) for c in cells} == {(g, b) for g in (64, 512) for b in (800, 3200)}
+    for c in cells:  # a step is never shorter than its compute, and hiding communication never adds time
+        for k, step in c["step_s"].items():
+            assert step >= c["setup"]["compute_s"] and 0 <= c["exposed_s"][k] <= step, (c["model"], k)
 
 
 def test_sharded_state_is_the_full_state_over_dp(run):
@@ -212,8 +226,8 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
 
 
 @pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "distill", "distill_seeds", "dp_comm", "fp16_training",
-                                  "fsdp_memory", "qat_clamp", "qat_training", "squinch_codec", "squinch_convergence",
-                                  "zreg_bf16", "zreg_tree_training"])
+                                  "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
+                                  "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
 def test_committed_reports_are_what_the_bench_makes_of_its_json(name, tmp_path):
     shutil.copy(os.path.join(RESULTS, name + ".json"), tmp_path / (name + ".json"))
     module = __import__(name)

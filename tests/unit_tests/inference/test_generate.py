@@ -107,7 +107,7 @@ def test_stops_at_eos_and_checks_position_limit():
 
 def test_generate_cli_on_a_trained_checkpoint(tmp_path):
     import generate as generate_tool
-    from train_utils import TINY_MODEL, train
+    from testlib.train import TINY_MODEL, train
 
     ckpt = str(tmp_path / "ckpt")
     train(TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",

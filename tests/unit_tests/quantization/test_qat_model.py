@@ -243,7 +243,7 @@ def test_te_linear_is_an_fp8_gemm_with_gradients_to_our_weight():
 @pytest.mark.gpu
 def test_training_with_transformer_engine_fp8():
     pytest.importorskip("transformer_engine")
-    from train_utils import train
+    from testlib.train import train
 
     argv = _argv("--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
                  "--max-position-embeddings", "16", "--micro-batch-size", "4", "--make-vocab-size-divisible-by",
