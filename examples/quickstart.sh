@@ -60,7 +60,7 @@ echo "== 4/5 two ranks train to iteration $HALF, save and stop; a second launch 
 
 echo "== 5/5 sample from the trained model"
 python tools/generate.py --load "$CKPT" --prompt "def __init__(self" --max-new-tokens 80 --temperature 0.7 \
-    --top-p 0.9 --seed 1 | tee "$LOGS/sample.log"
+    --top-p 0.9 --seed 1 > "$LOGS/sample.log"   # shown in the summary
 
 python examples/quickstart_summary.py --data "$DATA/demo_text_document" --seq-length 256 --data-parallel 2 \
     --logs "$LOGS/part1.log" "$LOGS/part2.log" --sample "$LOGS/sample.log" --seconds "$SECONDS"

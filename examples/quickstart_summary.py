@@ -69,13 +69,14 @@ def summary(logs: dict, dp: int, collective: str, packing: tuple[int, int, float
     sent = [b for _, _, b in logs["train"] if b is not None]
     if sent and logs["params"]:
         per_iter, ref = sent[-1], bf16_bytes(logs["params"], dp, collective)
-        lines.append(f"gradient bytes sent per rank and iteration: {per_iter:,} with Squinch (the log's grad comm "
-                     f"bytes); a bf16 {collective} of the same {logs['params']:,} gradients at DP = {dp} sends "
-                     f"{ref:,.0f}: {per_iter / ref:.3f} of bf16 ({ref / per_iter:.2f}x fewer bytes)")
+        lines += [f"gradient bytes per rank and iteration: {per_iter:,} sent with Squinch (the log's grad comm bytes)",
+                  f"  a bf16 {collective} of the same {logs['params']:,} gradients at DP = {dp} sends {ref:,.0f}:",
+                  f"  Squinch sends {per_iter / ref:.3f} of that ({ref / per_iter:.2f}x fewer bytes)"]
     if packing:
         docs, tokens, per_row = packing
-        lines.append(f"packed documents: {docs:,} documents, {tokens:,} tokens; a {seq_length}-token row holds "
-                     f"{per_row:.1f} of them on average, each seeing only itself (--reset-attention-mask)")
+        lines += [f"packed documents: {docs:,} documents of {tokens / docs:.0f} tokens on average; a "
+                  f"{seq_length}-token row", f"  holds {per_row:.1f} of them, each seeing only itself "
+                  "(--reset-attention-mask)"]
     if sample:
         lines += ["sample:", sample.rstrip()]
     if seconds is not None:

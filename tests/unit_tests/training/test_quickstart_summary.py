@@ -39,8 +39,10 @@ def test_summary_from_real_log_lines(tmp_path):
     assert "8.000 at iteration 5 -> 4.000 at iteration 20 (50% lower)" in text
     assert "validation lm loss at iteration 20: 4.250" in text
     # bf16 reduce-scatter at DP = 2: (2 - 1) / 2 x 2 bytes x 165,632 = 165,632 bytes; 62,113 / 165,632 = 0.375.
-    assert "sends 165,632: 0.375 of bf16 (2.67x fewer bytes)" in text
-    assert "holds 3.5 of them" in text and text.rstrip().endswith("123 s (installs included)")
+    assert "62,113 sent with Squinch" in text
+    assert "sends 165,632:\n  Squinch sends 0.375 of that (2.67x fewer bytes)" in text
+    assert "10 documents of 100 tokens on average" in text and "holds 3.5 of them" in text
+    assert text.rstrip().endswith("123 s (installs included)")
 
 
 def test_bf16_bytes_by_hand():
