@@ -40,13 +40,14 @@ VOCAB = 4096
 
 
 def _argv(layers: int, hidden: int, heads: int, fmt: str, save: str) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+    return ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", "1", "--train-iters", "100000", "--lr", "1e-4", "--lr-decay-style", "constant",
             "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "1000000", "--eval-interval", "0",
             "--eval-iters", "0", "--device", "cpu", "--num-workers", "0", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--squared-relu", "--ckpt-format", fmt, "--save", save]
+            "--position-embedding-type", "rope", "--ckpt-format", fmt, "--save", save]
 
 
 def _dir_bytes(path: str) -> int:

@@ -64,7 +64,8 @@ def storage_table(vocabs: list[int], ks: tuple[int, ...]) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------- runs
 def model_flags(layers: int, hidden: int, heads: int) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
+    return ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
 
 
 def parse_log(text: str) -> list[dict]:
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
               "--micro-batch-size", str(gbs), "--global-batch-size", str(gbs), "--eval-interval", "0",
               "--eval-iters", "0", "--seed", "1234", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
               "--no-save-optim", "--device", "cpu", "--position-embedding-type", "rope",
-              "--num-workers", "0", "--squared-relu"]
+              "--num-workers", "0"]
     teacher_dir = os.path.join(runs_dir, "teacher")
     timings = {}
     print("== teacher", flush=True)

@@ -20,11 +20,12 @@ import harness as H
 
 from megatron_cai.testing.distributed import run_distributed
 
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+MODEL = ["--squared-relu",
+         "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
          "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--position-embedding-type", "rope", "--lr-decay-style", "cosine",
-         "--num-workers", "0", "--squared-relu"]
+         "--num-workers", "0"]
 QUICK_MODEL = [{"2000": "256", "128": "32", "32": "16"}.get(a, a) for a in MODEL]
 
 REDUCERS = {

@@ -24,7 +24,8 @@ CONFIGS = {"bf16": ["--bf16"], "fp16": ["--fp16"]}
 
 
 def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
-    return ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
+    return ["--squared-relu",
+            "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
             str(opts.heads), "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
             "--train-iters", str(opts.iters), "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10),
@@ -34,7 +35,7 @@ def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
             "--data-cache-path", os.path.join(opts.cache_dir, "index"), "--eval-interval", str(opts.iters + 1),
             "--eval-iters", "1", "--log-interval", str(opts.iters), "--device", "cpu",
             "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--num-workers", "0", "--squared-relu"]
+            "--position-embedding-type", "rope", "--num-workers", "0"]
 
 
 def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:

@@ -29,11 +29,12 @@ import harness as H
 
 from megatron_cai.testing.distributed import run_distributed
 
-MODEL = ["--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
+MODEL = ["--squared-relu",
+         "--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "2048", "--make-vocab-size-divisible-by", "8",
          "--mock-data", "--micro-batch-size", "1", "--train-iters", "3", "--log-interval", "100",
          "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-         "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0", "--squared-relu"]
+         "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 QUICK_MODEL = [{"16": "2", "512": "64", "8": "2"}.get(a, a) for a in MODEL]
 PATHS = {"DDP": [], "distributed optimizer": ["--use-distributed-optimizer"], "FSDP2": ["--use-torch-fsdp2"]}
 

@@ -44,7 +44,8 @@ DYNAMIC = ("int8 weight-rms", "int8 rms", "fp8 weight-rms")
 
 
 def training_argv(opts, data: str, tok: str) -> list[str]:
-    return ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
+    return ["--squared-relu",
+            "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
             str(opts.heads), "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
             "--train-iters", str(opts.iters), "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10),
@@ -54,8 +55,7 @@ def training_argv(opts, data: str, tok: str) -> list[str]:
             "--data-cache-path", os.path.join(opts.cache_dir, "index"), "--eval-interval", str(opts.eval_interval),
             "--eval-iters", str(opts.eval_iters), "--log-interval", str(opts.iters), "--device", "cpu",
             "--make-vocab-size-divisible-by", "128", "--no-exit-signal-handler",
-            "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
-            "--squared-relu"]
+            "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
 
 
 # ------------------------------------------------------------------------------------------ one run

@@ -63,9 +63,9 @@ from harness.shaped_link import rate_key as _rate_key
 
 ROOT = H.ROOT
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
-    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
-    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
-    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+    "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--squared-relu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]

@@ -31,7 +31,7 @@ from megatron_cai.testing.distributed import run_distributed
 
 
 def model_args(args, data: dict) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    return ["--squared-relu", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
             "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "cpu",
             "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs),
@@ -41,7 +41,7 @@ def model_args(args, data: dict) -> list[str]:
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data["tokenizer"],
             "--log-interval", str(args.log_interval), "--eval-interval", str(args.iters),
             "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.cache_dir, "index"),
-            "--position-embedding-type", "rope", "--num-workers", "0", "--squared-relu"]
+            "--position-embedding-type", "rope", "--num-workers", "0"]
 
 
 def _run(rank, world_size, argv, tb_dir):
