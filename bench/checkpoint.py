@@ -22,26 +22,21 @@ is measured when this build implements it; otherwise its rows say "not available
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
 
 SIZES = {  # name: (layers, hidden, heads)
     "small": (4, 256, 4),
     "medium": (8, 512, 8),
     "large": (8, 768, 12),
 }
-QUICK_SIZES = {"tiny": (2, 64, 4), "small": (2, 128, 4), "medium": (4, 256, 4)}
+QUICK_SIZES = {"tiny": (1, 32, 2)}
 FORMATS = ("torch", "torch_dist")
 VOCAB = 4096
-WORK = "/tmp/megatron_cai_bench/checkpoint"
 
 
 def _argv(layers: int, hidden: int, heads: int, fmt: str, save: str) -> list[str]:
@@ -63,13 +58,11 @@ class Session:
     """One Trainer; saves sync or async at successive iterations and times them."""
 
     def __init__(self, argv: list[str], save: str) -> None:
-        import pretrain_gpt
-        from megatron_cai.training.checkpoint import AsyncCheckpointSaver
-        from megatron_cai.training.training import Trainer
+        from harness.training import build_trainer
 
-        config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
-        self.trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
-                               tokenizer)
+        from megatron_cai.training.checkpoint import AsyncCheckpointSaver
+
+        self.trainer = build_trainer(argv)
         self.save_root = save
         self.saver = AsyncCheckpointSaver(self.trainer.device)
         self.params = sum(p.numel() for m in self.trainer.model for p in m.module.parameters())
@@ -130,27 +123,41 @@ class Session:
 
 
 def _summary(values: list[float]) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {k: v for k, v in H.spread(values).items() if k != "spread"}
 
 
-def _format_available(fmt: str) -> str | None:
+def _format_available(fmt: str, work: str) -> str | None:
     import pretrain_gpt
 
     try:
-        pretrain_gpt.build_run(_argv(1, 32, 2, fmt, os.path.join(WORK, "probe")), world_size=1)
+        pretrain_gpt.build_run(_argv(1, 32, 2, fmt, os.path.join(work, "probe")), world_size=1)
     except Exception as e:  # noqa: BLE001 - the refusal says why
         return str(e).splitlines()[0]
     return None
 
 
-def measure(sizes: dict, repeats: int) -> dict:
+def measure_format(name: str, size: tuple[int, int, int], fmt: str, repeats: int, work: str) -> dict:
+    """One size and format: sync and async saves alternating (mirrored order), after a warm-up of each."""
+    save = os.path.join(work, name, fmt)
+    shutil.rmtree(save, ignore_errors=True)
+    s = Session(_argv(*size, fmt, save), save)
+    s.save_sync(), s.save_async()  # warm-up: allocations, staging buffers, page cache
+    runs = H.alternate({"sync": s.save_sync, "async": s.save_async}, repeats, mirror=True)
+    for mode, rs in runs.items():
+        for r, run in enumerate(rs):
+            print(f"{name} {fmt} {mode} repeat {r}: {run}", flush=True)
+    shutil.rmtree(save, ignore_errors=True)
+    return {"params": s.params, "base_step_s": s.base_step, "modes": {
+        mode: {"runs": rs, **{k: _summary([x.get(k) for x in rs])
+                              for k in ("save_s", "stall_s", "load_s", "bytes", "step_slowdown")}}
+        for mode, rs in runs.items()}}
+
+
+def measure(sizes: dict, repeats: int, out: H.Results, work: str) -> dict:
     results = {"repeats": repeats, "sizes": {}, "unavailable": {}, "cpus": os.cpu_count(),
                "load_average_start": os.getloadavg()}
     for fmt in FORMATS:
-        why = _format_available(fmt)
+        why = _format_available(fmt, work)
         if why:
             results["unavailable"][fmt] = why
     for name, (layers, hidden, heads) in sizes.items():
@@ -158,24 +165,10 @@ def measure(sizes: dict, repeats: int) -> dict:
         for fmt in FORMATS:
             if fmt in results["unavailable"]:
                 continue
-            save = os.path.join(WORK, name, fmt)
-            shutil.rmtree(save, ignore_errors=True)
-            s = Session(_argv(layers, hidden, heads, fmt, save), save)
-            entry["params"] = s.params
-            entry["base_step_s"] = s.base_step
-            s.save_sync(), s.save_async()  # warm-up: allocations, staging buffers, page cache
-            runs = {"sync": [], "async": []}
-            for r in range(repeats):
-                order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
-                for mode in order:
-                    runs[mode].append(s.save_sync() if mode == "sync" else s.save_async())
-                    print(f"{name} {fmt} {mode} repeat {r}: {runs[mode][-1]}", flush=True)
-            entry["formats"][fmt] = {
-                mode: {"runs": rs, **{k: _summary([x.get(k) for x in rs])
-                                      for k in ("save_s", "stall_s", "load_s", "bytes", "step_slowdown")}}
-                for mode, rs in runs.items()}
-            shutil.rmtree(save, ignore_errors=True)
-            del s
+            row = out.row(f"{name}|{fmt}", lambda name=name, fmt=fmt, size=(layers, hidden, heads):
+                          measure_format(name, size, fmt, repeats, work))
+            entry["params"], entry["base_step_s"] = row["params"], row["base_step_s"]
+            entry["formats"][fmt] = row["modes"]
     results["load_average_end"] = os.getloadavg()
     return results
 
@@ -216,19 +209,18 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="three tiny sizes (a smoke run)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "checkpoint"))
-    args = ap.parse_args()
-    os.makedirs(WORK, exist_ok=True)
-    results = measure(QUICK_SIZES if args.quick else SIZES, args.repeats)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(results))
-    print(markdown(results))
+def main(argv: list[str] | None = None) -> None:
+    ap = H.parser(__doc__, "checkpoint")
+    H.add(ap, repeats=3)
+    args = H.parse(ap, argv, quick=dict(repeats=1))
+    out = H.Results(args.out, {"repeats": args.repeats, "quick": args.quick})
+    if args.from_json:
+        out.rewrite(markdown)
+        return
+    work = os.path.join(args.cache_dir, "saves")
+    os.makedirs(work, exist_ok=True)
+    out.write(measure(QUICK_SIZES if args.quick else SIZES, args.repeats, out, work), markdown,
+              record_machine=False)  # the load average at the start and the end is in the payload
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ Tables, in order:
 
 The machine's load average is printed before and after. When any configuration's repeats spread by
 more than --max-spread (10%) of their median, the results are NOT written (exit code 3): a table whose
-answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
-written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
+answer flips with the noise is worse than none. --quick is a toy-size smoke run of the phases and DP = 2
+parts (never written to bench/results); ``--no-netns`` runs every rank on this host's loopback, unshaped
+(no root; CI runs ``--quick --no-netns``). Needs root and iproute2 (``ip netns``, ``tc``).
 
 Every finished configuration row is kept in ``bench/results/squinch_bandwidth_rows_<run-id>.json``
 (committed: keyed by part, size, rate and overlap), so a run interrupted or split over several quiet
@@ -33,19 +34,19 @@ ratio's change and exits 4 when one moved by more than --max-drift (5%).
     python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine (~3 h; 4 Mbit/s dominates)
     python bench/squinch_bandwidth.py --run-id 2 --out bench/results/squinch_bandwidth_run2 \
         --compare bench/results/squinch_bandwidth.json
-    python bench/squinch_bandwidth.py --quick    # a few minutes; writes bench/.cache/squinch_bandwidth_quick.*
+    python bench/squinch_bandwidth.py --quick    # a toy model over the veth link; writes bench/.cache/quick/
+    python bench/squinch_bandwidth.py --quick --no-netns   # seconds, no root: the loopback, unshaped
+    python bench/squinch_bandwidth.py --from-cache --out DIR/partial   # the report of the rows so far
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from _shaped_link import (  # noqa: E402  (the link, the runs over it and their row cache)
+import harness as H
+from harness.results import dump_json
+from harness.shaped_link import (  # the link, the runs over it and their row cache
     RowCache,
     alternate,
     drift_lines,
@@ -55,10 +56,12 @@ from _shaped_link import (  # noqa: E402  (the link, the runs over it and their 
     setup_link,
     summary,
     teardown_link,
+    use_namespaces,
 )
-from _shaped_link import link_name as _link_name  # noqa: E402
-from _shaped_link import rate_key as _rate_key  # noqa: E402
+from harness.shaped_link import link_name as _link_name
+from harness.shaped_link import rate_key as _rate_key
 
+ROOT = H.ROOT
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
     "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
     "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
@@ -67,6 +70,7 @@ SIZES = {  # small: the model of the committed table (~0.66M gradient elements);
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
+SETTINGS = ("rates", "dp4_rates", "sizes", "repeats", "steps", "warmup", "max_spread", "parts", "quick", "from_cache")
 ROWS: RowCache | None = None
 
 
@@ -77,8 +81,8 @@ def cached(key: str, compute):
 # ---------------------------------------------------------------------------------------- the parts
 def phase_breakdown(opts, size: str) -> list[dict]:
     rows = []
-    for rate in (None, min(opts.rates)):
-        for ov in (False, True):
+    for rate in [None] + ([min(opts.rates)] if opts.rates else []):
+        for ov in opts.overlaps:
             flags = SIZES[size] + REDUCERS["squinch"] + (OVERLAP if ov else []) + ["--timing-log-level", "1"]
 
             def measure(flags=flags, rate=rate, ov=ov):
@@ -94,7 +98,7 @@ def dp2_table(opts) -> list[dict]:
     rows = []
     for size in opts.sizes:
         for rate in [None] + sorted(opts.rates, reverse=True):
-            for ov in (False, True):
+            for ov in opts.overlaps:
                 def measure(size=size, rate=rate, ov=ov):
                     setup_link(rate)
                     cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
@@ -247,18 +251,23 @@ def compare(first: dict, second: dict, limit: float) -> list[str]:
     return drift_lines(ratios(first), ratios(second), limit)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _quick(opts) -> None:
+    opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [], ["toy"], 2, 1, 1
+    opts.parts, opts.overlaps = ["phases", "dp2"], (False,)
+    opts.run_id = f"quick{opts.run_id}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_bandwidth", from_json=False)  # its --from-cache reports from the rows
     p.add_argument("--rates", type=float, nargs="*", default=[1000, 256, 64, 16, 4], help="DP = 2 links, Mbit/s")
     p.add_argument("--dp4-rates", type=float, nargs="*", default=[16, 64, 256])
     p.add_argument("--sizes", nargs="*", default=["small", "large"], choices=list(SIZES))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
+    H.add(p, repeats=3, steps=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-spread", type=float, default=0.10)
     p.add_argument("--parts", nargs="*", default=["phases", "dp2", "quarter", "dp4"],
                    choices=["phases", "dp2", "quarter", "dp4"], help="a subset never writes bench/results")
-    p.add_argument("--quick", action="store_true", help="toy model, 2 links, 6 steps: checks the bench itself")
+    p.add_argument("--no-netns", action="store_true", help="every rank on this host's loopback, no shaping")
     p.add_argument("--run-id", default="1", help="finished rows are cached per run id (resume after a stop)")
     p.add_argument("--fresh", action="store_true", help="discard this run id's cached rows")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
@@ -266,33 +275,29 @@ def main() -> None:
     p.add_argument("--from-cache", action="store_true",
                    help="measure nothing: report this run id's finished rows (a run still in progress); "
                         "written to bench/results/squinch_bandwidth_partial unless --out")
-    p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
-                                                "(--quick: bench/.cache/squinch_bandwidth_quick)")
-    opts = p.parse_args()
-    out_given = opts.out
-    if opts.quick:
-        opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
-        opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
-        opts.run_id = f"quick{opts.run_id}"
-    elif opts.repeats < 3 or opts.steps < 20:
+    p.set_defaults(overlaps=(False, True))
+    out_default = p.get_default("out")
+    opts = H.parse(p, argv, quick=_quick)
+    if not opts.quick and (opts.repeats < 3 or opts.steps < 20):
         p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
-    opts.out = opts.out or os.path.join(ROOT, "bench", "results", "squinch_bandwidth")
-    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items()
-                                               if k not in ("out", "run_id", "fresh", "compare", "max_drift")}}
     global ROWS
-    rows_dir = os.path.join(ROOT, "bench", ".cache" if opts.quick else "results")
+    use_namespaces(not opts.no_netns)
+    if opts.no_netns:  # nothing to shape
+        opts.rates, opts.dp4_rates = [], []
+    res = {"load_before": load(), "settings": {k: getattr(opts, k) for k in SETTINGS}}
+    rows_dir = os.path.dirname(os.path.abspath(opts.out)) if opts.quick else H.RESULTS
     ROWS = RowCache(os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
                     {k: getattr(opts, k) for k in ROW_SETTINGS}, opts.fresh)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
-    if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
-        opts.out = os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_partial")
+    if not full and opts.out == out_default:
+        opts.out = os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")
     res.update({"phases": [], "dp2": [], "quarter": [], "dp4": []})
     if opts.from_cache:  # a report of the rows finished so far; never the committed full table
         res.update(rows_from_cache(ROWS.rows, list(SIZES)))
         res["load_before"] = "not recorded per row (--from-cache; each row was measured on a quiet machine)"
-        if out_given is None:
-            opts.out = os.path.join(ROOT, "bench", "results", "squinch_bandwidth_partial")
+        if opts.out in (out_default, os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")):
+            opts.out = os.path.join(H.RESULTS, "squinch_bandwidth_partial")
     else:
         try:
             if "phases" in opts.parts:
@@ -306,9 +311,7 @@ def main() -> None:
         finally:
             teardown_link()
     res["load_after"] = res["load_before"] if opts.from_cache else load()
-    os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
-        json.dump(res, f, indent=1)  # raw measurements, whatever happens next
+    dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_last_raw.json"), res)  # whatever happens next
     lines = report(res, opts)
     print("\n".join(lines))
     noisy = too_noisy(res, opts.max_spread)
@@ -319,23 +322,19 @@ def main() -> None:
     elif noisy:
         print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than "
               f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
-        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-        with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_refused.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_refused.json"), res)
         sys.exit(3)
-    drift_lines: list[str] = []
+    drifts: list[str] = []
     if opts.compare:
         with open(opts.compare) as f:
-            drift_lines = compare(json.load(f), res, opts.max_drift)
+            drifts = compare(json.load(f), res, opts.max_drift)
         lines += ["", f"## Against {os.path.relpath(opts.compare, ROOT)} (a ratio may move by at most "
-                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drift_lines]]
-        print("\n".join(drift_lines), flush=True)
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drifts]]
+        print("\n".join(drifts), flush=True)
+    dump_json(opts.out + ".json", res)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    if any(x.startswith("DRIFT") for x in drift_lines):
+    if any(x.startswith("DRIFT") for x in drifts):
         sys.exit(4)
 
 

@@ -18,21 +18,16 @@ A second table shows what the codec's per-DP-rank kernel launches (today's reduc
 launch per bucket (the reducer of branch ``gpu``).
 
     python bench/squinch_cluster_projection.py          # seconds; writes bench/results/squinch_cluster_projection.*
-    python bench/squinch_cluster_projection.py --quick  # fewer points; writes bench/.cache/
+    python bench/squinch_cluster_projection.py --quick  # fewer points; writes bench/.cache/quick/
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
 
-from megatron_cai.core.distributed.comm_model import (  # noqa: E402
+from megatron_cai.core.distributed.comm_model import (
     STAGE_POLICIES,
     BackwardTimeline,
     CodecCost,
@@ -43,8 +38,8 @@ from megatron_cai.core.distributed.comm_model import (  # noqa: E402
     launches_per_bucket,
     predict,
 )
-from megatron_cai.core.distributed.config import DDPConfig, SquinchConfig  # noqa: E402
-from megatron_cai.training.logging import gpt_flops_per_iteration  # noqa: E402
+from megatron_cai.core.distributed.config import DDPConfig, SquinchConfig
+from megatron_cai.training.logging import gpt_flops_per_iteration
 
 PEAK_FLOPS = 989e12      # H100 SXM bf16 dense
 MFU = 0.40
@@ -315,26 +310,19 @@ def plot(res: dict, path: str) -> None:
     plt.close(fig)
 
 
+def render(res: dict) -> str:
+    return "\n".join(report(res)) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="two bandwidths, two clusters; writes bench/.cache/")
-    p.add_argument("--out", default=None)
-    opts = p.parse_args(argv)
-    bws, clusters = ((200, 800, 3200), (64, 512)) if opts.quick else (BANDWIDTHS, CLUSTERS)
-    if opts.quick:
-        bws = (800, 3200)
-    res = project(bws, clusters)
-    out = opts.out or os.path.join(ROOT, "bench", ".cache" if opts.quick else "results",
-                                   "squinch_cluster_projection" + ("_quick" if opts.quick else ""))
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    lines = report(res)
-    with open(out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    plot(res, out + ".png")
-    print("\n".join(lines))
-    print(f"wrote {out}.json, .md, .png")
+    p = H.parser(__doc__, "squinch_cluster_projection")
+    opts = H.parse(p, argv)
+    out = H.Results(opts.out)
+    if opts.from_json:
+        out.rewrite(render, plot)
+        return
+    bws, clusters = ((800, 3200), (64, 512)) if opts.quick else (BANDWIDTHS, CLUSTERS)
+    out.write(project(bws, clusters), render, plot, record_machine=False)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Each collective of the gradient reducers alone, over the shaped veth, and the Squinch codec on this CPU:
 the measured inputs of the step-time model (core/distributed/comm_model.py).
 
-Links: the two-namespace veth pair of ``_shaped_link`` (one rank per namespace) unshaped and tbf-shaped
+Links: the two-namespace veth pair of ``harness/shaped_link.py`` (one rank per namespace) unshaped and tbf-shaped
 to --rates Mbit/s, plus "loopback": both ranks in one namespace (the intra-host tier of the DP = 4 runs).
 On each link, for every message size of --sizes (bytes of the buffer reduced; an all-gather's output)
 and every collective as the reducers issue it (fp32 and bf16 all-reduce, fp32 and bf16 reduce-scatter
@@ -22,7 +22,8 @@ the codec one least-squares fit of time = launches x launch_s + elements / rate 
 launches as comm_model counts them). Medians [min-max] over repeats; every figure with the load average.
 
     python bench/squinch_phases.py            # ~5-8 min on a quiet 2-core machine; root (ip netns, tc)
-    python bench/squinch_phases.py --quick    # a smoke run: writes bench/.cache/squinch_phases_quick.*
+    python bench/squinch_phases.py --quick    # a smoke run: writes bench/.cache/quick/squinch_phases.*
+    python bench/squinch_phases.py --quick --no-netns   # seconds, no root: the loopback link and the codec
 
 Finished links are kept in ``bench/results/squinch_phases_rows_<run-id>.json`` (resumable; --fresh).
 """
@@ -33,13 +34,12 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from _shaped_link import RowCache, load, rate_key, setup_link, spawn_ranks, teardown_link  # noqa: E402
+import harness as H
+from harness.shaped_link import NETNS, RowCache, load, rate_key, setup_link, spawn_ranks, teardown_link, use_namespaces
+
+ROOT = H.ROOT
 
 OPS = (("allreduce", "fp32"), ("allreduce", "bf16"), ("reduce_scatter", "fp32"), ("reduce_scatter", "bf16"),
        ("all_to_all", "uint8"), ("all_gather", "uint8"))
@@ -310,7 +310,7 @@ def run(opts, rows: RowCache | None = None) -> dict:
     def get(key, fn):
         return rows.get(key, fn) if rows is not None else fn()
     try:
-        for rate in [None, *sorted(opts.rates, reverse=True)]:
+        for rate in [None, *sorted(opts.rates, reverse=True)] if NETNS[0] else []:  # no namespaces: loopback only
             key = rate_key(rate)
             sizes = sizes_for(rate, opts.sizes, opts.max_op_s)
             res["links"][key] = get(f"link|{key}", lambda rate=rate, sizes=sizes: measure_link(rate, sizes,
@@ -345,39 +345,36 @@ def quick(opts) -> None:
     opts.rates, opts.sizes, opts.codec_sizes, opts.repeats = [64], [64 * KIB, 256 * KIB], [65536, 262144], 2
 
 
+def render(res: dict) -> str:
+    return "\n".join(report(res)) + "\n"
+
+
 def write(prefix: str, res: dict) -> None:
-    os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    with open(prefix + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(prefix + ".md", "w") as f:
-        f.write("\n".join(report(res)) + "\n")
+    H.Results(prefix).write(res, render, record_machine=False)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_phases")
     add_args(p)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--quick", action="store_true", help="2 links, 2 sizes, 2 repeats: checks the bench itself")
+    p.add_argument("--no-netns", action="store_true", help="no namespaces, no root: the loopback link only")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished links")
-    p.add_argument("--out", default=None, help="default bench/results/squinch_phases (--quick: bench/.cache/...)")
-    opts = p.parse_args()
+    opts = H.parse(p, argv, quick=quick)
     if opts.worker:
         worker(opts.sizes, opts.repeats)
         return
-    if opts.quick:
-        quick(opts)
-    elif opts.repeats < 3:
+    if opts.from_json:
+        H.Results(opts.out).rewrite(render)
+        return
+    if not opts.quick and opts.repeats < 3:
         p.error("a measurement needs --repeats >= 3 (use --quick for a smoke run)")
-    where = ".cache" if opts.quick else "results"
+    use_namespaces(not opts.no_netns)
+    where = os.path.dirname(os.path.abspath(opts.out)) if opts.quick else H.RESULTS
     tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
-    rows = RowCache(os.path.join(ROOT, "bench", where, f"squinch_phases_rows_{tag}.json"), row_settings(opts),
-                    opts.fresh)
+    rows = RowCache(os.path.join(where, f"squinch_phases_rows_{tag}.json"), row_settings(opts), opts.fresh)
     print(load(), flush=True)
-    res = run(opts, rows)
-    print("\n".join(report(res)))
-    out = opts.out or os.path.join(ROOT, "bench", where, "squinch_phases" + ("_quick" if opts.quick else ""))
-    write(out, res)
+    write(opts.out, run(opts, rows))
 
 
 if __name__ == "__main__":

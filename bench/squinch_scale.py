@@ -39,11 +39,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import squinch_phases  # noqa: E402
-from _shaped_link import (  # noqa: E402
+import harness as H
+import squinch_phases
+from harness.shaped_link import (
     WAIT_ENV,
     RowCache,
     drift_lines,
@@ -56,9 +54,9 @@ from _shaped_link import (  # noqa: E402
     summary,
     teardown_link,
 )
-from squinch_bandwidth import OVERLAP, SIZES  # noqa: E402  (the committed table's models and buckets)
+from squinch_bandwidth import OVERLAP, SIZES  # the committed table's models and buckets
 
-from megatron_cai.core.distributed.comm_model import (  # noqa: E402
+from megatron_cai.core.distributed.comm_model import (
     BackwardTimeline,
     CodecCost,
     OpCost,
@@ -77,7 +75,8 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
     "hierarchical": (["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
                      ReducerMode("squinch", hierarchical=True), {}),
 }
-TBF_BURST = 64 * 1024  # _shaped_link's tbf burst
+ROOT = H.ROOT
+TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
 ROW_FORMAT = 2  # bump when a cached timeline or group changes shape
 
@@ -416,13 +415,12 @@ def _first_phases(results_dir: str, fallback: dict) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- main
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_scale", from_json=False)
     squinch_phases.add_args(p)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
-    p.add_argument("--quick", action="store_true", help="toy model, one shaped link, short runs: checks the chain")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
     p.add_argument("--reuse", default=None, help="rows of squinch_bandwidth to reuse (default for run id 1: "
@@ -434,8 +432,9 @@ def main() -> None:
     p.add_argument("--drop-noisy", action="store_true",
                    help="forget this run id's noisy groups first, so that they are measured again")
     p.add_argument("--no-projection", action="store_true", help="skip squinch_cluster_projection")
-    p.add_argument("--out", default=None, help="default bench/results/squinch_scale[_run<id>] (--quick: bench/.cache)")
-    opts = p.parse_args()
+    out_default = p.get_default("out")
+    opts = p.parse_args(argv)  # its --quick (the chain over a shaped link, toy sizes) is set below
+    given_out = None if opts.out == out_default else opts.out
     t_start = time.time()
     where = "results"
     if opts.quick:
@@ -446,7 +445,7 @@ def main() -> None:
     tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
     suffix = "" if opts.run_id == "1" else f"_run{opts.run_id}"
     results = os.path.join(ROOT, "bench", where)
-    out = opts.out or os.path.join(results, "squinch_scale" + ("_quick" if opts.quick else suffix))
+    out = given_out or os.path.join(results, "squinch_scale" + ("_quick" if opts.quick else suffix))
     print(load(), flush=True)
     res = {"run_id": opts.run_id, "load_before": load(), "settings": {
         "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "phase_repeats": opts.repeats}}
@@ -522,7 +521,7 @@ def main() -> None:
         f.write("\n".join(lines) + "\n")
     plot(res, out + ".png")
     print(f"wrote {out}.json, .md, .png")
-    if not opts.quick and opts.out is None:
+    if not opts.quick and given_out is None:
         update_doc(results, phases if opts.run_id == "1" else _first_phases(results, phases))
 
     # 6. the projection (the model on clusters; no measurement)

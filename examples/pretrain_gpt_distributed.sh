@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 NPROC=${NPROC:-8}
 TP=${TP:-2}
 PP=${PP:-2}
-DATA=${DATA_DIR:-data}
+DATA=${DATA_DIR:-data/quickstart}
 if [ -s "$DATA/demo_text_document.idx" ]; then
   DATA_ARGS=(--data-path "$DATA/demo_text_document" --tokenizer-model "$DATA/tok.model")
 else

@@ -4,7 +4,9 @@ Two network namespaces joined by a veth pair, shaped with ``tc tbf`` (burst 64kb
 unshaped; a job runs with its ranks split over the two namespaces (gloo over the link), so the link is
 the "inter-host" network and the loopback inside a namespace the "intra-host" one. Shared by
 ``squinch_bandwidth.py`` (training runs), ``squinch_phases.py`` (collectives alone) and
-``squinch_scale.py`` (the model's validation). Needs root and iproute2 (``ip netns``, ``tc``).
+``squinch_scale.py`` (the model's validation). Needs root and iproute2 (``ip netns``, ``tc``), except
+with ``use_namespaces(False)`` (the benches' ``--no-netns``, and ``--quick``): then every rank runs on this
+host's loopback, nothing is shaped, and a link's name says "loopback".
 
 - ``setup_link(rate_mbit)`` / ``teardown_link()``: the namespaces and the shaping;
 - ``spawn_ranks(argv, per_ns, env)``: one process per rank, ``per_ns`` ranks in each namespace;
@@ -21,16 +23,26 @@ import statistics
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness.flags import BENCH
+from harness.results import load_line
+
+ROOT = os.path.dirname(BENCH)
 NS = (("mcaiA", "mcaiA0", "10.211.0.1"), ("mcaiB", "mcaiB0", "10.211.0.2"))
 STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 BYTES_RE = re.compile(r"grad comm bytes: ([0-9]+)")
 PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
 
 
+NETNS = [True]  # False: every rank on this host's loopback, no shaping (use_namespaces)
+
+
+def use_namespaces(on: bool) -> None:
+    """Run the ranks in the two namespaces (True), or all on this host's loopback, unshaped (False)."""
+    NETNS[0] = on
+
+
 def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
+    return load_line()
 
 
 # ----------------------------------------------------------------------------------------- the link
@@ -41,6 +53,8 @@ def _sh(cmd: str) -> None:
 
 
 def teardown_link() -> None:
+    if not NETNS[0]:
+        return
     for ns, _, _ in NS:
         subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
 
@@ -48,6 +62,8 @@ def teardown_link() -> None:
 def setup_link(rate_mbit: float | None) -> None:
     """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
     teardown_link()
+    if not NETNS[0]:
+        return
     (a, da, ipa), (b, db, ipb) = NS
     for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
               f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
@@ -61,6 +77,8 @@ def setup_link(rate_mbit: float | None) -> None:
 
 
 def link_name(rate) -> str:
+    if not NETNS[0]:
+        return "loopback"
     return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
 
 
@@ -90,10 +108,13 @@ def spawn_ranks(argv: list[str], per_ns: int, extra_env: dict | None = None, *, 
     for rank in range(world):
         ns, dev, _ = NS[rank // per_ns]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
+        netns = NETNS[0]
         env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2], "MASTER_PORT": str(port),
-                    "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})})
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, *argv], cwd=ROOT, env=env,
+                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2] if netns else "127.0.0.1",
+                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if netns else "lo", "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": ROOT, **(extra_env or {})})
+        prefix = ["ip", "netns", "exec", ns] if netns else []
+        procs.append(subprocess.Popen([*prefix, sys.executable, *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     if any(p.returncode for p in procs):
