@@ -238,6 +238,13 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints in a background thread while training goes on; the tracker moves "
                         "once every rank's write has finished and verified (megatron_cai/training/"
                         "checkpoint/async_save.py)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let this run save iterations that --save already holds (another run's, or those after "
+                        "--ckpt-step): they are moved aside to iter_N.superseded-<time>, never deleted, and the "
+                        "tracker moves only once the new save is complete")
+    g.add_argument("--allow-tokenizer-change", action="store_true",
+                   help="resume although the tokenizer's content differs from the one the checkpoint was saved "
+                        "with (by default an error; --finetune allows it too)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -734,6 +741,8 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
+        overwrite_checkpoints=args.overwrite_checkpoints,
+        allow_tokenizer_change=args.allow_tokenizer_change,
     )
 
 

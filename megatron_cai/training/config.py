@@ -130,6 +130,8 @@ class CheckpointConfig:
     ckpt_format: str = "torch"                # the format saves write: torch or torch_dist
     auto_detect_ckpt_format: bool = False     # --load reads whichever format the directory holds
     async_save: bool = False                  # --async-save: write in the background
+    overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
+    allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import RankLocalError, UserError, current_rank
+from .integrity import FileHash, write_hashed
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -74,34 +75,34 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def save_torch(obj: Any, path: str) -> None:
-    """``torch.save`` to ``path.tmp`` and rename; an error names the file (see the module docstring)."""
+def save_torch(obj: Any, path: str) -> FileHash:
+    """``torch.save`` to ``path.tmp`` and rename; returns the content hash of the bytes written
+    (:mod:`.integrity`). An error names the file (see the module docstring)."""
     tmp = path + ".tmp"
     try:
-        torch.save(obj, tmp)
+        written = write_hashed(tmp, lambda stream: torch.save(obj, stream))
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:
         _remove_quietly(tmp)
         raise CheckpointIOError(describe_write_error(path, e, payload_nbytes(obj))) from None
+    return written
 
 
-def write_text(path: str, text: str, *, fsync: bool = False) -> None:
-    """Write a small text/JSON file atomically; an error names the file."""
+def write_text(path: str, text: str, *, fsync: bool = False) -> FileHash:
+    """Write a small text/JSON file atomically; returns its content hash; an error names the file."""
     tmp = path + ".tmp"
+    data = text.encode()
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
+        written = write_hashed(tmp, lambda stream: stream.write(data), fsync=fsync)
         os.replace(tmp, path)
     except OSError as e:
         _remove_quietly(tmp)
-        raise CheckpointIOError(describe_write_error(path, e, len(text.encode()))) from None
+        raise CheckpointIOError(describe_write_error(path, e, len(data))) from None
+    return written
 
 
-def write_json(path: str, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=1, default=str))
+def write_json(path: str, obj: Any) -> FileHash:
+    return write_text(path, json.dumps(obj, indent=1, default=str))
 
 
 def read_json(path: str, what: str = "checkpoint metadata") -> dict:
