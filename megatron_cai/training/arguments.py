@@ -29,6 +29,7 @@ from .config import (
     TokenizerConfig,
     TrainConfig,
     TrainingConfig,
+    check_flag_ranges,
 )
 from .megatron_compat import CompatError, add_compat_arguments, attention_backend_for, check_compat
 from .tokenizer import vocab_size_with_padding
@@ -113,7 +114,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl on CUDA, gloo on CPU (Megatron-LM: nccl; NCCL cannot run on CPU)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="every process group's collective timeout (fractions allowed); a rank that stops "
+                        "answering makes the others exit after this long")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
                         "set it to simulate nodes on one machine")
@@ -791,6 +794,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     tokenizer's vocabulary (default ``--vocab-size``). Raises :class:`ArgumentError` naming the flag.
     """
     flags = args
+    check_flag_ranges(flags)
     args = resolve_megatron_flags(flags)
     layout = _Layout(args, world_size)
     vocab = vocab_size if vocab_size is not None else args.vocab_size

@@ -20,7 +20,7 @@ from .async_save import AsyncCheckpointSaver, AsyncSave
 from .checkpointer import Checkpointer, open_run_dirs, resolve_load_format, verify_checkpoint, warn_if_short_of_space
 from .dcp_pieces import read_dcp_metadata
 from .file_io import CheckpointError, CheckpointIOError, load_torch, save_torch, write_json, write_text
-from .format_conversion import dist_to_torch, torch_to_dist
+from .format_conversion import dist_to_torch, load_any_canonical, torch_to_dist
 from .integrity import MANIFEST, last_verifying_iteration, verify_iteration
 from .metadata import TORCH, TORCH_DIST, detect_format, read_metadata, refuse_megatron_lm_checkpoint, tp_layout
 from .reshard import (
@@ -45,5 +45,6 @@ __all__ = [
     "load_torch", "load_torch_checkpoint", "rank_dir_name", "read_dcp_metadata", "read_metadata", "read_tracker",
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
-    "warn_if_short_of_space", "RunLock", "MANIFEST", "verify_iteration", "last_verifying_iteration",
+    "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
+    "last_verifying_iteration",
 ]

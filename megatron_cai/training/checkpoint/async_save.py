@@ -210,7 +210,7 @@ class AsyncCheckpointSaver:
         self.in_flight: AsyncSave | None = None
         self.group = None
         if ckpt_format == "torch_dist" and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")  # collective: every rank builds the saver
+            self.group = ps.new_group(backend="gloo")  # collective: every rank builds the saver
 
     def submit(self, staged: StagedCheckpoint, owned: tuple[str, ...] = ()) -> None:
         """torch format: copy this rank's payloads into the staging buffers and start writing them.

@@ -24,7 +24,7 @@ def test_check_run_dirs_cases(tmp_path):
     assert run_dirs.list_iterations(run) == [2, 4]
     with pytest.raises(CheckpointError, match=r"iter_0000002, iter_0000004 but no .*--ckpt-step 4"):
         run_dirs.check_run_dirs(run, run)
-    with pytest.raises(CheckpointError, match=r"after the one this run resumes: iter_0000004;.*--overwrite-checkpoints"):
+    with pytest.raises(CheckpointError, match=r"after the one this run resumes: iter_0000004;.*--overwrite-chec"):
         run_dirs.check_run_dirs(run, run, step=2)  # an explicit step loads, but iteration 4 would be replaced
     run_dirs.check_run_dirs(run, run, step=2, overwrite=True)
     run_dirs.check_run_dirs(run, run, step=4)
