@@ -60,9 +60,9 @@ from _shaped_link import link_name as _link_name  # noqa: E402
 from _shaped_link import rate_key as _rate_key  # noqa: E402
 
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
-    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
-    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
-    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+    "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--squared-relu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]

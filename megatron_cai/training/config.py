@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,8 @@ class TrainingConfig:
     fp16: bool = False                        # fp16 autocast with loss scaling (fp32 master weights)
     loss_scale: LossScaleConfig | None = None  # the --fp16 loss scaler (None without --fp16)
     rampup_batch_size: BatchRampup | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    # --step-batch-size-schedule: (threshold in samples, global batch) pairs, from threshold 0
+    step_batch_size_schedule: tuple[tuple[int, int], ...] | None = None
     decrease_batch_size_if_needed: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -143,6 +146,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     eval_interval: int | None = None
     eval_iters: int = 100
+    eval_global_batch_size: int | None = None  # --eval-global-batch-size (None: the global batch)
     tensorboard_log_interval: int = 1
     tensorboard_queue_size: int = 1000
     log_throughput: bool = False
@@ -151,6 +155,9 @@ class LoggingConfig:
     log_validation_ppl_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
+    log_params_norm: bool = False             # --log-params-norm: params norm in the log line and TensorBoard
+    log_num_zeros_in_grad: bool = False       # --log-num-zeros-in-grad
+    log_memory_to_tensorboard: bool = False   # --log-memory-to-tensorboard: the mem-* tags
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
@@ -160,6 +167,8 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
     megatron_no_op_flags: list[str] = field(default_factory=list)  # given, accepted, without effect here
+    megatron_notes: list[str] = field(default_factory=list)  # one start-up line per Megatron-LM flag mapped
+    logging_level: int | None = None          # --logging-level: the Python root logger's level
 
 
 @dataclass
@@ -324,23 +333,27 @@ FLAG_RANGES: dict[str, Range] = {
 }
 
 
-def check_flag_ranges(args: Any) -> None:
-    """Every numeric flag against :data:`FLAG_RANGES`, ``--split`` and the ``--data-path`` weights: the first
-    value out of range raises :class:`ArgumentError` naming the flag, the value and the range."""
+def flag_range_problems(args: Any) -> list[str]:
+    """Every numeric flag against :data:`FLAG_RANGES`, ``--split`` and the ``--data-path`` weights: one
+    message per flag out of range, naming the flag, the value and the range."""
     from ..core.datasets.utils import get_blend_from_list, parse_and_normalize_split
 
+    out = []
     for dest, rng in FLAG_RANGES.items():
         value = getattr(args, dest, None)
-        for v in value if isinstance(value, list) else [value]:
-            if v is not None and not isinstance(v, bool) and not rng.admits(v):
-                flag = "--" + dest.replace("_", "-")
-                raise ArgumentError(f"{flag} {v}: out of range, must be {rng.describe()}")
+        bad = [v for v in (value if isinstance(value, list) else [value])
+               if v is not None and not isinstance(v, bool) and not rng.admits(v)]
+        if bad:
+            out.append(f"--{dest.replace('_', '-')} {bad[0]}: out of range, must be {rng.describe()}")
     try:
         if getattr(args, "split", None) is not None:
-            parse_and_normalize_split(args.split)
-        for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            parse_and_normalize_split(re.sub(r"[\"' ]", "", str(args.split)))
+    except ValueError as e:
+        out.append(str(e))
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        try:
             if getattr(args, flag, None):
                 get_blend_from_list(getattr(args, flag))
-    except ValueError as e:
-        message = str(e)
-        raise ArgumentError(message if message.startswith("--") else f"--data-path: {message}") from None
+        except ValueError as e:
+            out.append(str(e) if str(e).startswith("--") else f"--{flag.replace('_', '-')}: {e}")
+    return out

@@ -34,7 +34,8 @@ def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_it
                       global_batch: int, losses: dict[str, float], grad_norm: float | None, skipped: int,
                       tokens_per_sec: float, grad_comm_bytes: int | None = None,
                       extra: dict[str, float] | None = None, *, loss_scale: float = 1.0, nan_iters: int = 0,
-                      throughput_tflops: float | None = None, timestamp: datetime | None = None) -> str:
+                      throughput_tflops: float | None = None, timestamp: datetime | None = None,
+                      num_zeros: float | None = None, params_norm: float | None = None) -> str:
     """megatron-core 0.19.2's ``training_log`` line, field by field, then our extra fields.
 
     ``skipped`` and ``nan_iters`` count the iterations of this log interval, as Megatron's do.
@@ -54,6 +55,10 @@ def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_it
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"
     line += f" number of nan iterations: {nan_iters:3d} |"
     line += f" tokens per second: {tokens_per_sec:.1f} |"
@@ -112,6 +117,12 @@ class TensorBoard:
         if self.writer is not None:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
+
+    def add(self, scalars: list[tuple[str, float, int]]) -> None:
+        """``(tag, value, step)`` scalars, each at its own step (Megatron's ``... vs samples`` tags)."""
+        if self.writer is not None:
+            for tag, value, step in scalars:
+                self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         if self.writer is not None:

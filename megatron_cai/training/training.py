@@ -16,6 +16,7 @@ import contextlib
 import functools
 import gc
 import inspect
+import logging
 import math
 import signal
 import time
@@ -46,6 +47,7 @@ from .checkpoint.run_dirs import same_path
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .errors import DataError
+from .flags.megatron_compat import no_op_message
 from .initialize import discover_env, initialize_distributed
 from .logging import (
     LogWindow,
@@ -59,7 +61,14 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .megatron_compat import no_op_message
+from .training_log import (
+    IterationStats,
+    log_line_timers,
+    megatron_scalars,
+    megatron_wandb,
+    prints_log_line,
+    validation_scalars,
+)
 
 
 @dataclass
@@ -202,7 +211,7 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(config.scheduler)
         self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
             run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
-            run.decrease_batch_size_if_needed)
+            run.decrease_batch_size_if_needed, step_schedule=run.step_batch_size_schedule)
         self.num_microbatches = run.num_microbatches  # this iteration's (changes during a batch ramp-up)
         self._log_memory("at start-up")
         self.state = TrainState()
@@ -248,6 +257,7 @@ class Trainer:
         seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
         self.tensor_shape = (run.micro_batch_size, seq, model_cfg.hidden_size)
         self._te_recipe = None
+        self.num_zeros_in_grad: float | None = None
 
     # --------------------------------------------------------------------------------------- setup
     def _log_memory(self, when: str) -> dict:
@@ -258,11 +268,11 @@ class Trainer:
 
     def _num_samples(self) -> tuple[int, int, int]:
         run, log = self.config.training, self.config.logging
-        gbs = run.global_batch_size
+        gbs, eval_gbs = run.global_batch_size, log.eval_global_batch_size or run.global_batch_size
         evals = 0
         if log.eval_iters and log.eval_interval:
             evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
-        return (run.train_iters * gbs, evals * gbs, log.eval_iters * gbs)
+        return (run.train_iters * gbs, evals * eval_gbs, log.eval_iters * eval_gbs)
 
     def _loader(self, dataset, consumed: int):
         from ..core.datasets.data_samplers import build_pretraining_data_loader
@@ -342,6 +352,9 @@ class Trainer:
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
         grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
+        # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective)
+        self.num_zeros_in_grad = (float(self.optimizer.num_zeros_in_grad())
+                                  if self.config.logging.log_num_zeros_in_grad else None)
         if self.grad_scaler is not None:
             old_scale = self.grad_scaler.scale
             self.grad_scaler.update(not finite)
@@ -388,12 +401,14 @@ class Trainer:
         totals: dict[str, float] = {}
         eval_iters = self.config.logging.eval_iters
         train_microbatches = self.num_microbatches
-        self.num_microbatches = self.config.training.num_microbatches  # validation: the full global batch
+        run = self.config.training
+        eval_gbs = self.config.logging.eval_global_batch_size or run.global_batch_size  # --eval-global-batch-size
+        self.num_microbatches = eval_gbs // (run.micro_batch_size * self.config.parallel.data_parallel_size)
         for _ in range(eval_iters):
             stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / eval_iters
-            self.state.consumed_valid_samples += self.config.training.global_batch_size
+            self.state.consumed_valid_samples += eval_gbs
             if self.config.training.empty_unused_memory_level >= 1:
                 empty_device_cache(self.device)
         self.num_microbatches = train_microbatches
@@ -453,7 +468,7 @@ class Trainer:
         while st.iteration < run.train_iters:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
-            lr = self.scheduler.get_lr()
+            lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
             losses, grad_norm, finite = self.train_step()
             st.iteration += 1
             batch = self.microbatches.running_global_batch_size
@@ -481,13 +496,15 @@ class Trainer:
                 st.extra["memory"] = self._log_memory("after the first iteration")
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
                 gc.collect()
-            if self.tb.writer is not None and st.iteration % log.tensorboard_log_interval == 0:
-                self._per_iteration_scalars()
-            self.wandb.log({**losses, "learning-rate": lr, "grad-norm": grad_norm, "loss-scale": self._loss_scale()},
-                           st.iteration)
-            if st.iteration % log.log_interval == 0:
-                self._log(window, lr, grad_norm, comm_bytes)
-                window = LogWindow()
+            stats = self._iteration_stats(losses, grad_norm, finite, batch)
+            if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
+                self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))
+                self.wandb.log(megatron_wandb(stats, log, self.config.parallel.world_size), st.iteration)
+            first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
+            if prints_log_line(st.iteration, log.log_interval, first):
+                self._log(window, stats, comm_bytes, first)
+                if not first:
+                    window = LogWindow()
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
@@ -526,12 +543,22 @@ class Trainer:
         scaler = getattr(self.optimizer, "grad_scaler", None)
         return float(scaler.scale) if scaler is not None else 1.0
 
-    def _log(self, window: LogWindow, lr: float, grad_norm: float, comm_bytes: int) -> None:
+    def _iteration_stats(self, losses: dict[str, float], grad_norm: float, finite: bool, batch: int) -> IterationStats:
+        """This iteration's figures for the log (collective with --log-params-norm)."""
+        log, st = self.config.logging, self.state
+        return IterationStats(
+            iteration=st.iteration, consumed_samples=st.consumed_train_samples, losses=losses,
+            learning_rate=_fp32(self.scheduler.get_lr()), batch_size=batch, loss_scale=self._loss_scale(),
+            grad_norm=_fp32(grad_norm) if finite or self.grad_scaler is None else None, skipped=not finite,
+            num_zeros=_fp32(self.num_zeros_in_grad), memory=device_mod.memory_stats(self.device)
+            if log.log_memory_to_tensorboard else None,
+            params_norm=self.optimizer.params_norm() if log.log_params_norm else None)
+
+    def _log(self, window: LogWindow, stats: IterationStats, comm_bytes: int, first: bool) -> None:
         run, log, st = self.config.training, self.config.logging, self.state
         device_mod.synchronize(self.device)
         elapsed = window.seconds_per_iteration()
-        batch = self.microbatches.running_global_batch_size  # this iteration's (--rampup-batch-size)
-        tps = batch * self.config.model.seq_length / max(elapsed, 1e-9)
+        tps = stats.batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
         throughput = None
         if log.log_throughput:
             flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
@@ -542,17 +569,13 @@ class Trainer:
             line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
                           / (len(extra) // 2),
                           "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
-        avg = window.averages()
         print_rank_last(training_log_line(
-            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr, batch,
-            avg, grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes, extra=line_extra,
-            loss_scale=self._loss_scale(), nan_iters=window.nan, throughput_tflops=throughput))
-        scalars = {**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr, "grad-norm": grad_norm,
-                   "tokens-per-second": tps, "grad-comm-bytes": comm_bytes, **extra}
-        if log.log_timers_to_tensorboard:
-            scalars["iteration-time"] = elapsed
-            if throughput is not None:
-                scalars["throughput"] = throughput
+            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, stats.learning_rate,
+            stats.batch_size, window.averages(), stats.grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes,
+            extra=line_extra, loss_scale=stats.loss_scale, nan_iters=window.nan, throughput_tflops=throughput,
+            num_zeros=stats.num_zeros, params_norm=stats.params_norm))
+        scalars = {**log_line_timers(elapsed, throughput, log, first), "tokens-per-second": tps,
+                   "grad-comm-bytes": comm_bytes, **extra}
         self.tb.scalars(scalars, st.iteration)
         if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
             timings = [m.reducer.timers.collect() for m in self.model]
@@ -563,27 +586,11 @@ class Trainer:
             if log.log_timers_to_tensorboard:
                 self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)
 
-    def _per_iteration_scalars(self) -> None:
-        """Megatron-LM's per-iteration TensorBoard scalars (every --tensorboard-log-interval iterations)."""
-        log = self.config.logging
-        values = {"batch-size": self.config.training.global_batch_size}
-        if log.log_loss_scale_to_tensorboard:
-            values["loss-scale"] = self._loss_scale()
-        if log.log_world_size_to_tensorboard:
-            values["world-size"] = self.config.parallel.world_size
-        self.tb.scalars(values, self.state.iteration)
-
     def _validation_scalars(self, val: dict[str, float]) -> None:
         log, it = self.config.logging, self.state.iteration
-        values = {f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}
-        for k, v in val.items():
-            values[f"{k} validation"] = v
-            if log.log_validation_ppl_to_tensorboard:
-                values[f"{k} validation ppl"] = math.exp(min(20.0, v))
-        self.tb.scalars(values, it)
-        if log.log_validation_ppl_to_tensorboard:
-            self.tb.scalars({f"{k} validation ppl vs samples": math.exp(min(20.0, v)) for k, v in val.items()},
-                            self.state.consumed_train_samples)
+        self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, it)  # ours
+        self.tb.add(validation_scalars(val, it, self.state.consumed_train_samples,
+                                       log.log_validation_ppl_to_tensorboard))
         self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
     def _lse_stats(self) -> dict[str, float]:
@@ -611,6 +618,12 @@ class Trainer:
         return out
 
 
+def _fp32(value: float | None) -> float | None:
+    """A figure as Megatron-LM logs it: its reduce_max_stat_across_model_parallel_group rounds the learning rate,
+    the grad norm and the zero count through an fp32 tensor."""
+    return None if value is None else torch.tensor(value, dtype=torch.float32).item()
+
+
 def _bind_distiller(forward_step_func, distiller):
     """``forward_step_func`` with the distiller bound as its ``distiller=`` argument (unchanged without one)."""
     if distiller is None:
@@ -624,8 +637,10 @@ def _bind_distiller(forward_step_func, distiller):
 def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
     """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
     message = no_op_message(list(config.logging.megatron_no_op_flags))
-    if message:
-        print_rank_0(message)
+    for line in ([message] if message else []) + list(config.logging.megatron_notes):
+        print_rank_0(line)
+    if config.logging.logging_level is not None:  # --logging-level, as Megatron-LM's setup_logging
+        logging.getLogger().setLevel(config.logging.logging_level)
     trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
     if ps.get_data_parallel_rank() == 0:
         print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),

@@ -74,9 +74,9 @@ class SelfAttention(nn.Module):
             self.kv_group_index = ps.get_tensor_model_parallel_rank() // ranks_per_group
         sp = config.sequence_parallel
         q_size, kv_size = config.num_attention_heads * self.head_dim, groups * self.head_dim
-        self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.add_bias_linear,
+        self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.qkv_bias,
                                              init_method=init_method, sequence_parallel=sp)
-        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.add_bias_linear,
+        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
                                               init_method=init_method, sections=[kv_size, kv_size],
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,

@@ -18,7 +18,7 @@ CONFIGS = {
     "default_gqa": dict(num_query_groups=2),
     "llama_like_mqa": dict(normalization="RMSNorm", activation="swiglu", add_bias_linear=False, num_query_groups=1,
                            untie_embeddings_and_output_weights=True),
-    "gpt2_like": dict(position_embedding_type="learned_absolute", activation="gelu"),
+    "gpt2_like": dict(position_embedding_type="learned_absolute", activation="gelu_tanh"),
 }
 
 

@@ -350,7 +350,8 @@ def test_nothing_sets_attributes_on_model_modules_from_outside_their_constructor
     import pretrain_gpt
     from megatron_cai.training.training import Trainer
 
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    argv = ["--squared-relu",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--vocab-size", "64", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "2", "--eval-interval", "1", "--eval-iters", "1", "--log-interval", "1",
             "--attention-zreg-coeff", "0.1", "--recompute-granularity", "full", "--qat", "int8", "--qat-clamp",

@@ -31,7 +31,8 @@ from megatron_cai.training.training import Trainer
 
 FIXTURE = os.path.join(TESTS, "fixtures", "ckpt_main_db88585")
 # The flags the fixture was saved with (see tests/fixtures/README.md), minus the length and --save.
-FIXTURE_FLAGS = ["--mock-data", "--vocab-size", "60", "--make-vocab-size-divisible-by", "8", "--num-layers", "2",
+FIXTURE_FLAGS = ["--squared-relu",
+                 "--mock-data", "--vocab-size", "60", "--make-vocab-size-divisible-by", "8", "--num-layers", "2",
                  "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                  "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr",
                  "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters",
