@@ -154,15 +154,15 @@ class _NoHash:
 @contextlib.contextmanager
 def _hashes(on: bool):
     """Content hashing as it is (``on``), or its computation replaced by :class:`_NoHash`."""
-    from megatron_cai.training.checkpoint import integrity
+    from megatron_cai.training.checkpoint import ALGORITHMS, DEFAULT_ALGORITHM
 
-    real = integrity.ALGORITHMS[integrity.DEFAULT_ALGORITHM]
+    real = ALGORITHMS[DEFAULT_ALGORITHM]
     if not on:
-        integrity.ALGORITHMS[integrity.DEFAULT_ALGORITHM] = _NoHash
+        ALGORITHMS[DEFAULT_ALGORITHM] = _NoHash
     try:
         yield
     finally:
-        integrity.ALGORITHMS[integrity.DEFAULT_ALGORITHM] = real
+        ALGORITHMS[DEFAULT_ALGORITHM] = real
 
 
 def _summary(values: list[float]) -> dict:

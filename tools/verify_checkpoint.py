@@ -21,10 +21,10 @@ from megatron_cai.training.checkpoint import (  # noqa: E402
     TRACKER,
     CheckpointError,
     iteration_dir,
+    list_iterations,
     read_tracker,
     verify_iteration,
 )
-from megatron_cai.training.checkpoint.run_dirs import list_iterations  # noqa: E402
 
 
 def _targets(path: str, every: bool) -> list[str]:

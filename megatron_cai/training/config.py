@@ -313,7 +313,8 @@ FLAG_RANGES: dict[str, Range] = {
                      "expert_model_parallel_size", "context_parallel_size", "num_distributed_optimizer_instances",
                      "rotary_seq_len_interpolation_factor", "num_virtual_stages_per_pipeline_rank",
                      "microbatch_group_size_per_virtual_pipeline_stage", "non_persistent_save_interval",
-                     "save_retain_interval"], _AT_LEAST_1),
+                     "save_retain_interval", "eval_global_batch_size", "eval_micro_batch_size",
+                     "padded_vocab_size"], _AT_LEAST_1),
     **dict.fromkeys(["recompute_num_layers", "train_iters", "lr_warmup_iters", "lr_decay_iters", "seed",
                      "manual_gc_interval", "num_workers", "ckpt_step", "eval_interval", "eval_iters",
                      "profile_step_start", "profile_ranks", "rampup_batch_size", "tiktoken_num_special_tokens",
@@ -322,10 +323,10 @@ FLAG_RANGES: dict[str, Range] = {
                      "timing_log_level", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                      "mtp_num_layers", "attention_zreg_coeff", "output_zreg_coeff", "lr", "min_lr",
                      "weight_decay", "clip_grad", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr",
-                     "start_weight_decay", "end_weight_decay"], _AT_LEAST_0),
+                     "start_weight_decay", "end_weight_decay", "logging_level"], _AT_LEAST_0),
     **dict.fromkeys(["rotary_base", "norm_epsilon", "init_method_std", "distributed_timeout_minutes", "adam_eps",
                      "qat_clamp_alpha", "qat_static_clamp", "distill_temperature", "exit_duration_in_mins",
-                     "loss_scale", "initial_loss_scale", "min_loss_scale"], _POSITIVE),
+                     "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
     **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
     "rotary_percent": Range(0, 1, lo_open=True),
@@ -338,22 +339,22 @@ def flag_range_problems(args: Any) -> list[str]:
     message per flag out of range, naming the flag, the value and the range."""
     from ..core.datasets.utils import get_blend_from_list, parse_and_normalize_split
 
-    out = []
+    out, given = [], dict(vars(args))
     for dest, rng in FLAG_RANGES.items():
-        value = getattr(args, dest, None)
+        value = given.get(dest)
         bad = [v for v in (value if isinstance(value, list) else [value])
                if v is not None and not isinstance(v, bool) and not rng.admits(v)]
         if bad:
             out.append(f"--{dest.replace('_', '-')} {bad[0]}: out of range, must be {rng.describe()}")
     try:
-        if getattr(args, "split", None) is not None:
-            parse_and_normalize_split(re.sub(r"[\"' ]", "", str(args.split)))
+        if given.get("split") is not None:
+            parse_and_normalize_split(re.sub(r"[\"' ]", "", str(given["split"])))
     except ValueError as e:
         out.append(str(e))
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         try:
-            if getattr(args, flag, None):
-                get_blend_from_list(getattr(args, flag))
+            if given.get(flag):
+                get_blend_from_list(given[flag])
         except ValueError as e:
             out.append(str(e) if str(e).startswith("--") else f"--{flag.replace('_', '-')}: {e}")
     return out

@@ -25,6 +25,8 @@ from ..core.datasets.tree_format import TreeFormatError
 from ..core.parallel_state import ParallelLayoutError
 
 EXIT_KNOWN_ERROR = 2
+# Set by training.initialize once its heartbeats run: which rank stopped answering (for a timed-out collective).
+timeout_diagnosis: Callable[[], str] | None = None
 
 
 class UserError(Exception):
@@ -109,10 +111,9 @@ def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KN
         return report_known_error(e)
     except RuntimeError as e:
         if world_size() > 1 and _timed_out(e):
-            from .initialize import silent_ranks_line
-
+            who = timeout_diagnosis() if timeout_diagnosis is not None else "the rank that stopped is not known"
             safe_print(f"error: [rank {current_rank()}] a collective timed out (--distributed-timeout-minutes): "
-                       f"{silent_ranks_line()}; stopping ({str(e).splitlines()[0][-160:]})", file=sys.stderr)
+                       f"{who}; stopping ({str(e).splitlines()[0][-160:]})", file=sys.stderr)
             return EXIT_KNOWN_ERROR
         if world_size() > 1 and _peer_lost(e):
             safe_print(f"[rank {current_rank()}] stopping: a peer rank exited ({str(e).splitlines()[0][:200]})",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
+from . import errors
 from .config import ParallelConfig
 from .errors import safe_print
 
@@ -211,6 +212,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         if _heartbeat is not None:
             _heartbeat.stop()
         _heartbeat = Heartbeat(env.rank, env.world_size, parallel.distributed_timeout_minutes * 60)
+        errors.timeout_diagnosis = silent_ranks_line
     tp, pp, vpp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                    parallel.virtual_pipeline_model_parallel_size)
     rpn = parallel.ranks_per_node

@@ -42,8 +42,7 @@ from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
 from . import divergence
 from .arguments import rebuild_for_world_size
-from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, tp_layout, warn_if_short_of_space
-from .checkpoint.run_dirs import same_path
+from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .errors import DataError

@@ -19,9 +19,18 @@ Code outside this package imports only the names below (``test_code_structure.py
 from .async_save import AsyncCheckpointSaver, AsyncSave
 from .checkpointer import Checkpointer, open_run_dirs, resolve_load_format, verify_checkpoint, warn_if_short_of_space
 from .dcp_pieces import read_dcp_metadata
-from .file_io import CheckpointError, CheckpointIOError, load_torch, save_torch, write_json, write_text
+from .file_io import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    CheckpointError,
+    CheckpointIOError,
+    load_torch,
+    save_torch,
+    write_json,
+    write_text,
+)
 from .format_conversion import dist_to_torch, load_any_canonical, torch_to_dist
-from .integrity import MANIFEST, last_verifying_iteration, verify_iteration
+from .integrity import MANIFEST, verify_iteration
 from .metadata import TORCH, TORCH_DIST, detect_format, read_metadata, refuse_megatron_lm_checkpoint, tp_layout
 from .reshard import (
     OUTPUT_WEIGHT,
@@ -34,7 +43,16 @@ from .reshard import (
     save_resharded,
     target_layout,
 )
-from .run_dirs import TRACKER, check_conversion_target, check_run_dirs, iteration_dir, read_tracker
+from .run_dirs import (
+    TRACKER,
+    check_conversion_target,
+    check_run_dirs,
+    iteration_dir,
+    last_verifying_iteration,
+    list_iterations,
+    read_tracker,
+    same_path,
+)
 from .run_lock import RunLock
 from .torch_format import load_torch_checkpoint, rank_dir_name
 
@@ -46,5 +64,5 @@ __all__ = [
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
-    "last_verifying_iteration",
+    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
 ]

@@ -44,8 +44,7 @@ from ...core import device as device_mod
 from ...core import parallel_state as ps
 from . import dist_format as dc
 from .dcp_pieces import Pieces, dcp_save
-from .file_io import CheckpointError
-from .integrity import FileHash
+from .file_io import CheckpointError, FileHash
 from .run_dirs import IterationPaths, begin_save
 from .torch_format import StagedCheckpoint, finalize_staged, write_staged
 

@@ -27,8 +27,8 @@ from ..errors import safe_print
 from . import dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
 from .dcp_pieces import DCP_METADATA
-from .file_io import CheckpointError
-from .integrity import ALGORITHMS, Mismatch, last_verifying_iteration, read_manifest, verify_share
+from .file_io import ALGORITHMS, CheckpointError
+from .integrity import Mismatch, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
 from .run_dirs import (
     TRACKER,
@@ -37,6 +37,7 @@ from .run_dirs import (
     directory_bytes,
     free_space_warning,
     iteration_dir,
+    last_verifying_iteration,
     read_tracker,
 )
 from .run_lock import RunLock

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.tensor_parallel.utils import section_sizes
-from .file_io import CheckpointError, describe_write_error
-from .integrity import FileHash, HashingFileSystemWriter
+from .file_io import CheckpointError, FileHash, describe_write_error
+from .integrity import HashingFileSystemWriter
 
 DCP_METADATA = ".metadata"
 OUTPUT_WEIGHT = "output_layer.weight"

@@ -67,8 +67,8 @@ from .dcp_pieces import (
     row_sharded,
     save_pieces,
 )
-from .file_io import CheckpointError, payload_nbytes, write_json
-from .integrity import FileHash, gather_records
+from .file_io import CheckpointError, FileHash, payload_nbytes, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     TORCH_DIST,

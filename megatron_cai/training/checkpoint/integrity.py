@@ -17,12 +17,9 @@ loads with one line saying so.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,136 +29,20 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from ..errors import current_rank
-
-try:  # XXH3-64 is ~10x faster than BLAKE2b: the save-time cost stays a few percent (bench/checkpoint.py)
-    import xxhash
-except ImportError:  # pragma: no cover - the GPU validation machine takes no installs
-    xxhash = None
+from .file_io import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    CheckpointError,
+    FileHash,
+    HashingStream,
+    hash_file,
+    new_hasher,
+    read_json,
+    write_text,
+)
 
 MANIFEST = "checksums.json"
 MANIFEST_FORMAT = 1
-ALGORITHMS: dict[str, Callable[[], Any]] = {"blake2b_64": lambda: hashlib.blake2b(digest_size=8)}
-if xxhash is not None:
-    ALGORITHMS["xxh3_64"] = xxhash.xxh3_64
-DEFAULT_ALGORITHM = "xxh3_64" if xxhash is not None else "blake2b_64"
-_OVERLAP_BYTES = 1 << 22      # writes this large hash in a helper thread while the bytes go to the file
-_READ_CHUNK = 1 << 24
-
-
-@dataclass(frozen=True)
-class FileHash:
-    """A file's content hash (hex) and size, as written."""
-
-    digest: str
-    nbytes: int
-
-
-def new_hasher(algorithm: str = DEFAULT_ALGORITHM):
-    return ALGORITHMS[algorithm]()
-
-
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
-        return _pool
-
-
-class HashingStream:
-    """A binary file open for writing that hashes every byte written to it, in order.
-
-    A large write is hashed in a helper thread while the main thread writes it (both release the GIL), so
-    the hash adds little to a write that the disk bounds."""
-
-    def __init__(self, f, algorithm: str = DEFAULT_ALGORITHM) -> None:
-        self._f = f
-        self._h = new_hasher(algorithm)
-        self._n = 0
-        self.name = str(getattr(f, "name", ""))  # the path, for messages
-
-    def write(self, b) -> int:
-        view = memoryview(b).cast("B") if not isinstance(b, (bytes, bytearray)) else b
-        if len(view) >= _OVERLAP_BYTES:
-            pending = _hash_pool().submit(self._h.update, view)
-            try:
-                n = self._f.write(view)
-            finally:
-                pending.result()
-        else:
-            self._h.update(view)
-            n = self._f.write(view)
-        self._n += len(view)
-        return n if n is not None else len(view)
-
-    def result(self) -> FileHash:
-        return FileHash(self._h.hexdigest(), self._n)
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def close(self) -> None:
-        self._f.close()
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return self._f.closed
-
-    def __enter__(self) -> HashingStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def write_hashed(path: str, write: Callable[[HashingStream], Any], *, fsync: bool = False) -> FileHash:
-    """Open ``path`` for writing, let ``write`` fill it through a :class:`HashingStream`; its hash."""
-    with open(path, "wb") as f:
-        stream = HashingStream(f)
-        write(stream)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    return stream.result()
-
-
-def copy_hashed(src: str, dst: str) -> FileHash:
-    """Copy ``src`` to ``dst`` (and its mode), hashing the bytes as they are written."""
-    def write(stream: HashingStream) -> None:
-        with open(src, "rb") as f:
-            while chunk := f.read(_READ_CHUNK):
-                stream.write(chunk)
-    out = write_hashed(dst, write)
-    os.chmod(dst, os.stat(src).st_mode & 0o777)
-    return out
-
-
-def hash_file(path: str, algorithm: str = DEFAULT_ALGORITHM) -> FileHash:
-    """The hash of a file as it is on disk now (verification and the converters)."""
-    h, n = new_hasher(algorithm), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        while k := f.readinto(buf):
-            h.update(view[:k])
-            n += k
-    return FileHash(h.hexdigest(), n)
 
 
 class _HashingFileSystem(FileSystem):
@@ -233,8 +114,6 @@ def manifest_for(iteration_dir: str, records: dict[str, tuple[FileHash, int]],
 
 def write_manifest(iteration_dir: str, records: dict[str, tuple[FileHash, int]]) -> None:
     """Rank 0: write ``checksums.json`` into ``iteration_dir`` (the save's ``.tmp`` before it is published)."""
-    from .file_io import write_text
-
     write_text(os.path.join(iteration_dir, MANIFEST), json.dumps(manifest_for(iteration_dir, records), indent=1),
                fsync=True)
 
@@ -269,8 +148,6 @@ def read_manifest(iteration_dir: str) -> dict | None:
     """The iteration's ``checksums.json``; None when it has none (saved before hashes were recorded).
 
     A damaged manifest raises :class:`.file_io.CheckpointError` naming it."""
-    from .file_io import CheckpointError, read_json
-
     path = os.path.join(iteration_dir, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -326,19 +203,3 @@ def verify_iteration(iteration_dir: str) -> tuple[dict | None, list[Mismatch]]:
     if manifest is None:
         return None, []
     return manifest, verify_files(iteration_dir, manifest, sorted(manifest["files"]))
-
-
-def last_verifying_iteration(root: str, before: int) -> int | None:
-    """The newest iteration in ``root`` older than ``before`` whose files all verify (or that carries no
-    hashes and whose files exist), or None."""
-    from .file_io import CheckpointError
-    from .run_dirs import iteration_dir, list_iterations
-
-    for it in reversed([i for i in list_iterations(root) if i < before]):
-        try:
-            manifest, bad = verify_iteration(iteration_dir(root, it))
-        except CheckpointError:
-            continue
-        if manifest is not None and not bad:
-            return it
-    return None

@@ -20,8 +20,7 @@ from ...core.models.gpt.config import GPTConfig
 from ..config import TokenizerConfig, TrainConfig, config_diff
 from ..errors import safe_print
 from .dcp_pieces import DCP_METADATA
-from .file_io import CheckpointError, read_json
-from .integrity import DEFAULT_ALGORITHM, FileHash, copy_hashed, hash_file, new_hasher
+from .file_io import DEFAULT_ALGORITHM, CheckpointError, FileHash, copy_hashed, hash_file, new_hasher, read_json
 from .run_dirs import iteration_dir
 
 FORMAT_VERSION = 1

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from ...core import parallel_state as ps
 from ..errors import current_rank
-from .file_io import CheckpointError, CheckpointIOError, write_text
-from .integrity import FileHash, write_manifest
+from .file_io import CheckpointError, CheckpointIOError, FileHash, write_text
+from .integrity import verify_iteration, write_manifest
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"iter_(\d{7,})$")
@@ -268,3 +268,16 @@ def check_conversion_target(load: str, save: str, overwrite: bool = False) -> No
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
         raise CheckpointError(f"--save {save} is not empty ({shown}); choose a new directory, or pass --overwrite "
                               f"to write into it (files of the same iteration are replaced)")
+
+
+def last_verifying_iteration(root: str, before: int) -> int | None:
+    """The newest iteration in ``root`` older than ``before`` whose files all verify (or that carries no
+    hashes and whose files exist), or None."""
+    for it in reversed([i for i in list_iterations(root) if i < before]):
+        try:
+            manifest, bad = verify_iteration(iteration_dir(root, it))
+        except CheckpointError:
+            continue
+        if manifest is not None and not bad:
+            return it
+    return None

@@ -31,8 +31,8 @@ from ...core.models.gpt.config import GPTConfig
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
 from ..errors import safe_print
-from .file_io import CheckpointError, load_torch, save_torch, write_json
-from .integrity import FileHash, gather_records
+from .file_io import CheckpointError, FileHash, load_torch, save_torch, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     check_version_and_architecture,

@@ -12,8 +12,8 @@ import torch
 from megatron_cai.training.checkpoint import CheckpointError
 from megatron_cai.training.checkpoint import dcp_pieces as dc
 from megatron_cai.training.checkpoint import integrity as ig
-from megatron_cai.training.checkpoint.file_io import save_torch, write_json
-from megatron_cai.training.checkpoint.run_dirs import iteration_dir
+from megatron_cai.training.checkpoint.file_io import DEFAULT_ALGORITHM, save_torch, write_json
+from megatron_cai.training.checkpoint.run_dirs import iteration_dir, last_verifying_iteration
 
 
 def reference_hash(path: str, algorithm: str) -> str:
@@ -31,7 +31,7 @@ def test_save_torch_hash_is_the_hash_of_the_file(tmp_path, numel):
     path = str(tmp_path / "x.pt")
     got = save_torch({"w": torch.arange(numel, dtype=torch.float32), "n": 3}, path)
     assert got.nbytes == os.path.getsize(path)
-    assert got.digest == reference_hash(path, ig.DEFAULT_ALGORITHM)
+    assert got.digest == reference_hash(path, DEFAULT_ALGORITHM)
     assert torch.equal(torch.load(path)["w"], torch.arange(numel, dtype=torch.float32))
 
 
@@ -42,7 +42,7 @@ def test_dcp_save_hashes_every_file_it_writes(tmp_path):
     on_disk = sorted(os.listdir(path))
     assert sorted(os.path.basename(p) for p in records) == on_disk == [".metadata", "__0_0.distcp"]
     for p, h in records.items():
-        assert h.digest == reference_hash(p, ig.DEFAULT_ALGORITHM) and h.nbytes == os.path.getsize(p)
+        assert h.digest == reference_hash(p, DEFAULT_ALGORITHM) and h.nbytes == os.path.getsize(p)
 
 
 def _iteration(root: str, it: int) -> str:
@@ -79,9 +79,9 @@ def test_any_flipped_byte_is_found_and_named(tmp_path):
         os.remove(path)
         assert [m.cause for m in ig.verify_iteration(d)[1]] == ["missing"]
         open(path, "wb").write(original)
-    assert ig.last_verifying_iteration(root, 3) == 2
+    assert last_verifying_iteration(root, 3) == 2
     os.remove(os.path.join(d, "reducer.pt"))
-    assert ig.last_verifying_iteration(root, 3) == 1
+    assert last_verifying_iteration(root, 3) == 1
 
 
 def test_a_damaged_manifest_is_an_error_naming_it(tmp_path):
