@@ -246,7 +246,7 @@ def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
 def describe_dcp_error(exc: BaseException, path: str | None = None) -> str:
     """One clause for a failure inside DCP: the cause (no space, permission, truncated file) when known."""
     if path is not None and isinstance(exc, (OSError, RuntimeError)):
-        text = describe_write_error(path, exc, 0)
+        text = describe_write_error(path, exc, 1 << 20)  # torch's writer failing with < 1 MiB free: a full disk
         if "no space left" in text or isinstance(exc, OSError):
             return text.split(": ", 1)[1] if ": " in text else text
     if isinstance(exc, (EOFError, pickle.UnpicklingError)) or "unexpected pos" in str(exc) \

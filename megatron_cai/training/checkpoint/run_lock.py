@@ -78,7 +78,8 @@ class RunLock:
             earlier.release()
         for attempt in range(3):
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                # held read-only: no open writer keeps the file system from being remounted read-only
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
             except OSError as e:
                 raise CheckpointError(f"cannot create the run lock {path}: {e.strerror}") from None
             try:
@@ -108,10 +109,12 @@ class RunLock:
             previous = _read_record(fd)
             if previous:
                 log(f" taking over the run lock {path} left by {describe_holder(previous)}, which has ended")
-            os.ftruncate(fd, 0)
-            os.lseek(fd, 0, os.SEEK_SET)
-            os.write(fd, json.dumps(_holder_record()).encode())
-            os.fsync(fd)
+            out = os.open(path, os.O_WRONLY | os.O_TRUNC)
+            try:
+                os.write(out, json.dumps(_holder_record()).encode())
+                os.fsync(out)
+            finally:
+                os.close(out)
             return cls(path, fd)
         raise CheckpointError(f"cannot lock {path}: it keeps being replaced by another process")
 

@@ -8,6 +8,7 @@
     FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
                             (default 3), then saves
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
+    FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -83,6 +84,9 @@ def install() -> None:
         nan_state["on"] = bool(start) and rank_ok and (it == start if env.get("FAULT_NAN_ONCE") else it >= start)
         if env.get("FAULT_ITER_SLEEP"):
             time.sleep(float(env["FAULT_ITER_SLEEP"]))
+        if env.get("FAULT_PAUSE_AT") and it == int(env["FAULT_PAUSE_AT"]):
+            while not os.path.exists(env["FAULT_PAUSE_UNTIL"]):
+                time.sleep(0.1)
         return real_step(self)
 
     training.Trainer.train_step = train_step

@@ -178,16 +178,20 @@ def test_a_save_iteration_reached_twice_saves_once(base, tmp_path):
 def test_two_jobs_on_one_save_directory(base, tmp_path):
     """A second job on the same --save (a requeue overlapping its predecessor) is refused, naming the holder;
     the first goes on unaffected."""
-    save = str(tmp_path / "run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "FAULT_ITER_SLEEP": "0.3"}
+    save, go_on = str(tmp_path / "run"), str(tmp_path / "go_on")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "FAULT_PAUSE_AT": "4",
+           "FAULT_PAUSE_UNTIL": go_on}
     first = subprocess.Popen([sys.executable, INJECT, *BASE, "--save", save, "--save-interval", "1"], cwd=ROOT,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
-        while not os.path.exists(os.path.join(save, LOCK)) and time.time() - t0 < 180:
+        while tracker(save) != 3 and time.time() - t0 < 180:  # the first job waits before iteration 4
             time.sleep(0.1)
+        before = snapshot(save)
         second = run([*BASE, "--load", save, "--save", save, "--save-interval", "1"])
         assert_one_error(second, f"--save {save} is in use by another job", f"process {first.pid} on host")
+        assert_kept(before, save, allow_new=False)
+        open(go_on, "w").close()
         out, err = first.communicate(timeout=300)
     finally:
         first.kill()
