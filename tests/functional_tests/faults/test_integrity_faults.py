@@ -20,8 +20,6 @@ import pytest
 import torch
 from testlib import ROOT
 
-from megatron_cai.training.checkpoint import load_any_canonical
-
 from .test_faults import (
     BASE,
     FINAL,
@@ -71,6 +69,8 @@ def flip(path: str, nbytes: int = 64) -> None:
 
 
 def canonical_equal(a: str, b: str, iteration: int) -> None:
+    from megatron_cai.training.checkpoint import load_any_canonical
+
     ca, cb = (load_any_canonical(r, iteration) for r in (a, b))
     assert ca.model.keys() == cb.model.keys()
     for k in ca.model:
