@@ -14,6 +14,11 @@ each first, not counted: the async staging buffers are allocated by the first sa
   thread shares the CPU and the GIL with training).
 - load: ``Checkpointer.load`` of the checkpoint just written, into the same model (page cache warm).
 - bytes: the size of the ``iter_XXXXXXX`` directory.
+- content hashes (``training/checkpoint/integrity.py``): every file is hashed as it is written. **hash
+  cost** = the sync save time with hashing over the sync save time with the hash computation replaced by
+  a no-op (``sync-nohash``, alternated with the others); **verify** = the load-time check of every file
+  against its hash (``verify_checkpoint``), shown as a fraction of the sync save time. Issue 28's bound:
+  both at most 5% at the largest size (timings need a quiet machine: the load average is recorded).
 
 Each figure is the median over the repeats with min-max. torch_dist (``--ckpt-format torch_dist``, DCP)
 is measured when this build implements it; otherwise its rows say "not available".
@@ -22,6 +27,7 @@ is measured when this build implements it; otherwise its rows say "not available
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -80,13 +86,14 @@ class Session:
             if d.startswith("iter_") and d != f"iter_{keep:07d}":
                 shutil.rmtree(os.path.join(self.save_root, d))
 
-    def save_sync(self) -> dict:
+    def save_sync(self, hashing: bool = True) -> dict:
         self.trainer.checkpointer.async_saver = None
         self.step()
-        t = time.perf_counter()
-        self.trainer.save()
-        save_s = time.perf_counter() - t
-        return {"save_s": save_s, "stall_s": save_s, **self._after_save(self.trainer.state.iteration)}
+        with _hashes(hashing):
+            t = time.perf_counter()
+            self.trainer.save()
+            save_s = time.perf_counter() - t
+        return {"save_s": save_s, "stall_s": save_s, **self._after_save(self.trainer.state.iteration, hashing)}
 
     def save_async(self) -> dict:
         tr = self.trainer
@@ -109,17 +116,46 @@ class Session:
         return {"save_s": save_s, "stall_s": stall, "steps_during_write": len(steps), "step_slowdown": slow,
                 **self._after_save(job.iteration)}
 
-    def _after_save(self, it: int) -> dict:
-        from megatron_cai.training.checkpoint import iteration_dir, read_tracker
+    def _after_save(self, it: int, hashing: bool = True) -> dict:
+        from megatron_cai.training.checkpoint import iteration_dir, read_tracker, verify_checkpoint
 
         tr = self.trainer
         assert read_tracker(self.save_root) == it
         nbytes = _dir_bytes(iteration_dir(self.save_root, it))
-        t = time.perf_counter()
-        tr.checkpointer.load([m.reducer for m in tr.model], root=self.save_root, step=it)
-        load_s = time.perf_counter() - t
+        out = {"bytes": nbytes, "load_s": None, "verify_s": None}
+        if hashing:  # a save without hashes records placeholder ones: it is neither loaded nor verified
+            t = time.perf_counter()
+            verify_checkpoint(self.save_root, it)
+            out["verify_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            tr.checkpointer.load([m.reducer for m in tr.model], root=self.save_root, step=it)
+            out["load_s"] = time.perf_counter() - t
         self._clear_old(it)
-        return {"load_s": load_s, "bytes": nbytes}
+        return out
+
+
+class _NoHash:
+    """A hasher that computes nothing: what a save costs without content hashes."""
+
+    def update(self, data) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return "0"
+
+
+@contextlib.contextmanager
+def _hashes(on: bool):
+    """Content hashing as it is (``on``), or its computation replaced by :class:`_NoHash`."""
+    from megatron_cai.training.checkpoint import ALGORITHMS, DEFAULT_ALGORITHM
+
+    real = ALGORITHMS[DEFAULT_ALGORITHM]
+    if not on:
+        ALGORITHMS[DEFAULT_ALGORITHM] = _NoHash
+    try:
+        yield
+    finally:
+        ALGORITHMS[DEFAULT_ALGORITHM] = real
 
 
 def _summary(values: list[float]) -> dict:
@@ -141,16 +177,20 @@ def measure_format(name: str, size: tuple[int, int, int], fmt: str, repeats: int
     save = os.path.join(work, name, fmt)
     shutil.rmtree(save, ignore_errors=True)
     s = Session(_argv(*size, fmt, save), save)
-    s.save_sync(), s.save_async()  # warm-up: allocations, staging buffers, page cache
-    runs = H.alternate({"sync": s.save_sync, "async": s.save_async}, repeats, mirror=True)
+    s.save_sync(), s.save_async(), s.save_sync(False)  # warm-up: allocations, staging buffers, page cache
+    runs = H.alternate({"sync": s.save_sync, "sync-nohash": lambda: s.save_sync(False), "async": s.save_async},
+                       repeats, mirror=True)
     for mode, rs in runs.items():
         for r, run in enumerate(rs):
             print(f"{name} {fmt} {mode} repeat {r}: {run}", flush=True)
     shutil.rmtree(save, ignore_errors=True)
-    return {"params": s.params, "base_step_s": s.base_step, "modes": {
-        mode: {"runs": rs, **{k: _summary([x.get(k) for x in rs])
-                              for k in ("save_s", "stall_s", "load_s", "bytes", "step_slowdown")}}
-        for mode, rs in runs.items()}}
+    modes = {mode: {"runs": rs, **{k: _summary([x.get(k) for x in rs])
+                                   for k in ("save_s", "stall_s", "load_s", "bytes", "step_slowdown", "verify_s")}}
+             for mode, rs in runs.items()}
+    pairs = zip(runs["sync"], runs["sync-nohash"])  # repeat by repeat, as they alternated
+    modes["hash_cost"] = _summary([a["save_s"] / b["save_s"] - 1 for a, b in pairs])
+    modes["verify_over_save"] = _summary([a["verify_s"] / a["save_s"] for a in runs["sync"]])
+    return {"params": s.params, "base_step_s": s.base_step, "modes": modes}
 
 
 def measure(sizes: dict, repeats: int, out: H.Results, work: str) -> dict:
@@ -200,12 +240,22 @@ def markdown(results: dict) -> str:
                 continue
             sync_save = e["formats"][fmt]["sync"]["save_s"]["median"]
             for mode in ("sync", "async"):
-                m = e["formats"][fmt][mode]
+                m = e["formats"][fmt][mode]  # sync-nohash: in the content-hash table below
                 ratio = m["stall_s"]["median"] / sync_save
                 slow = "-" if mode == "sync" else f"{m['step_slowdown']['median']:.2f}x"
                 lines.append(f"| {name} | {e['params'] / 1e6:.1f} M | {fmt} | {mode} | {_fmt(m['save_s'])} | "
                              f"{_fmt(m['stall_s'])} | {ratio:.1%} | {_fmt(m['load_s'])} | "
                              f"{m['bytes']['median'] / 1e6:.1f} MB | {slow} |")
+    lines += ["", "## Content hashes (issue 28: at most 5% of the save time at the largest size)", "",
+              "| size | format | sync save | sync save, hash computation off | hash cost | verify | verify / save |",
+              "|---|---|---|---|---|---|---|"]
+    for name, e in results["sizes"].items():
+        for fmt, f in e["formats"].items():
+            if "hash_cost" not in f:
+                continue
+            lines.append(f"| {name} | {fmt} | {_fmt(f['sync']['save_s'])} | {_fmt(f['sync-nohash']['save_s'])} | "
+                         f"{_fmt(f['hash_cost'], 100, '%', 1)} | {_fmt(f['sync']['verify_s'])} | "
+                         f"{_fmt(f['verify_over_save'], 100, '%', 1)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ With a world size of one nothing is created and every getter answers for a singl
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -72,11 +73,26 @@ def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = Non
     return dp
 
 
+_GROUP_TIMEOUT: datetime.timedelta | None = None  # --distributed-timeout-minutes, for every group made here
+
+
+def new_group(ranks=None, **kwargs):
+    """``dist.new_group`` with the run's collective timeout (``--distributed-timeout-minutes``, given to
+    :func:`initialize_model_parallel`): every process group of the package is made here, so a rank that
+    stops answering fails every collective waiting on it after that long (a structure test checks it)."""
+    if _GROUP_TIMEOUT is not None:
+        kwargs.setdefault("timeout", _GROUP_TIMEOUT)
+    return dist.new_group(ranks, **kwargs)
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              ranks_per_node: int | None = None) -> None:
-    """Create all process groups. Every rank must call this with the same arguments."""
-    global _STATE
+                              ranks_per_node: int | None = None,
+                              timeout: datetime.timedelta | None = None) -> None:
+    """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
+    the same arguments."""
+    global _STATE, _GROUP_TIMEOUT
+    _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
@@ -116,7 +132,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
     for name, groups in layouts.items():
         for ranks in groups:
-            pg = dist.new_group(ranks) if world > 1 else None
+            pg = new_group(ranks) if world > 1 else None
             if rank in ranks:
                 state.groups[name] = pg
                 state.ranks[name] = ranks

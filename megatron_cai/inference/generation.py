@@ -20,7 +20,7 @@ from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer.self_attention import KVCache
-from ..training.checkpoint import CanonicalCheckpoint, load_canonical
+from ..training.checkpoint import CanonicalCheckpoint, load_any_canonical
 
 
 @dataclass
@@ -226,8 +226,9 @@ def model_from_canonical(ck: CanonicalCheckpoint, device: str | torch.device = "
 
 def load_model(root: str, step: int | None = None, device: str | torch.device = "cpu"
                ) -> tuple[GPTModel, CanonicalCheckpoint]:
-    """Load a checkpoint of any TP/PP layout as one single-process model (weights only)."""
-    ck = load_canonical(root, step, load_optimizer=False)
+    """Load a checkpoint of either format and any layout as one single-process model (weights only), its
+    files checked against their content hashes first."""
+    ck = load_any_canonical(root, step, load_optimizer=False)
     return model_from_canonical(ck, device), ck
 
 

@@ -25,6 +25,7 @@ from .config import (
     TokenizerConfig,
     TrainConfig,
     TrainingConfig,
+    flag_range_problems,
 )
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -128,7 +129,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl on CUDA, gloo on CPU (Megatron-LM: nccl; NCCL cannot run on CPU)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="every process group's collective timeout (fractions allowed); a rank that stops "
+                        "answering makes the others exit after this long")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
                         "set it to simulate nodes on one machine")
@@ -253,6 +256,13 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints in a background thread while training goes on; the tracker moves "
                         "once every rank's write has finished and verified (megatron_cai/training/"
                         "checkpoint/async_save.py)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let this run save iterations that --save already holds (another run's, or those after "
+                        "--ckpt-step): they are moved aside to iter_N.superseded-<time>, never deleted, and the "
+                        "tracker moves only once the new save is complete")
+    g.add_argument("--allow-tokenizer-change", action="store_true",
+                   help="resume although the tokenizer's content differs from the one the checkpoint was saved "
+                        "with (by default an error; --finetune allows it too)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -606,6 +616,8 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
+        overwrite_checkpoints=args.overwrite_checkpoints,
+        allow_tokenizer_change=args.allow_tokenizer_change,
     )
 
 
@@ -661,6 +673,9 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     """
     flags = args
     problems = FlagProblems()
+    for message in flag_range_problems(flags):
+        problems.invalid(message)
+    problems.raise_if_any()  # values out of range first: the checks below would trip over them
     args = resolve_megatron_flags(flags, problems)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     check_flags(args, vocab, problems)

@@ -3,8 +3,8 @@
 A *known* error is one the user can act on: bad flags, bad data, a bad or incompatible checkpoint, an
 impossible parallel layout, a diverged run. Every such class of ``training/`` derives from
 :class:`UserError` (``ArgumentError``, ``CheckpointError``, ``ConversionError``, ``DataError``,
-``DivergenceError``); ``core/`` knows nothing of ``training/``, so its two (``IndexedDatasetError``,
-``ParallelLayoutError``) are named in :data:`KNOWN_ERRORS`. ``run_cli(main)`` wraps an entry point:
+``DivergenceError``); ``core/`` knows nothing of ``training/``, so its three (``IndexedDatasetError``,
+``ParallelLayoutError``, ``TreeFormatError``) are named in :data:`KNOWN_ERRORS`. ``run_cli(main)`` wraps an entry point:
 
 - an error every rank finds alike (flags, layout, data, divergence) is printed once, by rank 0;
 - an error only some ranks find (their own checkpoint file: ``RankLocalError``) is printed by each such
@@ -21,9 +21,12 @@ import sys
 from collections.abc import Callable
 
 from ..core.datasets.indexed_dataset import IndexedDatasetError
+from ..core.datasets.tree_format import TreeFormatError
 from ..core.parallel_state import ParallelLayoutError
 
 EXIT_KNOWN_ERROR = 2
+# Set by training.initialize once its heartbeats run: which rank stopped answering (for a timed-out collective).
+timeout_diagnosis: Callable[[], str] | None = None
 
 
 class UserError(Exception):
@@ -38,7 +41,7 @@ class DataError(UserError, ValueError):
     """The training data cannot be used as given (empty corpus, token ids outside the vocabulary)."""
 
 
-KNOWN_ERRORS: tuple[type[BaseException], ...] = (UserError, IndexedDatasetError, ParallelLayoutError)
+KNOWN_ERRORS: tuple[type[BaseException], ...] = (UserError, IndexedDatasetError, ParallelLayoutError, TreeFormatError)
 
 
 def current_rank() -> int:
@@ -90,6 +93,11 @@ def _peer_lost(exc: BaseException) -> bool:
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("Timed out", "timed out", "Timeout", "timeout"))
+
+
 def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KNOWN_ERRORS) -> int:
     """Run ``main``; a ``known`` error (or any :class:`UserError`) prints one line (see the module docstring)
     and returns 2.
@@ -102,6 +110,11 @@ def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KN
     except known + (UserError,) as e:
         return report_known_error(e)
     except RuntimeError as e:
+        if world_size() > 1 and _timed_out(e):
+            who = timeout_diagnosis() if timeout_diagnosis is not None else "the rank that stopped is not known"
+            safe_print(f"error: [rank {current_rank()}] a collective timed out (--distributed-timeout-minutes): "
+                       f"{who}; stopping ({str(e).splitlines()[0][-160:]})", file=sys.stderr)
+            return EXIT_KNOWN_ERROR
         if world_size() > 1 and _peer_lost(e):
             safe_print(f"[rank {current_rank()}] stopping: a peer rank exited ({str(e).splitlines()[0][:200]})",
                        file=sys.stderr)

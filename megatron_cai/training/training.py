@@ -42,7 +42,7 @@ from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.lse_stats import LseStatsCollector
 from . import divergence
 from .arguments import rebuild_for_world_size
-from .checkpoint import Checkpointer, check_run_dirs, iteration_dir, tp_layout
+from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .errors import DataError
@@ -179,7 +179,7 @@ class Trainer:
         self.config = config
         self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
         print_rank_0(format_config(config))
-        check_run_dirs(config.checkpoint.load, config.checkpoint.save, config.checkpoint.ckpt_step)
+        self.run_lock = open_run_dirs(config.checkpoint)  # collective: paths, the run lock, no overwrite
         model_cfg, run = config.model, config.training
         if model_cfg.qat.gemm_backend == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
@@ -216,6 +216,10 @@ class Trainer:
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
+        local = sum(p.numel() for m in chunks for p in m.parameters())
+        tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
+        warn_if_short_of_space(ckpt, local * tp_pp * (12 if ckpt.save_optim else 4))  # fp32 weights, Adam
+        self._saved_iteration: int | None = None  # the iteration saved (or started saving) last
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
                                          self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
@@ -228,6 +232,8 @@ class Trainer:
                 print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
                 self.divergence.last_good_checkpoint = iteration_dir(ckpt.load, self.state.iteration)
                 self.divergence.load_state_dict(counters)
+                if same_path(ckpt.load, ckpt.save):  # that iteration is saved already: never written again
+                    self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
         num_samples = self._num_samples()
@@ -412,8 +418,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- loop
     def save(self) -> None:
         """Save now (collective), unless the state is not finite: the checkpointer picks format and mode."""
-        if not self.config.checkpoint.save:
-            return
+        if not self.config.checkpoint.save or self._saved_iteration == self.state.iteration:
+            return  # the same iteration reached twice (a signal or --exit-interval on a save iteration)
         self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
         if self.checkpointer.asynchronous and not self.divergence.consecutive_skipped:
@@ -426,6 +432,7 @@ class Trainer:
             return
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
         path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model])
+        self._saved_iteration = self.state.iteration
         if path is None:  # --async-save: staged, written in the background, published by finalize_async_save
             print_rank_0(f" started an asynchronous save at iteration {self.state.iteration:7d} to "
                          f"{self.config.checkpoint.save}")
@@ -643,4 +650,8 @@ def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenize
                  f"on rank 0; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
                  f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
                  f"iteration; device {trainer.device.type}")
-    return trainer.train()
+    try:
+        return trainer.train()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()

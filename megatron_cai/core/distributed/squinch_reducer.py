@@ -154,7 +154,7 @@ class SquinchReducer(FeedbackReducer):
         ranks = tuple(dist.get_process_group_ranks(group))
         key = (id(dist.group.WORLD), ranks)
         if key not in _SECOND_GROUPS:
-            _SECOND_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+            _SECOND_GROUPS[key] = ps.new_group(list(ranks), use_local_synchronization=True)
         return _SECOND_GROUPS[key]
 
     def _groups(self) -> None:

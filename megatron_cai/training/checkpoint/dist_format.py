@@ -67,7 +67,8 @@ from .dcp_pieces import (
     row_sharded,
     save_pieces,
 )
-from .file_io import CheckpointError, payload_nbytes, write_json
+from .file_io import CheckpointError, FileHash, payload_nbytes, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     TORCH_DIST,
@@ -185,37 +186,39 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
 
 
 def write_metadata(tmp: str, iteration: int, train_config: TrainConfig, param_layout: dict, dp_kind: str,
-                   tokenizer_files: list[str] | None = None) -> None:
-    """metadata.json (and the tokenizer copy) of a torch_dist checkpoint; rank 0 only."""
+                   tokenizer_files: list[str] | None = None) -> dict[str, FileHash]:
+    """metadata.json (and the tokenizer copy) of a torch_dist checkpoint; rank 0 only. Their content hashes."""
     meta = run_metadata(iteration, train_config)
     meta.update({"ckpt_format": FORMAT, "data_parallel_kind": dp_kind, "param_layout": param_layout})
-    write_json(os.path.join(tmp, "metadata.json"), meta)
-    copy_tokenizer_files(tmp, tokenizer_files)
+    path = os.path.abspath(os.path.join(tmp, "metadata.json"))
+    return {path: write_json(path, meta), **copy_tokenizer_files(tmp, tokenizer_files)}
 
 
-def finish_save(root: str, iteration: int, tmp: str) -> str:
-    """Once every rank has written: rename ``tmp`` to ``iter_XXXXXXX`` and write the tracker (collective)."""
-    barrier()
+def finish_save(root: str, iteration: int, tmp: str, records: dict[str, FileHash], overwrite: bool = False) -> str:
+    """Once every rank has written: gather the content hashes to rank 0, which writes them, renames ``tmp``
+    to ``iter_XXXXXXX`` and writes the tracker (collective)."""
+    everyone = gather_records(records)
     if ps.get_rank() == 0:
         if not os.path.isfile(os.path.join(tmp, DCP_METADATA)):
             raise CheckpointError(f"{tmp} has no {DCP_METADATA} after the save: not publishing it")
-        publish(root, iteration)  # the same iteration saved again replaces it (as the torch format does)
+        publish(root, iteration, everyone, overwrite=overwrite)
     barrier()
     return iteration_dir(root, iteration)
 
 
 def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                          state: dict, param_layout: dict, *, reducer_states: list[dict] | None = None,
-                         save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+                         save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                         overwrite: bool = False) -> str:
     """Write a torch_dist checkpoint (collective); returns the iteration directory."""
     tmp = begin_save(root, iteration)
     sd = build_state_dict(model_chunks, optimizer, scheduler, train_config.model, state, param_layout,
                           reducer_states=reducer_states, save_optim=save_optim)
-    dcp_save(sd, tmp)
+    records = dcp_save(sd, tmp)
     if ps.get_rank() == 0:
-        write_metadata(tmp, iteration, train_config, param_layout, "fsdp2" if is_fsdp(model_chunks) else "ddp",
-                       tokenizer_files)
-    return finish_save(root, iteration, tmp)
+        records.update(write_metadata(tmp, iteration, train_config, param_layout,
+                                      "fsdp2" if is_fsdp(model_chunks) else "ddp", tokenizer_files))
+    return finish_save(root, iteration, tmp, records, overwrite)
 
 
 # ------------------------------------------------------------------------------------------- load

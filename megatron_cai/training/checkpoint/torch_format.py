@@ -31,7 +31,8 @@ from ...core.models.gpt.config import GPTConfig
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
 from ..errors import safe_print
-from .file_io import CheckpointError, load_torch, save_torch, write_json
+from .file_io import CheckpointError, FileHash, load_torch, save_torch, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     check_version_and_architecture,
@@ -73,6 +74,7 @@ class StagedCheckpoint(IterationPaths):
     files: dict[str, Any]                       # path -> object for torch.save
     meta: dict | None = None                    # metadata.json (rank 0)
     tokenizer_files: list[str] = field(default_factory=list)
+    overwrite: bool = False                     # --overwrite-checkpoints: an existing iteration is moved aside
 
 
 def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
@@ -117,32 +119,40 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     return staged
 
 
-def write_staged(staged: StagedCheckpoint) -> None:
-    """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread)."""
+def write_staged(staged: StagedCheckpoint) -> dict[str, FileHash]:
+    """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread).
+    Returns their content hashes, computed as they were written (:mod:`.integrity`)."""
+    records = {}
     for path, obj in staged.files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
+        # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
+        records[os.path.abspath(path)] = save_torch(obj, path)
     if staged.meta is not None:
-        write_json(os.path.join(staged.tmp, "metadata.json"), staged.meta)
-        copy_tokenizer_files(staged.tmp, staged.tokenizer_files)
+        meta_path = os.path.join(staged.tmp, "metadata.json")
+        records[os.path.abspath(meta_path)] = write_json(meta_path, staged.meta)
+        records.update(copy_tokenizer_files(staged.tmp, staged.tokenizer_files))
+    return records
 
 
-def finalize_staged(staged: StagedCheckpoint) -> str:
-    """Rank 0, once every rank's write has finished: rename ``.tmp`` into place, then move the tracker."""
+def finalize_staged(staged: StagedCheckpoint, records: dict[str, FileHash]) -> str:
+    """Collective, once every rank's write has finished: gather the content hashes to rank 0, which writes
+    them, renames ``.tmp`` into place and then moves the tracker."""
+    everyone = gather_records(records)
     if ps.get_rank() == 0:
-        publish(staged.root, staged.iteration)
+        publish(staged.root, staged.iteration, everyone, overwrite=staged.overwrite)
     return staged.final
 
 
 def save_torch_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                     state: dict, reducer_states: list[dict] | None = None,
-                    save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+                    save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                    overwrite: bool = False) -> str:
     """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
     staged = stage_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config, state,
                               reducer_states, save_optim, tokenizer_files)
-    write_staged(staged)
-    barrier()
-    final = finalize_staged(staged)
+    staged.overwrite = overwrite
+    records = write_staged(staged)
+    final = finalize_staged(staged, records)
     barrier()
     return final
 

@@ -106,15 +106,6 @@ def assert_resumes_bit_exactly(root: str, iteration: int, base: str, tmp_path) -
     assert_same_state(rank_file(out, FINAL), rank_file(base, FINAL))
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> str:
-    root = str(tmp_path_factory.mktemp("base") / "ckpt")
-    proc = run([*BASE, "--save", root, "--save-interval", "1"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert tracker(root) == FINAL
-    return root
-
-
 def copy_run(base: str, tmp_path, upto: int) -> str:
     """A copy of the base run's checkpoints 1..upto, tracker on ``upto``."""
     dst = str(tmp_path / "run")
