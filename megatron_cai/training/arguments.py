@@ -99,6 +99,10 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (layout TP, CP, DP, PP as Megatron-LM's; "
+                        "gradients reduce over DP x CP); attention moves and computes only the key/value "
+                        "chunks some query can see (docs/context-parallel.md)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
@@ -486,18 +490,18 @@ class _Layout:
     """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
 
     def __init__(self, args: argparse.Namespace, world_size: int) -> None:
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         if world_size < 1:
             raise ArgumentError(f"the world size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        dp_guess = max(world_size // max(tp * pp, 1), 1)
+        dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
         self.global_batch_size = args.global_batch_size or args.micro_batch_size * dp_guess
         try:
             self.data_parallel_size = check_layout(
                 world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                 num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
-                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, cp=cp)
         except ParallelLayoutError as e:
             raise ArgumentError(str(e)) from None
         self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
@@ -584,6 +588,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         world_size=layout.world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         data_parallel_size=layout.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -818,6 +823,7 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
     tp = args.tensor_model_parallel_size
     if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
         raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
+    _check_context_parallel(args)
     problem = startup_checks.position_limit(args.seq_length, args.max_position_embeddings)
     if problem:  # as Megatron: checked at start-up for every position embedding type
         raise ArgumentError(problem)
@@ -855,3 +861,25 @@ def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
                                 "--transformer-impl local for fake-quantized FP8 QAT")
         if args.device == "cpu":
             raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")
+
+
+def _check_context_parallel(args: argparse.Namespace) -> None:
+    """What --context-parallel-size > 1 needs from the other flags."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp < 1:
+        raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp) != 0:
+        raise ArgumentError(f"--context-parallel-size {cp} needs --seq-length {args.seq_length} divisible by "
+                            f"2 x CP = {2 * cp} (the sequence is cut into 2 x CP chunks or more)")
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp != 0:
+        raise ArgumentError(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = "
+                            f"{args.seq_length // cp} divisible by TP {tp}")
+    if args.attention_dropout > 0:
+        raise ArgumentError(f"--context-parallel-size {cp} needs --attention-dropout 0 (got {args.attention_dropout}):"
+                            f" attention dropout runs only the dense single-rank path")
+    backend = attention_backend_for(args.attention_backend)
+    if backend == "flex":
+        raise ArgumentError(f"--attention-backend flex does not run with --context-parallel-size {cp}: use triton "
+                            f"(CUDA) or blocked (CPU), or leave it unset")

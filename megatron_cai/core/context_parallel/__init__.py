@@ -13,7 +13,8 @@ moves and computes only what some query can see.
 
 The scheme is described in docs/context-parallel.md.
 """
-from .batch import ContextParallelVisibility, shard_batch
+from .batch import ContextParallelVisibility, get_batch_on_this_cp_rank, shard_batch
 from .split import SequenceSplit, balanced_split, zigzag_split
 
-__all__ = ["ContextParallelVisibility", "SequenceSplit", "balanced_split", "shard_batch", "zigzag_split"]
+__all__ = ["ContextParallelVisibility", "SequenceSplit", "balanced_split", "get_batch_on_this_cp_rank",
+           "shard_batch", "zigzag_split"]

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import parallel_state as ps
 from .attention import context_parallel_attention
 from .exchange import CommStats, Peers
 from .plan import RankPlan, build_rank_plan
 from .split import SequenceSplit, balanced_split, zigzag_split
 
-__all__ = ["ContextParallelVisibility", "shard_batch", "PER_TOKEN_KEYS"]
+__all__ = ["ContextParallelVisibility", "PER_TOKEN_KEYS", "get_batch_on_this_cp_rank", "shard_batch", "split_for"]
 
 # Per-token tensors sliced like the tokens (besides tokens, position_ids, labels and loss_mask).
 PER_TOKEN_KEYS = ("distill_ids", "distill_logits", "distill_kappa", "distill_lse")
@@ -127,3 +128,13 @@ def shard_batch(batch: dict, rank: int, cp_size: int, peers: Peers) -> dict:
         local["loss_normalizer"] = batch["loss_mask"].float().sum().clamp(min=1.0) / cp_size
     local["visibility"] = ContextParallelVisibility(split, rank, peers, start, limit, pos)
     return local
+
+
+def get_batch_on_this_cp_rank(batch: dict) -> dict:
+    """Megatron-LM's name: this rank's share of ``batch`` under ``parallel_state``'s CP group (the batch
+    itself when CP is 1)."""
+    cp = ps.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    peers = Peers(ps.get_context_parallel_group(), tuple(ps.get_context_parallel_global_ranks()))
+    return shard_batch(batch, ps.get_context_parallel_rank(), cp, peers)
