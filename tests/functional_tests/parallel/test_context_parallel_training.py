@@ -2,7 +2,8 @@
 to 1e-5 in fp32, 5 iterations) on plain causal, packed-document (--reset-attention-mask) and packed-tree
 data, with Attention Z-Reg and with a sliding window; also TP2 x CP2 (sequence parallel), PP2 x CP2
 interleaved, FSDP2 over DP x CP, --calculate-per-token-loss, and Squinch over DP x CP (the CP ranks inside
-a node: exact within the node; with Squinch across nodes, close)."""
+a node: exact within the node; with Squinch across nodes, close); the per-layer attention lse statistics
+in TensorBoard are the single process's."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,8 @@ BASE = TINY_MODEL + SEQ + ["--micro-batch-size", "2", "--global-batch-size", "4"
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 VARIANTS = {"zreg": ["--attention-zreg-coeff", "0.1"], "window": ["--window-size", "5"]}
 CP = ["--context-parallel-size"]
+LSE_LOGGED = ("ref/trees/zreg", "cp4/trees/zreg")
+NO_DATA = {"causal": [], "docs": [], "trees": [], "tb": ["tb"]}
 
 
 def _tree(rng: random.Random, depth: int = 0) -> dict:
@@ -49,6 +52,7 @@ def _corpora(tmp) -> dict[str, list[str]]:
                    log=lambda m: None, tree=tree)
         out[name] = ["--data-path", str(tmp / f"{name}_text_document")]
     out["causal"] = ["--mock-data"]
+    out["tb"] = [str(tmp / "tb")]
     return out
 
 
@@ -77,6 +81,9 @@ def _configs(data: dict[str, list[str]]) -> dict[str, tuple[int, list[str]]]:
     # ... and two nodes of one CP pair each: exact sum inside the node, 6-bit Squinch across nodes
     cfg["squinch_two_nodes_dp2cp2/causal/zreg"] = (4, data["causal"] + VARIANTS["zreg"] + CP + [
         "2", "--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"])
+    for name in LSE_LOGGED:  # every iteration's per-layer lse statistics to TensorBoard
+        size, flags = cfg[name]
+        cfg[name] = (size, flags + ["--log-interval", "1", "--tensorboard-dir", f"{data['tb'][0]}/{name}"])
     return cfg
 
 
@@ -94,7 +101,7 @@ def _worker(rank, world, data, names):
 def runs(tmp_path_factory):
     data = _corpora(tmp_path_factory.mktemp("cp_corpora"))
     configs = _configs(data)
-    results = {}
+    results = {"tb": data["tb"][0]}
     for world in (1, 2, 4):
         mine = [n for n, (size, _) in configs.items() if size == world]
         per_rank = run_distributed(_worker, world, (data, mine), timeout=1800)
@@ -110,7 +117,7 @@ def _assert_same(got: list[dict], ref: list[dict], rel: float = 1e-5) -> None:
             assert a[key] == pytest.approx(b[key], rel=rel), f"iteration {i + 1} {key}: {a[key]} vs {b[key]}"
 
 
-EXACT = [n for n in _configs({"causal": [], "docs": [], "trees": []})
+EXACT = [n for n in _configs(NO_DATA)
          if not n.startswith(("ref/", "squinch_two_nodes"))]
 
 
@@ -124,3 +131,21 @@ def test_squinch_across_nodes_stays_close(runs):
     got, ref = runs["squinch_two_nodes_dp2cp2/causal/zreg"], runs["ref/causal/zreg"]
     _assert_same(got, ref, rel=5e-2)
     assert any(a["grad norm"] != pytest.approx(b["grad norm"], rel=1e-6) for a, b in zip(got, ref))
+
+
+def _lse_scalars(tb_dir: str) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    tags = [tag for tag in acc.Tags()["scalars"] if tag.startswith("attention-lse")]
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in tags}
+
+
+def test_per_layer_lse_statistics_match_single_process(runs):
+    ref, got = (_lse_scalars(f"{runs['tb']}/{name}") for name in LSE_LOGGED)
+    assert len(ref) == 8  # mean and max of every layer
+    assert set(got) == set(ref)
+    for tag, values in ref.items():
+        assert len(values) == 5
+        assert got[tag] == pytest.approx(values, rel=1e-5), tag
