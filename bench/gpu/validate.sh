@@ -28,7 +28,7 @@ if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1
   OUT_DIR="${OUT_DIR:-${TMPDIR:-/tmp}/megatron_cai_gpu_dryrun}"
   STEP_ARGS="--dry-run"
-  PYTEST_TARGETS="tests/unit_tests/test_squinch_triton.py tests/unit_tests/test_qat_linear.py"
+  PYTEST_TARGETS="tests/unit_tests/squinch/test_squinch_triton.py tests/unit_tests/quantization/test_qat_linear.py"
   SCALE=4  # the limits are sized for the GPU run; the interpreter on a shared CPU gets 4x
 else
   OUT_DIR="${OUT_DIR:-$ROOT/bench/results}"

@@ -10,8 +10,8 @@ import json
 import random
 
 import pytest
-from dist_utils import run_distributed
-from train_utils import TINY_MODEL, last_stage_history, train
+from testlib.distributed import run_distributed
+from testlib.train import TINY_MODEL, last_stage_history, train
 
 SEQ = ["--seq-length", "32", "--max-position-embeddings", "32"]
 BASE = TINY_MODEL + SEQ + ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "5",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from testlib.distributed import run_distributed
 
 from megatron_cai.core.transformer import visibility_layouts as V
 

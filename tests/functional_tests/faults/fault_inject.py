@@ -1,0 +1,100 @@
+"""Run pretrain_gpt.py with a fault injected (for tests/functional_tests/faults/test_faults.py).
+
+    FAULT_NAN_LOSS_FROM=K   the loss is NaN from iteration K on (FAULT_NAN_ONCE=1: at iteration K only;
+                            FAULT_NAN_RANK=r: on global rank r only)
+    FAULT_ENOSPC=SUBSTR     torch.save of a path containing SUBSTR writes 4 KiB, then fails with ENOSPC
+    FAULT_HANG_SAVE=SUBSTR  torch.save of such a path writes 4 KiB, prints "FAULT: saving" and sleeps (kill -9 it);
+                            so does torch.distributed.checkpoint.save into such a directory (a partial .distcp)
+    FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
+                            (default 3), then saves
+    FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
+
+    python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
+"""
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
+from megatron_cai.training import training  # noqa: E402
+
+
+def _partial_write_then(path, action) -> None:
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04" + b"\0" * 4092)
+    action()
+
+
+def install() -> None:
+    env = os.environ
+    real_save = torch.save
+    nan_state = {"on": False}
+
+    def faulty_save(obj, f, *args, **kwargs):
+        name = str(f)
+        if env.get("FAULT_ENOSPC") and env["FAULT_ENOSPC"] in name:
+            def fail():
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return _partial_write_then(name, fail)
+        if env.get("FAULT_HANG_SAVE") and env["FAULT_HANG_SAVE"] in name:
+            def hang():
+                print(f"FAULT: saving {name}", file=sys.stderr, flush=True)
+                time.sleep(600)
+            return _partial_write_then(name, hang)
+        if env.get("FAULT_SLOW_SAVE") and env["FAULT_SLOW_SAVE"] in name:
+            print(f"FAULT: slow saving {name}", file=sys.stderr, flush=True)
+            time.sleep(float(env.get("FAULT_SLOW_SAVE_SECONDS", "3")))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = faulty_save
+    import torch.distributed.checkpoint as dcp
+
+    real_dcp_save = dcp.save
+
+    def faulty_dcp_save(state_dict, *args, checkpoint_id=None, **kwargs):
+        if env.get("FAULT_HANG_SAVE") and env["FAULT_HANG_SAVE"] in str(checkpoint_id):
+            def hang():
+                print(f"FAULT: saving {checkpoint_id}", file=sys.stderr, flush=True)
+                time.sleep(600)
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            return _partial_write_then(os.path.join(str(checkpoint_id), f"__{rank}_0.distcp"), hang)
+        return real_dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+    dcp.save = faulty_dcp_save
+
+    real_step = training.Trainer.train_step
+
+    def train_step(self):
+        it = self.state.iteration + 1
+        start = int(env.get("FAULT_NAN_LOSS_FROM", "0") or 0)
+        rank_ok = env.get("FAULT_NAN_RANK") in (None, "", str(torch.distributed.get_rank()
+                                                             if torch.distributed.is_initialized() else 0))
+        nan_state["on"] = bool(start) and rank_ok and (it == start if env.get("FAULT_NAN_ONCE") else it >= start)
+        if env.get("FAULT_ITER_SLEEP"):
+            time.sleep(float(env["FAULT_ITER_SLEEP"]))
+        return real_step(self)
+
+    training.Trainer.train_step = train_step
+    real_loss = pretrain_gpt.loss_func
+
+    def loss_func(loss_mask, output):
+        loss, stats = real_loss(loss_mask, output)
+        if nan_state["on"]:
+            loss = loss * float("nan")
+            stats = {"lm loss": loss.detach()}
+        return loss, stats
+
+    pretrain_gpt.loss_func = loss_func
+
+
+if __name__ == "__main__":
+    install()
+    sys.exit(pretrain_gpt.main(sys.argv[1:]))

@@ -1,0 +1,33 @@
+"""--decoupled-lr: the input embedding and output layer step at their own rate (Adam's first step moves each
+element by about the learning rate, so the largest change per parameter reads off the rate it got)."""
+import pytest
+from testlib.distributed import run_distributed
+from testlib.train import TINY_MODEL, train
+
+ARGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+                     "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "0", "--log-interval",
+                     "100", "--eval-interval", "0", "--eval-iters", "0", "--train-iters", "1"]
+
+
+def _worker(rank, world_size, argv):
+    box = {}
+
+    def hook(trainer):
+        box["trainer"] = trainer
+        box["before"] = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+
+    train(argv, world_size, trainer_hook=hook)
+    after = dict(box["trainer"].model[0].module.named_parameters())
+    return {n: (after[n].detach() - b).abs().max().item() for n, b in box["before"].items()}
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_embedding_and_output_use_decoupled_lr(untie):
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    change = run_distributed(_worker, 1, (ARGS + extra + ["--decoupled-lr", "4e-3"],))[0]
+    special = [n for n in change if "word_embeddings" in n or "output_layer" in n]
+    assert len(special) == (2 if untie else 1)
+    for n, d in change.items():
+        assert d == pytest.approx(4e-3 if n in special else 1e-3, rel=1e-2), n
+    plain = run_distributed(_worker, 1, (ARGS + extra,))[0]
+    assert all(d == pytest.approx(1e-3, rel=1e-2) for d in plain.values())

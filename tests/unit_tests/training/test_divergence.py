@@ -1,0 +1,88 @@
+"""The divergence monitor: the bound on consecutive skipped iterations, loss spikes, refusing to save
+non-finite state, its checkpointed state, and the flags with Megatron-LM's defaults."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_cai.core.distributed.config import DDPConfig
+from megatron_cai.core.distributed.ddp import DistributedDataParallel
+from megatron_cai.core.distributed.reducers import AllReduceReducer
+from megatron_cai.training.divergence import DivergenceConfig, DivergenceError, DivergenceMonitor
+
+CPU = torch.device("cpu")
+
+
+
+def test_monitor_raises_at_the_bound_with_loss_and_checkpoint():
+    m = DivergenceMonitor(DivergenceConfig(max_consecutive_skipped_iterations=3), CPU, "ck/iter_0000002")
+    m.observe(1, {"lm loss": 2.5}, skipped=False)
+    m.observe(2, {"lm loss": 2.25}, skipped=False)
+    m.observe(3, {"lm loss": float("nan")}, skipped=True)
+    m.observe(4, {}, skipped=True)
+    m.observe(5, {"lm loss": 2.0}, skipped=False)  # a finite step resets the run of skips
+    m.observe(6, {}, skipped=True)
+    m.observe(7, {}, skipped=True)
+    with pytest.raises(DivergenceError) as e:
+        m.observe(8, {}, skipped=True)
+    msg = str(e.value)
+    assert "iteration 8" in msg and "3 consecutive" in msg
+    assert "last finite lm loss 2.000000E+00 at iteration 5" in msg and "ck/iter_0000002" in msg
+
+
+def test_monitor_without_check_or_bound_never_raises():
+    for cfg in (DivergenceConfig(check_for_nan_in_loss_and_grad=False), DivergenceConfig(0)):
+        m = DivergenceMonitor(cfg, CPU)
+        for i in range(50):
+            m.observe(i + 1, {}, skipped=True)
+
+
+def test_spike_detection_counts_losses_above_k_times_the_median():
+    m = DivergenceMonitor(DivergenceConfig(check_for_spiky_loss=True, spiky_loss_factor=3.0, spiky_loss_window=20),
+                          CPU)
+    losses = [2.0 + 0.01 * (i % 5) for i in range(15)] + [7.0, 2.0, 5.9, 6.1]
+    lines = [m.observe(i + 1, {"lm loss": v}, skipped=False) for i, v in enumerate(losses)]
+    median_before = [float(np.median(losses[max(0, i - 20):i])) if i else 0.0 for i in range(len(losses))]
+    expected = [i >= 10 and v > 3.0 * median_before[i] for i, v in enumerate(losses)]
+    assert [line is not None for line in lines] == expected
+    assert m.spikes == sum(expected) == 2
+    assert "loss spike" in lines[15] and "loss spikes so far: 1" in lines[15]
+
+
+def test_refuse_save_after_a_skip_or_with_non_finite_state():
+    model = DistributedDataParallel(torch.nn.Linear(3, 3), AllReduceReducer(None, 1), DDPConfig(), device=CPU)
+    m = DivergenceMonitor(DivergenceConfig(), CPU)
+    assert m.refuse_save([model], None) is None
+    m.observe(1, {}, skipped=True)
+    assert "non-finite" in m.refuse_save([model], None)
+    m.observe(2, {"lm loss": 1.0}, skipped=False)
+    with torch.no_grad():
+        model.module.weight[0, 0] = float("inf")
+    assert "non-finite values" in m.refuse_save([model], None)
+
+
+def test_divergence_state_round_trips():
+    m = DivergenceMonitor(DivergenceConfig(), CPU)
+    m.observe(7, {"lm loss": 3.5}, skipped=False)
+    other = DivergenceMonitor(DivergenceConfig(), CPU)
+    other.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert other.last_finite == (7, 3.5)
+
+
+def test_divergence_flags_have_megatron_defaults():
+    from megatron_cai.training.arguments import parse_config
+    from megatron_cai.training.config import ArgumentError
+
+    base = ["--mock-data", "--vocab-size", "64", "--train-iters", "1"]
+    div = parse_config(base, world_size=1).training.divergence
+    assert div == DivergenceConfig() and div.check_for_nan_in_loss_and_grad
+    assert div.max_consecutive_skipped_iterations == 10
+    off = parse_config(base + ["--no-check-for-nan-in-loss-and-grad", "--check-for-spiky-loss"], world_size=1)
+    assert not off.training.divergence.check_for_nan_in_loss_and_grad and off.training.divergence.check_for_spiky_loss
+    with pytest.raises(ArgumentError, match="max-consecutive-skipped-iterations"):
+        parse_config(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
+    with pytest.raises(ArgumentError, match="--seq-length 64 is larger than --max-position-embeddings 32"):
+        parse_config(base + ["--seq-length", "64", "--max-position-embeddings", "32"], world_size=1)
