@@ -3,7 +3,8 @@ to 1e-5 in fp32, 5 iterations) on plain causal, packed-document (--reset-attenti
 data, with Attention Z-Reg and with a sliding window; also TP2 x CP2 (sequence parallel), PP2 x CP2
 interleaved, FSDP2 over DP x CP, --calculate-per-token-loss, and Squinch over DP x CP (the CP ranks inside
 a node: exact within the node; with Squinch across nodes, close); the per-layer attention lse statistics
-in TensorBoard are the single process's."""
+in TensorBoard are the single process's; a torch_dist checkpoint saved at CP = 2 resumes at CP = 1 and
+CP = 4 with the next iterations of the uninterrupted run."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 VARIANTS = {"zreg": ["--attention-zreg-coeff", "0.1"], "window": ["--window-size", "5"]}
 CP = ["--context-parallel-size"]
 LSE_LOGGED = ("ref/trees/zreg", "cp4/trees/zreg")
-NO_DATA = {"causal": [], "docs": [], "trees": [], "tb": ["tb"]}
+NO_DATA = {"causal": [], "docs": [], "trees": [], "tb": ["tb"], "ckpt": ["ckpt"]}
 
 
 def _tree(rng: random.Random, depth: int = 0) -> dict:
@@ -53,6 +54,7 @@ def _corpora(tmp) -> dict[str, list[str]]:
         out[name] = ["--data-path", str(tmp / f"{name}_text_document")]
     out["causal"] = ["--mock-data"]
     out["tb"] = [str(tmp / "tb")]
+    out["ckpt"] = [str(tmp / "ckpt")]
     return out
 
 
@@ -81,6 +83,15 @@ def _configs(data: dict[str, list[str]]) -> dict[str, tuple[int, list[str]]]:
     # ... and two nodes of one CP pair each: exact sum inside the node, 6-bit Squinch across nodes
     cfg["squinch_two_nodes_dp2cp2/causal/zreg"] = (4, data["causal"] + VARIANTS["zreg"] + CP + [
         "2", "--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"])
+    resume = data["trees"] + VARIANTS["zreg"] + VARIANTS["window"] + ["--train-iters", "6", "--ckpt-format",
+                                                                      "torch_dist"]
+    cfg["ckpt/uninterrupted_cp2"] = (2, resume + CP + ["2"])
+    cfg["ckpt/save_cp2"] = (2, resume + CP + ["2", "--save", data["ckpt"][0], "--exit-interval", "3"])
+    for cp in (1, 4):  # after ckpt/save_cp2 (the world-2 runs go first)
+        cfg[f"ckpt/resume_cp{cp}"] = (cp, resume + CP + [str(cp), "--load", data["ckpt"][0]])
+    torch_dir = data["ckpt"][0] + "_torch"  # the torch format at CP 2: one file set per DP x CP rank
+    cfg["ckpt/save_cp2_torch"] = (2, resume[:-2] + CP + ["2", "--save", torch_dir, "--exit-interval", "3"])
+    cfg["ckpt/resume_cp2_torch"] = (2, resume[:-2] + CP + ["2", "--load", torch_dir])
     for name in LSE_LOGGED:  # every iteration's per-layer lse statistics to TensorBoard
         size, flags = cfg[name]
         cfg[name] = (size, flags + ["--log-interval", "1", "--tensorboard-dir", f"{data['tb'][0]}/{name}"])
@@ -102,7 +113,7 @@ def runs(tmp_path_factory):
     data = _corpora(tmp_path_factory.mktemp("cp_corpora"))
     configs = _configs(data)
     results = {"tb": data["tb"][0]}
-    for world in (1, 2, 4):
+    for world in (2, 1, 4):  # CP 2 first: the checkpoint it saves is resumed at CP 1 and 4
         mine = [n for n, (size, _) in configs.items() if size == world]
         per_rank = run_distributed(_worker, world, (data, mine), timeout=1800)
         for name in mine:
@@ -118,7 +129,7 @@ def _assert_same(got: list[dict], ref: list[dict], rel: float = 1e-5) -> None:
 
 
 EXACT = [n for n in _configs(NO_DATA)
-         if not n.startswith(("ref/", "squinch_two_nodes"))]
+         if not n.startswith(("ref/", "squinch_two_nodes", "ckpt/"))]
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -149,3 +160,14 @@ def test_per_layer_lse_statistics_match_single_process(runs):
     for tag, values in ref.items():
         assert len(values) == 5
         assert got[tag] == pytest.approx(values, rel=1e-5), tag
+
+
+@pytest.mark.parametrize("resume", ["resume_cp1", "resume_cp4", "resume_cp2_torch"])
+def test_checkpoint_saved_at_cp2_resumes(runs, resume):
+    """torch_dist at CP 1 and 4 (another layout), and the torch format at CP 2."""
+    whole, resumed = runs["ckpt/uninterrupted_cp2"], runs[f"ckpt/{resume}"]
+    assert len(runs["ckpt/save_cp2"]) == len(runs["ckpt/save_cp2_torch"]) == 3
+    assert len(whole) == 6 and len(resumed) == 3
+    for i, (a, b) in enumerate(zip(resumed, whole[3:])):
+        for key in ("lm loss", "grad norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), f"iteration {i + 4} {key}: {a[key]} vs {b[key]}"
