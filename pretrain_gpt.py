@@ -54,7 +54,9 @@ def forward_step(data_iterator, model, distiller=None):
         return distiller.forward(model, batch, visibility)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility,
                    label_positions=batch.get("label_positions"))  # tree data: predictions across branches
-    return output, functools.partial(loss_func, batch["loss_mask"], normalizer=batch.get("loss_normalizer"))
+    if "loss_normalizer" in batch:  # context parallelism: this rank's share of the sequence's mean
+        return output, functools.partial(loss_func, batch["loss_mask"], normalizer=batch["loss_normalizer"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
 
 
 def build_tokenizer_from_args(args):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .split import SequenceSplit
+from .split import SequenceSplit, interval_needs
 
 __all__ = ["KeySetPlan", "RankPlan", "build_rank_plan", "needed_keys"]
 
@@ -71,13 +71,6 @@ class RankPlan:
     steps: list[KeySetPlan]
 
 
-def _query_counts(split: SequenceSplit, device) -> torch.Tensor:
-    """``[CP, T + 1]``: entry [r, x] = how many of rank r's queries lie before position x."""
-    owner = split.owner_of_token.to(device)
-    member = owner.unsqueeze(0) == torch.arange(split.cp_size, device=device).unsqueeze(1)
-    return torch.nn.functional.pad(member.to(torch.int64).cumsum(-1), (1, 0))
-
-
 def _window_ok(split: SequenceSplit, rank: int, start, limit, pos, window: int) -> torch.Tensor:
     """``[B, T]``: some query block of ``rank`` overlapping key j's interval is within the window of j."""
     idx = split.token_index(rank).to(start.device)
@@ -100,19 +93,14 @@ def _window_ok(split: SequenceSplit, rank: int, start, limit, pos, window: int) 
 def needed_keys(split: SequenceSplit, start: torch.Tensor, limit: torch.Tensor, *, window: int | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``[CP, B, T]`` bool: rank r needs key j from the rank that holds it (never its own keys)."""
-    seq = split.seq_length
-    counts = _query_counts(split, start.device)  # [CP, T + 1]
-    s = start.to(torch.int64).clamp(0, seq)
-    lim = limit.to(torch.int64).clamp(0, seq)
-    cp, bsz = split.cp_size, start.shape[0]
-    c = counts.unsqueeze(1).expand(cp, bsz, seq + 1)
-    need = c.gather(-1, lim.unsqueeze(0).expand(cp, bsz, seq)) > c.gather(-1, s.unsqueeze(0).expand(cp, bsz, seq))
-    owner = split.owner_of_token.to(start.device)
-    need &= owner.view(1, 1, -1) != torch.arange(cp, device=start.device).view(-1, 1, 1)
+    need = interval_needs(split, start, limit)
     if window is not None:
+        seq, bsz = split.seq_length, start.shape[0]
+        s = start.to(torch.int64).clamp(0, seq)
+        lim = limit.to(torch.int64).clamp(0, seq)
         pos = position_ids.to(torch.int64) if position_ids is not None else \
             torch.arange(seq, device=start.device).expand(bsz, seq)
-        for r in range(cp):
+        for r in range(split.cp_size):
             need[r] &= _window_ok(split, r, s, lim, pos, window)
     return need
 

@@ -1,20 +1,23 @@
 """How one sequence is split over the context-parallel (CP) ranks: equal chunks, balanced by visible work.
 
-The sequence of ``T`` tokens is cut into ``C`` equal chunks (``C`` a multiple of ``2 * CP``); each CP rank
-owns ``C / CP`` of them and holds their tokens in sequence order, so every rank has ``T / CP`` tokens and
+The sequence of ``T`` tokens is cut into ``C`` equal chunks (``C`` a multiple of CP); each CP rank owns
+``C / CP`` of them and holds their tokens in sequence order, so every rank has ``T / CP`` tokens and
 every pipeline, sequence-parallel and batch shape stays uniform.
 
 *Work* is the number of visible (query, key) pairs of a query: for query i, the keys j with
 ``start[j] <= i < limit[j]`` (:func:`visible_keys_per_query`, O(T) from a difference array; a sliding
 window is not counted). Chunks are dealt to ranks by longest-processing-time with equal counts: in order
 of decreasing work (ties: the earlier chunk), each chunk goes to the least-loaded rank (ties: the lower
-rank) that still has room. With ``C = 2 * CP`` on a plain causal sequence this is exactly Megatron-LM's
+rank) that still has room. With ``C = 2 CP`` on a plain causal sequence this is exactly Megatron-LM's
 zig-zag (rank r owns chunks r and 2 CP - 1 - r, :func:`zigzag_split`), whose pairs carry equal work.
 
-:func:`balanced_split` tries ``C = 2 CP, 4 CP, 8 CP, ...`` (while chunks stay at least ``min_chunk``
-tokens) and keeps the first whose imbalance (max over mean of the ranks' work) is within ``tolerance``,
-else the most balanced: fewer, longer chunks cut fewer documents, so fewer keys cross ranks. The split
-is a deterministic function of the batch (summed over its rows): every CP rank computes the same one.
+:func:`balanced_split` scores the contiguous split (``C = CP``: the fewest documents cut) and the dealt
+splits with ``C = 2 CP, 4 CP, 8 CP, ...`` (while chunks stay at least ``min_chunk`` tokens): among those
+whose imbalance (max over mean of the ranks' work) is within ``tolerance``, it keeps the one whose busiest
+rank puts the fewest key rows on the wire (:func:`exchange_keys`; the fewest chunks on ties), else the
+most balanced. More, shorter chunks balance better but cut more documents, and every cut sends keys.
+The split is a deterministic function of the batch (summed over its rows): every CP rank computes the
+same one.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["SequenceSplit", "balanced_split", "imbalance", "rank_work", "visible_keys_per_query", "zigzag_split"]
+__all__ = ["SequenceSplit", "balanced_split", "exchange_keys", "imbalance", "interval_needs", "rank_work",
+           "visible_keys_per_query", "zigzag_split"]
 
 
 @dataclass(frozen=True)
@@ -127,22 +131,55 @@ def imbalance(loads: list[int]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def balanced_split(start: torch.Tensor, limit: torch.Tensor, cp_size: int, *, tolerance: float = 1.02,
+def _query_counts(split: SequenceSplit, device) -> torch.Tensor:
+    """``[CP, T + 1]``: entry [r, x] = how many of rank r's queries lie before position x."""
+    owner = split.owner_of_token.to(device)
+    member = owner.unsqueeze(0) == torch.arange(split.cp_size, device=device).unsqueeze(1)
+    return torch.nn.functional.pad(member.to(torch.int64).cumsum(-1), (1, 0))
+
+
+def interval_needs(split: SequenceSplit, start: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``[CP, B, T]`` bool: some query of rank r lies in ``[start[j], limit[j])`` and another rank holds key j
+    (exact; from a prefix count of each rank's queries, O(CP x B x T))."""
+    seq = split.seq_length
+    start, limit = start.reshape(-1, seq), limit.reshape(-1, seq)
+    counts = _query_counts(split, start.device)
+    s = start.to(torch.int64).clamp(0, seq)
+    lim = limit.to(torch.int64).clamp(0, seq)
+    cp, bsz = split.cp_size, start.shape[0]
+    c = counts.unsqueeze(1).expand(cp, bsz, seq + 1)
+    need = c.gather(-1, lim.unsqueeze(0).expand(cp, bsz, seq)) > c.gather(-1, s.unsqueeze(0).expand(cp, bsz, seq))
+    owner = split.owner_of_token.to(start.device)
+    return need & (owner.view(1, 1, -1) != torch.arange(cp, device=start.device).view(-1, 1, 1))
+
+
+def exchange_keys(split: SequenceSplit, start: torch.Tensor, limit: torch.Tensor) -> list[int]:
+    """Per rank, the key rows it puts on the wire for one attention call, forward and backward: the keys
+    others need (twice: forward, and again in backward) plus the dK/dV of the keys it received."""
+    need = interval_needs(split, start, limit)
+    owner = split.owner_of_token.to(need.device)
+    received = need.sum(dim=(1, 2))
+    sent = torch.stack([(need & (owner == r)).sum() for r in range(split.cp_size)])
+    return (2 * sent + received).tolist()
+
+
+def balanced_split(start: torch.Tensor, limit: torch.Tensor, cp_size: int, *, tolerance: float = 1.05,
                    min_chunk: int = 64) -> SequenceSplit:
     """The split of ``[T]`` or ``[B, T]`` intervals that balances visible pairs (module docstring)."""
     seq = start.shape[-1]
     if seq % (2 * cp_size) != 0:
         raise ValueError(f"seq_length {seq} must be divisible by 2 x context-parallel-size = {2 * cp_size}")
     work = visible_keys_per_query(start, limit).reshape(-1, seq).sum(0)
-    best: SequenceSplit | None = None
-    best_imb = float("inf")
+    candidates = [SequenceSplit(seq, cp_size, tuple(range(cp_size)))]  # contiguous: the fewest cut documents
     n = 2 * cp_size
     while True:
         chunk_work = work.view(n, seq // n).sum(-1).tolist()
-        split = SequenceSplit(seq, cp_size, _deal(chunk_work, cp_size))
-        imb = imbalance(rank_work(work, split))
-        if imb < best_imb - 1e-12:
-            best, best_imb = split, imb
-        if imb <= tolerance or seq % (2 * n) != 0 or seq // (2 * n) < min_chunk:
-            return best
+        candidates.append(SequenceSplit(seq, cp_size, _deal(chunk_work, cp_size)))
+        if seq % (2 * n) != 0 or seq // (2 * n) < min_chunk:
+            break
         n *= 2
+    scored = [(imbalance(rank_work(work, c)), c) for c in candidates]
+    balanced = [c for imb, c in scored if imb <= tolerance]
+    if not balanced:
+        return min(scored, key=lambda x: x[0])[1]
+    return min(balanced, key=lambda c: max(exchange_keys(c, start, limit)))  # first (fewest chunks) on ties
