@@ -99,12 +99,15 @@ def _configs(data: dict[str, list[str]]) -> dict[str, tuple[int, list[str]]]:
 
 
 def _worker(rank, world, data, names):
+    from megatron_cai.training.checkpoint.dist_format import this_rank_key
+
     configs = _configs(data)
     out = {}
     for name in names:
         size, flags = configs[name]
         assert size == world, name
         out[name] = train(BASE + flags, world)
+        out[name]["rank_key"] = this_rank_key()  # the key of this rank's RNG / reducer state in torch_dist
     return out
 
 
@@ -118,6 +121,7 @@ def runs(tmp_path_factory):
         per_rank = run_distributed(_worker, world, (data, mine), timeout=1800)
         for name in mine:
             results[name] = last_stage_history([r[name] for r in per_rank])
+            results["rank_keys/" + name] = [r[name]["rank_key"] for r in per_rank]
     return results
 
 
@@ -171,3 +175,10 @@ def test_checkpoint_saved_at_cp2_resumes(runs, resume):
     for i, (a, b) in enumerate(zip(resumed, whole[3:])):
         for key in ("lm loss", "grad norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5), f"iteration {i + 4} {key}: {a[key]} vs {b[key]}"
+
+
+def test_every_rank_keeps_its_own_state_key(runs):
+    """Per-rank checkpoint state is keyed by the DP x CP rank: no two ranks of a layout share a key."""
+    for name in ("cp4/docs/zreg", "tp2cp2_sp/docs/window", "pp2cp2_interleaved/trees/zreg", "fsdp2_dp2cp2/docs/zreg"):
+        keys = runs["rank_keys/" + name]
+        assert len(set(keys)) == len(keys) == 4, (name, keys)
