@@ -15,9 +15,8 @@ from megatron_cai.core.context_parallel import get_batch_on_this_cp_rank
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
-from megatron_cai.training.errors import run_cli
+from megatron_cai.training.errors import KNOWN_ERRORS, run_cli
 from megatron_cai.training.initialize import discover_env
-from megatron_cai.training.known_errors import KNOWN_ERRORS
 from megatron_cai.training.training import pretrain
 
 

@@ -44,7 +44,8 @@ def small_gpt_argv(*, layers: int, hidden: int, heads: int, seq: int, batch: int
 
     ``valid_batches``: the most validation batches any evaluation of the run reads (sizes the valid split).
     """
-    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+    argv = ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
             "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(batch),
             "--global-batch-size", str(batch), "--train-iters", str(iters), "--lr", str(lr),
             "--min-lr", str(lr / 10), "--lr-warmup-iters", str(max(1, iters // 10) if warmup is None else warmup),

@@ -45,7 +45,8 @@ WORK = "/tmp/megatron_cai_bench/checkpoint"
 
 
 def _argv(layers: int, hidden: int, heads: int, fmt: str, save: str) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+    return ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
             "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "1",
             "--global-batch-size", "1", "--train-iters", "100000", "--lr", "1e-4", "--lr-decay-style", "constant",
             "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",

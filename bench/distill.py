@@ -99,7 +99,8 @@ def prepare_data(cache: str, vocab: int, max_mb: float) -> tuple[str, str]:
 
 
 def model_flags(layers: int, hidden: int, heads: int) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
+    return ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
 
 
 def parse_log(text: str) -> list[dict]:

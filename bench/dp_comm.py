@@ -23,7 +23,8 @@ sys.path.insert(0, ROOT)
 
 from megatron_cai.testing.distributed import run_distributed  # noqa: E402
 
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+MODEL = ["--squared-relu",
+         "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
          "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--position-embedding-type", "rope", "--lr-decay-style", "cosine",

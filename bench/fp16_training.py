@@ -25,7 +25,8 @@ CONFIGS = {"bf16": ["--bf16"], "fp16": ["--fp16"]}
 
 
 def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
-    return ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
+    return ["--squared-relu",
+            "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
             str(opts.heads), "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
             "--train-iters", str(opts.iters), "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10),

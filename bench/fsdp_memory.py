@@ -31,7 +31,8 @@ sys.path.insert(0, ROOT)
 
 from megatron_cai.testing.distributed import run_distributed  # noqa: E402
 
-MODEL = ["--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
+MODEL = ["--squared-relu",
+         "--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "2048", "--make-vocab-size-divisible-by", "8",
          "--mock-data", "--micro-batch-size", "1", "--train-iters", "3", "--log-interval", "100",
          "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",

@@ -40,166 +40,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
-          "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
-          "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
-          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from _shaped_link import (  # noqa: E402  (the link, the runs over it and their row cache)
+    RowCache,
+    alternate,
+    drift_lines,
+    load,
+    paired_ratio,
+    run_job,
+    setup_link,
+    summary,
+    teardown_link,
+)
+from _shaped_link import link_name as _link_name  # noqa: E402
+from _shaped_link import rate_key as _rate_key  # noqa: E402
+
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
-    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
-    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
-    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+    "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--squared-relu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]
-NS = (("mcaiA", "mcaiA0", "10.211.0.1"), ("mcaiB", "mcaiB0", "10.211.0.2"))
-STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-BYTES_RE = re.compile(r"grad comm bytes: ([0-9]+)")
-PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
-
-
-# ----------------------------------------------------------------------------------------- the link
-def _sh(cmd: str) -> None:
-    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"`{cmd}` failed: {r.stderr.strip()}")
-
-
-def teardown_link() -> None:
-    for ns, _, _ in NS:
-        subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
-
-
-def setup_link(rate_mbit: float | None) -> None:
-    """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
-    teardown_link()
-    (a, da, ipa), (b, db, ipb) = NS
-    for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
-              f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
-              f"ip -n {a} addr add {ipa}/24 dev {da}", f"ip -n {b} addr add {ipb}/24 dev {db}",
-              f"ip -n {a} link set {da} up", f"ip -n {b} link set {db} up",
-              f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"):
-        _sh(c)
-    if rate_mbit is not None:
-        for ns, dev, _ in NS:
-            _sh(f"ip netns exec {ns} tc qdisc add dev {dev} root tbf rate {rate_mbit}mbit burst 64kb latency 2000ms")
-
-
-class _Ports:
-    def __init__(self) -> None:
-        self.port = 29800
-
-    def next(self) -> int:
-        self.port += 1
-        return self.port
-
-
-PORTS = _Ports()
-
-
-def run_job(flags: list[str], per_ns: int, steps: int, warmup: int, extra_env: dict | None = None) -> dict:
-    """One pretrain_gpt run, `per_ns` ranks in each namespace. Returns the median steady step time (s),
-    the per-iteration times, the gradient bytes per step and the parsed phase lines (if any)."""
-    world, port, procs = 2 * per_ns, PORTS.next(), []
-    for rank in range(world):
-        ns, dev, _ = NS[rank // per_ns]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2], "MASTER_PORT": str(port),
-                    "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})})
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "pretrain_gpt.py", *COMMON, *flags,
-               "--train-iters", str(warmup + steps)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outs = [p.communicate(timeout=3600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        bad = next(i for i, p in enumerate(procs) if p.returncode)
-        raise RuntimeError(f"rank {bad} of {' '.join(flags)} failed:\n{outs[bad][-3000:]}")
-    log = outs[-1]
-    ms = [float(x) for x in STEP_RE.findall(log)][warmup:]
-    if len(ms) < steps:
-        raise RuntimeError(f"expected {steps} steady iterations, parsed {len(ms)}:\n{log[-2000:]}")
-    phases: dict[str, list[float]] = {}
-    for block in log.split("gradient reduction phases")[1 + warmup:]:
-        for name, v in PHASE_RE.findall(block.split("\n iteration")[0]):
-            phases.setdefault(name, []).append(float(v))
-    nbytes = [int(x) for x in BYTES_RE.findall(log)]
-    return {"step_s": statistics.median(ms) / 1000.0, "steps_ms": ms, "bytes": nbytes[-1] if nbytes else 0,
-            "phases_ms": {k: statistics.median(v) for k, v in phases.items()}}
-
-
-WAIT_ENV = {"MEGATRON_CAI_SQUINCH_EARLY_STAGES": "0"}  # "before": later stages only in wait()
-
-
-def alternate(configs: dict[str, list[str]], per_ns: int, opts) -> dict:
-    """Run every configuration opts.repeats times, alternating between them; summarise each.
-    A label ending in "_wait" runs with the reducer's early stages switched off."""
-    runs: dict[str, list[dict]] = {k: [] for k in configs}
-    for _ in range(opts.repeats):
-        for label, flags in configs.items():
-            env = WAIT_ENV if label.endswith("_wait") else None
-            runs[label].append(run_job(flags, per_ns, opts.steps, opts.warmup, env))
-    return {label: _summary(rs) for label, rs in runs.items()}
-
-
-def _summary(rs: list[dict]) -> dict:
-    t = [r["step_s"] for r in rs]
-    med = statistics.median(t)
-    return {"median_s": med, "min_s": min(t), "max_s": max(t), "spread": (max(t) - min(t)) / med, "runs_s": t,
-            "bytes": rs[-1]["bytes"], "phases_ms": rs[len(rs) // 2]["phases_ms"]}
-
-
-def paired_ratio(res: dict, num: str, den: str) -> dict:
-    pairs = [a / b for a, b in zip(res[num]["runs_s"], res[den]["runs_s"])]
-    return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
-
-
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
-
-
-class RowCache:
-    """Finished configuration rows of one run id, on disk, so that a long run can resume.
-
-    A row's key names its part, model size, link rate and overlap; its bf16 and Squinch runs alternate
-    within the row, so rows measured in different quiet windows (or with other --rates/--sizes subsets)
-    combine into one run. Rows measured with other ``ROW_SETTINGS`` are not reused."""
-
-    def __init__(self, path: str, settings: dict, fresh: bool) -> None:
-        self.path, self.settings = path, json.dumps(settings, sort_keys=True)
-        self.rows: dict = {}
-        if os.path.exists(path) and not fresh:
-            with open(path) as f:
-                saved = json.load(f)
-            if saved.get("settings") == self.settings:
-                self.rows = saved["rows"]
-                print(f"resuming: {len(self.rows)} finished row(s) from {path}", flush=True)
-
-    def get(self, key: str, compute):
-        if key not in self.rows:
-            self.rows[key] = compute()
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path + ".tmp", "w") as f:
-                json.dump({"settings": self.settings, "rows": self.rows}, f)
-            os.replace(self.path + ".tmp", self.path)
-        return self.rows[key]
-
-
 ROWS: RowCache | None = None
-
-
-def _rate_key(rate: float | None) -> str:
-    return "unshaped" if rate is None else f"{rate:g}"  # 1000 and 1000.0 (from the command line) alike
 
 
 def cached(key: str, compute):
@@ -258,7 +126,7 @@ def quarter_row(opts, dp2: list[dict]) -> list[dict]:
                     setup_link(rate)
                     runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps,
                                                opts.warmup))
-            res = {label: _summary(rs) for label, rs in runs.items()}
+            res = {label: summary(rs) for label, rs in runs.items()}
             return {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
                     "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
         row = cached(f"quarter|{size}|{b_mbit:.6g}", measure)
@@ -302,10 +170,6 @@ def rows_from_cache(rows: dict, sizes: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _link_name(rate) -> str:
-    return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
-
-
 def _cell(r: dict) -> str:
     return f"{1000 * r['median_s']:.1f} [{1000 * r['min_s']:.1f}-{1000 * r['max_s']:.1f}]"
 
@@ -380,14 +244,7 @@ def ratios(res: dict) -> dict[str, float]:
 
 def compare(first: dict, second: dict, limit: float) -> list[str]:
     """Lines comparing two runs' ratios; the ones that moved by more than ``limit`` start with 'DRIFT'."""
-    a, b, lines = ratios(first), ratios(second), []
-    for name in sorted(set(a) & set(b)):
-        drift = abs(b[name] / a[name] - 1)
-        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
-                     f"({100 * drift:.1f}%)")
-    for name in sorted(set(a) ^ set(b)):
-        lines.append(f"DRIFT {name}: in one run only")
-    return lines
+    return drift_lines(ratios(first), ratios(second), limit)
 
 
 def main() -> None:

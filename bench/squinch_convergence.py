@@ -234,7 +234,8 @@ def main() -> None:
             key = f"{name}@{seed}"
             if key in results and results[key].get("iters") == opts.iters:
                 continue
-            base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
+            base = ["--data-path", data, "--tokenizer-model", tok, "--squared-relu", "--num-layers", "2",
+                    "--hidden-size", "128",
                     "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
                     "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3",
                     "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),

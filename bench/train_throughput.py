@@ -28,9 +28,11 @@ from megatron_cai.core.models.gpt.model import GPTModel  # noqa: E402
 from megatron_cai.training.training import Trainer  # noqa: E402
 
 CONFIGS = {
-    "small (4L, h192, seq128, mbs16)": ["--num-layers", "4", "--hidden-size", "192", "--num-attention-heads", "4",
+    "small (4L, h192, seq128, mbs16)": ["--squared-relu",
+                                        "--num-layers", "4", "--hidden-size", "192", "--num-attention-heads", "4",
                                         "--seq-length", "128", "--micro-batch-size", "16"],
-    "medium (6L, h256, seq256, mbs8)": ["--num-layers", "6", "--hidden-size", "256", "--num-attention-heads", "4",
+    "medium (6L, h256, seq256, mbs8)": ["--squared-relu",
+                                        "--num-layers", "6", "--hidden-size", "256", "--num-attention-heads", "4",
                                         "--seq-length", "256", "--micro-batch-size", "8"],
 }
 

@@ -37,7 +37,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def model_args(args, data: dict) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    return ["--squared-relu", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
             "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "cpu",
             "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs),

@@ -40,7 +40,7 @@ mkdir -p "$LOGS"
 TRAIN=(
   --data-path "$DATA/demo_text_document" --split 969,30,1
   --tokenizer-type SentencePieceTokenizer --tokenizer-model "$DATA/tok.model"
-  --num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --position-embedding-type rope
+  --num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --position-embedding-type rope --squared-relu
   --micro-batch-size 8 --global-batch-size 8 --train-iters "$ITERS"
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 --clip-grad 1.0
   --hidden-dropout 0 --attention-dropout 0

@@ -85,7 +85,7 @@ def main() -> None:
         ref_out = attend(qr, k, v, start, limit, backend="triton")
         ref_out.backward(do)
 
-        def full(qr=qr):
+        def full(qr=qr, k=k, v=v, start=start, limit=limit, do=do):
             attend(qr, k, v, start, limit, backend="triton").backward(do)
 
         t_full = time_fn(full, device, reps)["median_s"]
@@ -96,7 +96,8 @@ def main() -> None:
             out, dq = _rank_attention(sets, q[:, :, idx], do[:, :, idx])
             err_out = max(err_out, float((out - ref_out[:, :, idx].float()).abs().max()))
             err_dq = max(err_dq, float((dq - qr.grad[:, :, idx].float()).abs().max()))
-            per_rank.append(time_fn(lambda sets=sets, idx=idx: _rank_attention(sets, q[:, :, idx], do[:, :, idx]),
+            q_local, do_local = q[:, :, idx], do[:, :, idx]
+            per_rank.append(time_fn(lambda s=sets, ql=q_local, dl=do_local: _rank_attention(s, ql, dl),
                                     device, reps)["median_s"])
         mean = sum(per_rank) / CP
         rows.append({"batch": kind, "T": seq, "chunks": split.num_chunks, "CP=1 fwd+bwd ms": 1e3 * t_full,

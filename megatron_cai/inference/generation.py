@@ -131,6 +131,22 @@ def _supports_cache(config: GPTConfig) -> bool:
 
 
 # --------------------------------------------------------------------------------------- generate
+def generation_length(prompt_tokens: int, max_new_tokens: int, trained_context: int,
+                      max_position_embeddings: int | None, learned_positions: bool) -> tuple[str | None, str | None]:
+    """(error, warning) for generating ``max_new_tokens`` after a prompt of ``prompt_tokens`` tokens."""
+    if max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {max_new_tokens}", None
+    total = prompt_tokens + max_new_tokens
+    if learned_positions and max_position_embeddings is not None and total > max_position_embeddings:
+        return (f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} = {total} tokens exceeds "
+                f"the {max_position_embeddings} learned positions of this model"), None
+    if total > trained_context:
+        return None, (f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} = {total} tokens goes "
+                      f"past the trained context of {trained_context} tokens (the run's --seq-length): positions "
+                      f"beyond it were never trained, expect degraded text")
+    return None, None
+
+
 @torch.no_grad()
 def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int, *,
              tokenizer=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,

@@ -34,12 +34,13 @@ from ..core.num_microbatches_calculator import BatchRampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.optimizer.grad_scaler import LossScaleConfig
 from .divergence import DivergenceConfig
+from .errors import UserError
 
 __all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
            "TokenizerConfig", "TrainConfig", "TrainingConfig", "config_diff", "flatten", "format_config"]
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A flag value that cannot work; the message names the flag."""
 
 
@@ -75,6 +76,8 @@ class TrainingConfig:
     fp16: bool = False                        # fp16 autocast with loss scaling (fp32 master weights)
     loss_scale: LossScaleConfig | None = None  # the --fp16 loss scaler (None without --fp16)
     rampup_batch_size: BatchRampup | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    # --step-batch-size-schedule: (threshold in samples, global batch) pairs, from threshold 0
+    step_batch_size_schedule: tuple[tuple[int, int], ...] | None = None
     decrease_batch_size_if_needed: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -140,6 +143,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     eval_interval: int | None = None
     eval_iters: int = 100
+    eval_global_batch_size: int | None = None  # --eval-global-batch-size (None: the global batch)
     tensorboard_log_interval: int = 1
     tensorboard_queue_size: int = 1000
     log_throughput: bool = False
@@ -148,6 +152,9 @@ class LoggingConfig:
     log_validation_ppl_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
+    log_params_norm: bool = False             # --log-params-norm: params norm in the log line and TensorBoard
+    log_num_zeros_in_grad: bool = False       # --log-num-zeros-in-grad
+    log_memory_to_tensorboard: bool = False   # --log-memory-to-tensorboard: the mem-* tags
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
@@ -157,6 +164,8 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
     megatron_no_op_flags: list[str] = field(default_factory=list)  # given, accepted, without effect here
+    megatron_notes: list[str] = field(default_factory=list)  # one start-up line per Megatron-LM flag mapped
+    logging_level: int | None = None          # --logging-level: the Python root logger's level
 
 
 @dataclass

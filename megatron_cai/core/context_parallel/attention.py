@@ -27,7 +27,7 @@ from .exchange import CommStats, Peers, start_transfer
 from .kernels import chunk_attention
 from .plan import KeySetPlan, RankPlan
 
-__all__ = ["context_parallel_attention"]
+__all__ = ["context_parallel_attention", "lse_merge", "received_key_set"]
 
 _TAG_FORWARD, _TAG_REFETCH, _TAG_GRAD = 0, 1 << 12, 2 << 12
 
@@ -37,7 +37,7 @@ def _pack(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tens
     return x.permute(0, 2, 1, 3)[rows, cols]
 
 
-def _key_set(recv: torch.Tensor, step: KeySetPlan, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+def received_key_set(recv: torch.Tensor, step: KeySetPlan, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Received ``[2, n, H, D]`` K/V into ``[B, H, slots + n_local, D]`` key tensors (placeholders zero)."""
     _, _, heads, dim = recv.shape
     bsz = step.start.shape[0]
@@ -47,7 +47,10 @@ def _key_set(recv: torch.Tensor, step: KeySetPlan, n_local: int) -> tuple[torch.
     return kv[0], kv[1]
 
 
-def _merge(out, lse, o, part_lse):
+def lse_merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, part_lse: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a key set's ``(o, part_lse)`` into the running ``(out, lse)`` (rows with no visible key yet stay
+    at 0 and -inf, without NaN)."""
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     a = torch.exp(lse - safe).unsqueeze(-1)
@@ -85,10 +88,10 @@ class _ContextParallelAttention(torch.autograd.Function):
             pending = _fetch(peers, plan.steps[i + 1], k, v, _TAG_FORWARD + i + 1) if i + 1 < len(plan.steps) else None
             if recv is None:
                 continue
-            ks, vs = _key_set(recv, step, n_local)
+            ks, vs = received_key_set(recv, step, n_local)
             part = chunk_attention(backend, q, ks, vs, step.start, step.limit, window=window,
                                    position_ids=step.position_ids, block=block)
-            out, lse = _merge(out, lse, *part.forward())
+            out, lse = lse_merge(out, lse, *part.forward())
         n_rows = None
         if coeff:
             n_rows = torch.isfinite(lse).sum().to(torch.float64)
@@ -126,7 +129,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             pending = _fetch(peers, plan.steps[i + 1], k, v, _TAG_REFETCH + i + 1) if nxt else None
             grads = None
             if recv is not None:
-                ks, vs = _key_set(recv, step, n_local)
+                ks, vs = received_key_set(recv, step, n_local)
                 part = chunk_attention(backend, q, ks, vs, step.start, step.limit, window=window,
                                        position_ids=step.position_ids, block=ctx.block)
                 dq_s, dk_s, dv_s = part.backward(do, lse, delta)

@@ -32,9 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from .. import device as device_mod
 from .. import parallel_state as ps
 from .config import DDPConfig
-from .contracts import StatelessReducer
+from .contracts import NO_TIMERS
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
@@ -79,9 +80,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def build_dp_mesh(device: torch.device, hierarchical: bool = False) -> DeviceMesh:
     """The DP (x CP) dimension of a (PP, DP x CP, TP) mesh over parallel_state's existing process groups; with
     ``hierarchical`` (HSDP) those ranks on this node only (parallel_state's intra-node group)."""
-    if not dist.is_initialized():
-        raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun (a world of one works)")
     world = ps.get_world_size()
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun")
+        # a single process (plain python, or torchrun with one rank): FSDP2 still needs a process group
+        dist.init_process_group(device_mod.backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     if hierarchical and world > 1:
         return DeviceMesh.from_group(ps.get_data_parallel_intra_node_group(), device.type,
                                      mesh_dim_names=("dp_shard",))
@@ -192,9 +196,11 @@ class FullyShardedChunk(nn.Module):
         return self.reducer.bytes_sent
 
 
-class UnitReducers(StatelessReducer):
+class UnitReducers:
     """The reduce-scatter hooks of one chunk's ``fully_shard`` units, seen as one ``contracts.GradReducer``
     (bytes, skipped steps, state; no phase timers)."""
+
+    timers = NO_TIMERS
 
     def __init__(self, comms: dict[str, CountingReduceScatter]) -> None:
         self.comms = comms

@@ -101,6 +101,9 @@ class DistributedAdamW(GlobalNormClipping):
     def norm_grads(self):
         return (c.grad[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
 
+    def norm_params(self):
+        return (c.param[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
+
     def grad_device(self) -> torch.device:
         return self.model_chunks[0].buffer.param_data.device
 

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ...core import device as device_mod
 from ...core import parallel_state as ps
+from ...core.distributed.contracts import ModelChunk
 from ...core.models.gpt.config import GPTConfig
 from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.tensor_parallel.random import get_rng_tracker
@@ -87,12 +88,8 @@ RANK_STATE = "rank_state."
 
 
 # ------------------------------------------------------------------------------------ model access
-def is_fsdp(model_chunks) -> bool:
+def is_fsdp(model_chunks: list[ModelChunk]) -> bool:
     return model_chunks[0].data_parallel_kind == "fsdp2"
-
-
-def _module(m):
-    return getattr(m, "module", m)
 
 
 def _tied(config: GPTConfig) -> bool:
@@ -108,7 +105,7 @@ def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torc
     """(parameters, buffers) of this rank by global name: TP-local tensors, or FSDP2's DTensors."""
     params, buffers = {}, {}
     for m in model_chunks:
-        module = _module(m)
+        module = m.module
         names = {n for n, _ in module.named_parameters()}
         for n, p in module.named_parameters():
             params[n] = p.detach()
@@ -122,12 +119,12 @@ def optimizer_state(model_chunks, optimizer) -> dict:
     """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}``: TP-local tensors (the
     distributed optimizer's flat DP shards are gathered over DP: collective), or FSDP2's DTensors."""
     if not is_fsdp(model_chunks):
-        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        names = [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
         return optimizer.state_dict(names)
     opt = optimizer.optimizer
     param_state, step = {}, 0
     for m in model_chunks:
-        for n, p in _module(m).named_parameters():
+        for n, p in m.module.named_parameters():
             st = opt.state.get(p, {})
             if "exp_avg" in st:
                 step = int(st["step"])
@@ -361,7 +358,7 @@ def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[s
     """Copy TP-local tensors into the model (into this rank's DP shard under FSDP2)."""
     with torch.no_grad():
         for m in model_chunks:
-            module = _module(m)
+            module = m.module
             for n, p in module.named_parameters():
                 _copy_into(p, params[n])
             for n, b in module.named_buffers():
@@ -388,14 +385,14 @@ def _copy_into(dst: torch.Tensor, data: torch.Tensor) -> None:
 def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
     """Load ``{"step", "hyper", "param_state"}`` (TP-local moments) into either optimizer."""
     if not is_fsdp(model_chunks):
-        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        names = [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
         optimizer.load_state_dict(state, names)
         return
     from torch.optim.optimizer import _get_scalar_dtype
 
     opt = optimizer.optimizer
     for m in model_chunks:
-        for n, p in _module(m).named_parameters():
+        for n, p in m.module.named_parameters():
             st = {"step": torch.tensor(float(state["step"]), dtype=_get_scalar_dtype()),
                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from ..errors import RankLocalError, current_rank
+from ..errors import RankLocalError, UserError, current_rank
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used with this run; the message says why and what to do."""
 
 

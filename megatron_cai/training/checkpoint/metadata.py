@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 
+from torch import nn
+
 from ...core import parallel_state as ps
 from ...core.models.gpt.config import GPTConfig
 from ..config import TrainConfig, config_diff
@@ -111,12 +113,12 @@ def refuse_megatron_lm_checkpoint(root: str, iteration: int) -> None:
                               f"(docs/conversion.md)")
 
 
-def tp_layout(model_chunks) -> dict[str, dict]:
-    """Each parameter's TP split (``tp_dim``, ``tp_sections``) and full shape, by name: what resharding and
-    the torch_dist format need (read before FSDP2 replaces the parameters)."""
+def tp_layout(modules: list[nn.Module]) -> dict[str, dict]:
+    """Each parameter's TP split (``tp_dim``, ``tp_sections``) and full shape, by name, over the (unwrapped)
+    model chunks: what resharding and the torch_dist format need (read before FSDP2 replaces the parameters)."""
     out = {}
-    for m in model_chunks:
-        for n, p in getattr(m, "module", m).named_parameters():
+    for m in modules:
+        for n, p in m.named_parameters():
             out[n] = {"tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
                       "full_shape": list(getattr(p, "full_shape", p.shape))}
     return out

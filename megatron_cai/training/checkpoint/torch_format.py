@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ...core import device as device_mod
 from ...core import parallel_state as ps
+from ...core.distributed.contracts import ModelChunk
 from ...core.models.gpt.config import GPTConfig
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
@@ -47,9 +48,9 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def param_names(model_chunks) -> list[dict[int, str]]:
+def param_names(model_chunks: list[ModelChunk]) -> list[dict[int, str]]:
     """Per chunk, parameter id -> name in the (unwrapped) model's state dict."""
-    return [{id(p): n for n, p in getattr(m, "module", m).named_parameters()} for m in model_chunks]
+    return [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
 
 
 def _gather_over_dp(obj: Any) -> list[Any]:
@@ -100,11 +101,11 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
         payload = {
             "checkpoint_version": FORMAT_VERSION,
             "iteration": iteration,
-            "model": {f"model{i}": getattr(m, "module", m).state_dict() for i, m in enumerate(model_chunks)},
+            "model": {f"model{i}": m.module.state_dict() for i, m in enumerate(model_chunks)},
             "optimizer": optim_state,
             "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": all_rng,
-            "tp_layout": tp_layout(model_chunks),
+            "tp_layout": tp_layout([m.module for m in model_chunks]),
             "model_config": config.to_dict(),
             **state,
         }
@@ -187,7 +188,7 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
     for sd in payload["model"].values():
         merged.update(sd)
     for m in model_chunks:
-        module = getattr(m, "module", m)
+        module = m.module
         own = module.state_dict()
         params = {n for n, _ in module.named_parameters()}
         missing = [k for k in own if k not in merged]

@@ -266,7 +266,10 @@ def test_aliases():
     assert resolved(["--no-position-embedding"]).position_embedding_type == "none"
     assert resolved(["--recompute-activations"]).recompute_granularity == "selective"
     assert resolved(["--squared-relu"]).activation == "relu2"
-    assert resolved(["--openai-gelu"]).activation == "gelu"
+    assert resolved(["--openai-gelu"]).activation == "gelu_tanh"
+    assert resolved([]).activation == "gelu_erf"  # Megatron-LM's MLP without a switch
+    assert resolved(["--activation", "gelu"]).activation == "gelu_erf"
+    assert resolved(["--activation", "relu2", "--squared-relu"]).activation == "relu2"  # the same choice twice
     with pytest.raises(ArgumentError, match="choose one"):
         resolved(["--swiglu", "--squared-relu"])
     with pytest.raises(ArgumentError, match="--overlap-param-gather needs"):
