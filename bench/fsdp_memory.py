@@ -47,7 +47,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_during(fn) -> int:
+def peak_during(fn) -> int:
     """Peak resident bytes above the current ones while fn runs: VmHWM is reset through clear_refs and
     read afterwards. With MALLOC_MMAP_THRESHOLD_ set (main), every tensor above 64 KiB is its own mmap,
     returned to the system when freed, so resident memory follows live tensor bytes."""
@@ -80,7 +80,7 @@ def _one(argv: list[str], world: int) -> dict:
     config = trainer.config
     trainer.train_step()  # allocates what is allocated lazily: FSDP2's sharded grads, Adam state
     held = memory_report(trainer.model, trainer.optimizer, trainer.device)
-    transient = _peak_during(lambda: (trainer.train_step(), trainer.train_step()))
+    transient = peak_during(lambda: (trainer.train_step(), trainer.train_step()))
     out = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
            "transient": transient, "peak": held.model_state + transient}
     if config.ddp.use_torch_fsdp2:

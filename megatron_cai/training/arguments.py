@@ -115,6 +115,10 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (layout TP, CP, DP, PP as Megatron-LM's; "
+                        "gradients reduce over DP x CP); attention moves and computes only the key/value "
+                        "chunks some query can see (docs/context-parallel.md)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
@@ -357,19 +361,19 @@ class _Layout:
     """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
 
     def __init__(self, args: argparse.Namespace, world_size: int) -> None:
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         if world_size < 1:
             raise ArgumentError(f"the world size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        dp_guess = max(world_size // max(tp * pp, 1), 1)
+        dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
         self.global_batch_size = (args.global_batch_size or step_schedule_global_batch(args)
                                   or args.micro_batch_size * dp_guess)
         try:
             self.data_parallel_size = check_layout(
                 world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                 num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
-                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, cp=cp)
         except ParallelLayoutError as e:
             raise ArgumentError(str(e)) from None
         self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
@@ -465,6 +469,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         world_size=layout.world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         data_parallel_size=layout.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=layout.vpp,

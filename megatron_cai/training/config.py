@@ -4,7 +4,7 @@
 
     TrainConfig
       model       GPTConfig        (core/models/gpt/config.py; its .qat is a QATConfig)
-      parallel    ParallelConfig   world size, TP / PP / VPP / DP, backend, device
+      parallel    ParallelConfig   world size, TP / PP / VPP / CP / DP, backend, device
       training    TrainingConfig   batch sizes, iterations, seed, precision, exit conditions, divergence
       ddp         DDPConfig        (core/distributed/config.py; its .squinch is a SquinchConfig)
       optimizer   OptimizerConfig  (core/optimizer/config.py)
@@ -53,6 +53,7 @@ class ParallelConfig:
     world_size: int = 1
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1            # ranks that split each sequence; gradients reduce over DP x CP
     data_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None

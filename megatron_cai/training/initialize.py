@@ -194,7 +194,7 @@ def discover_env(environ: dict | None = None) -> DistEnv:
 
 def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None
                            ) -> tuple[DistEnv, torch.device]:
-    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/PP/DP groups, seed RNGs.
+    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/CP/DP/PP groups, seed RNGs.
 
     ``parallel`` must have been built for this job's world size (see ``arguments.rebuild_for_world_size``).
     """
@@ -219,12 +219,13 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
     if rpn is None and env.local_world_size < env.world_size:
         rpn = env.local_world_size
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    cp = parallel.context_parallel_size
     try:
-        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout)
     except ps.ParallelLayoutError:
         if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(tp, pp, vpp, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     return env, device

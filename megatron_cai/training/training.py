@@ -188,18 +188,19 @@ class Trainer:
         self.lse_stats = LseStatsCollector()
         vpp = config.parallel.virtual_pipeline_model_parallel_size
         chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
-        dp = ps.get_data_parallel_world_size()
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
         self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
-        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
+        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP (x CP) mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients reduce over DP x CP
             self.timelines = [StepTimeline(config.logging.timing_log_level >= 2, self.device,
-                                           group=ps.get_data_parallel_group()) for _ in chunks]
-            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
+                                           group=dp_group) for _ in chunks]
+            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, dp_group, dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
                                                   config.ddp, device=self.device, timeline=t)
@@ -252,8 +253,9 @@ class Trainer:
         self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
-        tp = config.parallel.tensor_model_parallel_size
-        seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
+        tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
+        seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
+        seq = seq // tp if model_cfg.sequence_parallel else seq
         self.tensor_shape = (run.micro_batch_size, seq, model_cfg.hidden_size)
         self._te_recipe = None
         self.num_zeros_in_grad: float | None = None
@@ -385,9 +387,10 @@ class Trainer:
         vec = torch.stack([torch.stack([s[k].float() for s in stats]).mean() for k in keys]) if keys else None
         if vec is None:
             return {}
-        if ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(vec, group=ps.get_data_parallel_group())
-            vec /= ps.get_data_parallel_world_size()
+        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)  # CP ranks hold shares of a mean
+        if dp_cp > 1:
+            dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
+            vec /= dp_cp
         return {k: v.item() for k, v in zip(keys, vec)}
 
     @torch.no_grad()
@@ -641,14 +644,15 @@ def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenize
     if config.logging.logging_level is not None:  # --logging-level, as Megatron-LM's setup_logging
         logging.getLogger().setLevel(config.logging.logging_level)
     trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),
                                    ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()),
               flush=True)
     par = trainer.config.parallel
     print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
                  f"on rank 0; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
-                 f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
+                 + (f"CP={par.context_parallel_size} " if par.context_parallel_size > 1 else "")
+                 + f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
                  f"iteration; device {trainer.device.type}")
     try:
         return trainer.train()

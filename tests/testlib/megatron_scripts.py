@@ -4,9 +4,10 @@ release configurations and a documented flag list, as the argument lists they ha
 Launch scripts run under bash with a stand-in ``torchrun`` (and ``uv`` / ``python -m torch.distributed.run``,
 which the Megatron-FSDP script uses) that records the argument list the script passes to ``pretrain_gpt.py``
 (record mode), or replaces the values of the size flags named in ``overrides`` and starts this repository's
-``pretrain_gpt.py`` (run mode). Nothing else in the script's command line changes. Per-model flag files are
-sourced by bash and their ``MODEL_ARGS`` read; release configurations are the ``MODEL_ARGS`` of Megatron-LM's
-functional-test YAML, turned into flags as its launcher does (``true``: the switch; ``false``: left out).
+``pretrain_gpt.py`` (run mode: one process, or ``nproc`` ranks through torch.distributed.run). Nothing else
+in the script's command line changes. Per-model flag files are sourced by bash and their ``MODEL_ARGS``
+read; release configurations are the ``MODEL_ARGS`` of Megatron-LM's functional-test YAML, turned into
+flags as its launcher does (``true``: the switch; ``false``: left out).
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ for flag, values in json.loads(os.environ["STANDIN_OVERRIDES"]).items():
     if flag in args:
         i = args.index(flag)
         args[i + 1:i + 1 + len(values)] = values
-os.execv(sys.executable, [sys.executable, os.environ["STANDIN_PRETRAIN"], *args])
+launch = []
+if os.environ.get("STANDIN_NPROC"):  # several ranks on this machine: the real torchrun, standalone
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", os.environ["STANDIN_NPROC"]]
+os.execv(sys.executable, [sys.executable, *launch, os.environ["STANDIN_PRETRAIN"], *args])
 '''
 # `uv run CMD...` runs CMD; `python -m torch.distributed.run ...` is torchrun; any other python call is python
 _UV = '#!/bin/sh\n[ "$1" = run ] && shift\nexec "$@"\n'
@@ -77,10 +81,13 @@ def script_argv(name: str, script_args: list[str], tmp: Path) -> list[str]:
 
 
 def run_script(name: str, script_args: list[str], tmp: Path, overrides: dict[str, list[str]],
-               timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run the script unchanged; the stand-in torchrun replaces only the values of ``overrides``' flags."""
+               timeout: int = 600, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """Run the script unchanged; the stand-in torchrun replaces only the values of ``overrides``' flags and
+    starts one process, or ``nproc`` ranks through torch.distributed.run."""
     env = _standin(tmp)
     env["STANDIN_OVERRIDES"] = json.dumps(overrides)
+    if nproc is not None:
+        env["STANDIN_NPROC"] = str(nproc)
     return subprocess.run(["bash", str(FIXTURES / name), *script_args], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -37,8 +37,8 @@ class DistributedDataParallel(nn.Module):
         self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
-        bucket_size = config.bucket_elements(ps.get_data_parallel_world_size(),
-                                             nodes=ps.get_data_parallel_inter_node_world_size())
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
+        bucket_size = config.bucket_elements(dp_size, nodes=ps.get_data_parallel_inter_node_world_size())
         reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
@@ -46,7 +46,7 @@ class DistributedDataParallel(nn.Module):
         self.tp_partial_params = [p for p in params if getattr(p, "allreduce_over_tp", False)]
         self.buffer = ParamAndGradBuffer(
             params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
-            dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device,
+            dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
             separate=shared)
         self.is_last_microbatch = True
         self._handles: dict[int, object] = {}

@@ -286,14 +286,14 @@ class SquinchReducer(FeedbackReducer):
         """Decode the M shards of this local rank's slice, then start the intra-node all-gather."""
         self._decode_gathered(bucket, slice_buf, gathered)
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
-        local_rank = ps.get_data_parallel_rank() % L
+        local_rank = ps.get_data_parallel_rank(with_context_parallel=True) % L
         bucket.grad_data.view(M, L, c)[:, local_rank, :] = slice_buf.view(M, c)
         return self._start_intra_all_gather(bucket)
 
     def _start_intra_all_gather(self, bucket: Bucket):
         """Inside the node, uncompressed: every local rank contributes its M chunks (asynchronous)."""
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
-        local_rank = ps.get_data_parallel_rank() % L
+        local_rank = ps.get_data_parallel_rank(with_context_parallel=True) % L
         g = bucket.grad_data.view(M, L, c)
         with self.timers.phase(bucket.index, "intra all-gather"):
             mine = g[:, local_rank, :].contiguous().view(-1)

@@ -26,7 +26,7 @@ from megatron_cai.core import kernel_configs
 from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
-__all__ = ["triton_attention"]
+__all__ = ["triton_attention", "triton_backward", "triton_forward", "triton_prepare"]
 
 LOG2E = 1.4426950408889634
 # Integer arguments that are never specialised on their value (divisibility by 16, == 1): one compiled
@@ -296,75 +296,106 @@ def launch_tiles(q: torch.Tensor, block: int | None) -> dict[str, kernel_configs
     return tiles
 
 
+def triton_prepare(q, k, v, start, limit, position_ids, window, block: int | None = None):
+    """Inputs in the compute dtype (fp32 for fp64 inputs), int32 intervals and the tile lists of one call:
+    the ``state = (tensors, launch)`` that :func:`triton_forward` and :func:`triton_backward` run on."""
+    cd = torch.float32 if q.dtype == torch.float64 else q.dtype
+    q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    # Same semantics, int32-safe: positions are in [0, seq_k).
+    start32 = _aligned(start.clamp(-1, seq_k + 1).to(torch.int32))
+    limit32 = _aligned(limit.clamp(-1, seq_k + 1).to(torch.int32))
+    pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
+    pos32 = _aligned(pos.to(torch.int32))
+    tiles = launch_tiles(q, block)
+    fwd, dkdv = tiles["fwd"], tiles["bwd_dkdv"]
+    fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
+    kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
+    if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
+        bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids,
+                                                seq_q)
+    else:
+        bwd_map = fwd_map
+    q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))
+    win = int(window or 0)
+    strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
+    return (q, k, v, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx), (tiles, win, strides)
+
+
+def triton_forward(q, k, v, start, limit, position_ids, window, block: int | None = None):
+    """Launch the forward kernel: ``(out, lse, state)``, out in the compute dtype, lse fp32; ``state``
+    (:func:`triton_prepare`) is what :func:`triton_backward` needs besides the gradients."""
+    state = triton_prepare(q, k, v, start, limit, position_ids, window, block)
+    (q, k, v, start32, limit32, pos32, kv_num, kv_idx, _, _), (tiles, win, strides) = state
+    bsz, heads, seq_q, dim = q.shape
+    kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(dim)
+    _fwd_kernel[(kv_idx.shape[-2], *fold_pairs(bsz * heads))](
+        q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
+        seq_q, k.shape[2], heads, heads // kv_heads, kv_idx.shape[-1], win, scale * LOG2E, *strides, bsz * heads,
+        **_meta(q.dtype, dim, tiles["fwd"], win > 0),
+    )
+    return out, lse, state
+
+
+def triton_delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``D_i = sum_d dO * O`` per query row (fp32), by the delta preprocess kernel."""
+    bsz, heads, seq_q, dim = out.shape
+    delta = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=out.device)
+    rows = kernel_configs.delta_tiles(kernel_configs.launch_target(out.device))
+    _bwd_delta_kernel[(triton.cdiv(seq_q, rows.block_m), *fold_pairs(bsz * heads))](
+        out, do, delta, seq_q, out.stride(1), out.stride(2), bsz * heads, HEAD_DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=rows.block_m, num_warps=rows.num_warps,
+        num_stages=rows.num_stages,
+    )
+    return delta
+
+
+def triton_backward(state, grad_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor):
+    """Launch the dQ and dK/dV kernels for :func:`triton_forward`'s ``state``: ``(dq, dk, dv)`` in the
+    compute dtype. ``lse`` normalises ``P = exp(S - lse)`` and ``delta`` is ``D_i`` of ``dS = P (dP - D)``:
+    this call's own, or those of a softmax merged over several key sets (context parallelism)."""
+    (q, k, v, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx), (tiles, win, strides) = state
+    bsz, heads, seq_q, dim = q.shape
+    kv_heads = k.shape[1]
+    do = _aligned(grad_out.to(q.dtype))
+    lse, delta = _aligned(lse.float()), _aligned(delta.float())
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = 1.0 / math.sqrt(dim)
+    group = heads // kv_heads
+    _bwd_dq_kernel[(kv_idx.shape[-2], *fold_pairs(bsz * heads))](
+        q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
+        seq_q, k.shape[2], heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *strides, bsz * heads,
+        **_meta(q.dtype, dim, tiles["bwd_dq"], win > 0),
+    )
+    _bwd_dkdv_kernel[(q_idx.shape[-2], *fold_pairs(bsz * kv_heads))](
+        q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
+        seq_q, k.shape[2], heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *strides,
+        bsz * kv_heads, **_meta(q.dtype, dim, tiles["bwd_dkdv"], win > 0),
+    )
+    return dq, dk, dv
+
+
 class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block):
         ctx.set_materialize_grads(False)
-        in_dtype = q.dtype
-        cd = torch.float32 if in_dtype == torch.float64 else in_dtype
-        q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
-        bsz, heads, seq_q, dim = q.shape
-        kv_heads, seq_k = k.shape[1], k.shape[2]
-        # Same semantics, int32-safe: positions are in [0, seq_k).
-        start32 = _aligned(start.clamp(-1, seq_k + 1).to(torch.int32))
-        limit32 = _aligned(limit.clamp(-1, seq_k + 1).to(torch.int32))
-        pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
-        pos32 = _aligned(pos.to(torch.int32))
-        tiles = launch_tiles(q, block)
-        fwd, dkdv = tiles["fwd"], tiles["bwd_dkdv"]
-        fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
-        kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
-        if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
-            bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids,
-                                                    seq_q)
-        else:
-            bwd_map = fwd_map
-        q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))
-        n_kb = fwd_map.shape[-1]
-        out = torch.empty_like(q)
-        lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
-        scale = 1.0 / math.sqrt(dim)
-        win = int(window or 0)
-        strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
-        _fwd_kernel[(fwd_map.shape[-2], *fold_pairs(bsz * heads))](
-            q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, heads // kv_heads, n_kb, win, scale * LOG2E, *strides, bsz * heads,
-            **_meta(cd, dim, fwd, win > 0),
-        )
-        ctx.save_for_backward(q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx)
-        ctx.tiles, ctx.win, ctx.strides, ctx.coeff, ctx.in_dtype = tiles, win, strides, coeff, in_dtype
-        return out.to(in_dtype), lse
+        out, lse, (tensors, launch) = triton_forward(q, k, v, start, limit, position_ids, window, block)
+        ctx.save_for_backward(out, lse, *tensors)
+        ctx.launch, ctx.coeff, ctx.in_dtype = launch, coeff, q.dtype
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx = ctx.saved_tensors
-        bsz, heads, seq_q, dim = q.shape
-        kv_heads, seq_k = k.shape[1], k.shape[2]
-        do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(q.dtype))
-        delta = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
-        rows = kernel_configs.delta_tiles(kernel_configs.launch_target(q.device))
-        _bwd_delta_kernel[(triton.cdiv(seq_q, rows.block_m), *fold_pairs(bsz * heads))](
-            out, do, delta, seq_q, out.stride(1), out.stride(2), bsz * heads, HEAD_DIM=dim,
-            BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=rows.block_m, num_warps=rows.num_warps,
-            num_stages=rows.num_stages,
-        )
+        out, lse, *tensors = ctx.saved_tensors
+        do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(out.dtype))
+        delta = triton_delta(out, do)
         dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
         if dlse is not None:
-            delta = _aligned(delta - dlse.float())
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        scale = 1.0 / math.sqrt(dim)
-        group = heads // kv_heads
-        win = ctx.win
-        _bwd_dq_kernel[(kv_idx.shape[-2], *fold_pairs(bsz * heads))](
-            q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides, bsz * heads,
-            **_meta(q.dtype, dim, ctx.tiles["bwd_dq"], win > 0),
-        )
-        _bwd_dkdv_kernel[(q_idx.shape[-2], *fold_pairs(bsz * kv_heads))](
-            q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
-            seq_q, seq_k, heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
-            bsz * kv_heads, **_meta(q.dtype, dim, ctx.tiles["bwd_dkdv"], win > 0),
-        )
+            delta = delta - dlse.float()
+        dq, dk, dv = triton_backward((tuple(tensors), ctx.launch), do, lse, delta)
         dt = ctx.in_dtype
         return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
 

@@ -30,11 +30,12 @@ virtual-PP may all change with no conversion step.
   stage's copy (``output_layer.weight``) is loaded from it, Adam moments included.
 - ``common`` (rank 0): iteration, consumed samples (the data loader's position), the other counters, the
   LR scheduler, the optimizer step and hyper-parameters (and the fp16 loss scaler).
-- ``rank_state.tpTT.ppPPP.dpDDD`` (each rank): its RNG states and its gradient reducer state (Squinch
-  error-feedback residuals, per bucket or per FSDP2 unit). They are restored exactly when the layout
-  (TP, PP, virtual PP, DP) is the saved one; in another layout they have no meaning: the residuals are
-  dropped (one logged line; the first step runs without error feedback) and the RNG keeps this run's
-  start-up seeding, as a fresh run with the same ``--seed`` (one logged line), as Megatron-LM does.
+- ``rank_state.tpTT.ppPPP.dpDDD`` (each rank; DDD is its index in the DP x CP group): its RNG states and
+  its gradient reducer state (Squinch error-feedback residuals, per bucket or per FSDP2 unit). They are
+  restored exactly when the layout (TP, PP, virtual PP, DP, CP) is the saved one; in another layout they
+  have no meaning: the residuals are dropped (one logged line; the first step runs without error
+  feedback) and the RNG keeps this run's start-up seeding, as a fresh run with the same ``--seed`` (one
+  logged line), as Megatron-LM does.
 
 Which format a ``--load`` directory holds, and ``--auto-detect-ckpt-format``, are the dispatch's
 (:mod:`.checkpointer`).
@@ -149,7 +150,21 @@ def current_layout() -> dict:
     return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-            "data_parallel_size": ps.get_data_parallel_world_size()}
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "context_parallel_size": ps.get_context_parallel_world_size()}
+
+
+def saved_layout(meta: dict) -> dict:
+    """The checkpoint's layout in :func:`current_layout`'s keys (checkpoints from before context
+    parallelism have CP = 1)."""
+    return {k: meta.get(k, 1 if k == "context_parallel_size" else None) for k in current_layout()}
+
+
+def this_rank_key() -> str:
+    """This rank's per-rank state key; its ``dp`` is the rank's index in the DP x CP group (the DP rank
+    when CP is 1), the group whose ranks hold the same weights."""
+    return rank_key(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                    ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 # ------------------------------------------------------------------------------------------- save
@@ -179,7 +194,7 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
     if ps.get_rank() == 0:
         sd[COMMON] = common
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
-    sd[rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())] = {
+    sd[this_rank_key()] = {
         "rng": rng, "reducers": reducer_states if reducer_states and any(reducer_states) else None,
         "data_parallel_kind": "fsdp2" if is_fsdp(model_chunks) else "ddp"}
     return sd
@@ -233,7 +248,7 @@ class _Targets:
 
 
 def same_layout(meta: dict) -> bool:
-    return all(meta.get(k) == v for k, v in current_layout().items())
+    return saved_layout(meta) == current_layout()
 
 
 def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
@@ -276,7 +291,7 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     need_common = COMMON in saved
     if need_common:
         sd[COMMON] = None
-    key = rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    key = this_rank_key()
     layout_same = same_layout(meta)
     if layout_same and key in saved and isinstance(saved[key], BytesStorageMetadata):
         sd[key] = None
@@ -306,13 +321,13 @@ def _copy_shared_tied(sd: dict, tg: _Targets, config: GPTConfig) -> None:
 def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng: bool, reducers,
                         model_chunks) -> None:
     """RNG and reducer state: exactly in the saved layout, else dropped with one line (module docstring)."""
-    saved_layout = tuple(meta.get(k) for k in current_layout())
+    saved = tuple(saved_layout(meta).values())
     here = tuple(current_layout().values())
     squinch_saved = bool((meta.get("args") or {}).get("squinch"))
     if rank_state is None:
-        if ps.get_rank() == 0 and saved_layout != here:
+        if ps.get_rank() == 0 and saved != here:
             what = "RNG state" + (" and Squinch error-feedback residuals" if squinch_saved else "")
-            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP) = {saved_layout}, this run uses {here}: "
+            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP) = {saved}, this run uses {here}: "
                        f"its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed start-up "
                        f"state{'; the first step runs without residuals' if squinch_saved else ''})")
         return

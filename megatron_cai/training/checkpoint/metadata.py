@@ -35,6 +35,7 @@ def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(),
+            "context_parallel_size": ps.get_context_parallel_world_size(),
             "model_config": train_config.model.to_dict(),
             "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
             "args": train_config.flags,

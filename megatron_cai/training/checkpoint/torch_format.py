@@ -55,10 +55,11 @@ def param_names(model_chunks: list[ModelChunk]) -> list[dict[int, str]]:
 
 
 def _gather_over_dp(obj: Any) -> list[Any]:
-    if ps.get_data_parallel_world_size() == 1:
+    """``obj`` of every rank of this rank's DP x CP group (the ranks holding the same weights), in order."""
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
         return [obj]
-    out: list[Any] = [None] * ps.get_data_parallel_world_size()
-    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
+    out: list[Any] = [None] * ps.get_data_parallel_world_size(with_context_parallel=True)
+    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group(with_context_parallel=True))
     return out
 
 
@@ -89,7 +90,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     config = train_config.model
     tmp = begin_save(root, iteration)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    dp_rank = ps.get_data_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # files per DP x CP rank
     rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
     names = param_names(model_chunks)
     optim_state = None
@@ -216,13 +217,14 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
     if load_rng and payload.get("rng_state"):  # none in checkpoints imported from Hugging Face
         rngs = payload["rng_state"]
-        dp_rank = ps.get_data_parallel_rank()
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         rng = rngs[dp_rank] if dp_rank < len(rngs) else rngs[0]
         device_mod.set_rng_state(rng)
         get_rng_tracker().set_states(rng["tracker"])
     if reducers:
-        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank():03d}.pt")
-        same_dp = meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
+        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank(with_context_parallel=True):03d}.pt")
+        same_dp = (meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
+                   and meta.get("context_parallel_size", 1) == ps.get_context_parallel_world_size())
         dropped = reducer_state_dropped(rpath, same_dp, reducers, meta)
         if dropped:
             if ps.get_rank() == 0:

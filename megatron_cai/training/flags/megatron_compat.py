@@ -98,8 +98,6 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--num-experts", _MOE, None, int, None),
     CompatFlag("--moe-router-topk", _MOE, None, int, 2),
     CompatFlag("--expert-model-parallel-size", _MOE, None, int, 1, allowed=(1,)),
-    CompatFlag("--context-parallel-size", "context parallelism is not implemented (use 1)", None, int, 1,
-               allowed=(1,)),
     CompatFlag("--use-checkpoint-args", "pass the model flags explicitly; they are checked against the checkpoint"),
     CompatFlag("--spec", "custom layer specs are not supported", "*", str, None),
     CompatFlag("--yaml-cfg", "YAML configuration is not supported; pass flags", None, str, None),

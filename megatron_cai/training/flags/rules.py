@@ -7,7 +7,7 @@ import importlib.util
 import re
 
 from ..config import ArgumentError
-from .megatron_compat import check_compat
+from .megatron_compat import attention_backend_for, check_compat
 from .megatron_features import resolve_megatron_features
 from .report import FlagProblems
 
@@ -151,6 +151,28 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
         problems.conflict(f"--padded-vocab-size {args.padded_vocab_size} is smaller than the vocabulary ({vocab_size})")
     _check_model_flags(args, problems)
     _check_eval_batch(args, problems)
+    _check_context_parallel(args, problems)
+
+
+def _check_context_parallel(args: argparse.Namespace, problems: FlagProblems) -> None:
+    """What --context-parallel-size > 1 needs from the other flags."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp < 1:
+        problems.invalid(f"--context-parallel-size {cp}: must be >= 1")
+    if cp <= 1:
+        return
+    if args.seq_length % (2 * cp) != 0:
+        problems.conflict(f"--context-parallel-size {cp} needs --seq-length {args.seq_length} divisible by 2 x CP = "
+                          f"{2 * cp} (the sequence is cut into 2 x CP chunks or more)")
+    elif args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp != 0:
+        problems.conflict(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = "
+                          f"{args.seq_length // cp} divisible by TP {tp}")
+    if args.attention_dropout > 0:
+        problems.conflict(f"--context-parallel-size {cp} needs --attention-dropout 0 (got {args.attention_dropout}): "
+                          f"attention dropout runs only the dense single-rank path")
+    if attention_backend_for(args.attention_backend) == "flex":
+        problems.conflict(f"--attention-backend flex does not run with --context-parallel-size {cp}: use triton "
+                          f"(CUDA) or blocked (CPU), or leave it unset")
 
 
 def _check_model_flags(args: argparse.Namespace, problems: FlagProblems) -> None:

@@ -92,8 +92,8 @@ def install() -> None:
     training.Trainer.train_step = train_step
     real_loss = pretrain_gpt.loss_func
 
-    def loss_func(loss_mask, output):
-        loss, stats = real_loss(loss_mask, output)
+    def loss_func(loss_mask, output, **kwargs):
+        loss, stats = real_loss(loss_mask, output, **kwargs)
         if nan_state["on"]:
             loss = loss * float("nan")
             stats = {"lm loss": loss.detach()}

@@ -68,3 +68,11 @@ def test_llama3_8b_fp8_script_trains_with_its_torch_dist_checkpoints(corpus, tmp
 def test_llama3_8b_fp8_script_with_mock_data(tmp_path):
     proc = run_script(LLAMA, [], tmp_path, {**LLAMA_SIZES, "--ckpt-format": ["torch"]})
     _trained(proc, tmp_path / "checkpoints" / "llama3_8b_fp8" / "latest_checkpointed_iteration.txt")
+
+
+def test_llama3_8b_fp8_script_with_context_parallel_size_2(tmp_path):
+    """The script's own --context-parallel-size (CP_SIZE), set to 2 on two gloo ranks: trains and saves."""
+    overrides = {**LLAMA_SIZES, "--context-parallel-size": ["2"], "--ckpt-format": ["torch"]}
+    proc = run_script(LLAMA, [], tmp_path, overrides, nproc=2)
+    _trained(proc, tmp_path / "checkpoints" / "llama3_8b_fp8" / "latest_checkpointed_iteration.txt")
+    assert "CP=2" in proc.stdout
