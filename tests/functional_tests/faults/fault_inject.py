@@ -96,8 +96,9 @@ def install() -> None:
 
     training.Trainer.train_step = train_step
     if env.get("FAULT_KILL_DELETE"):
-        from megatron_cai.training.checkpoint import retention
+        from megatron_cai.training import checkpoint
 
+        retention = checkpoint.retention  # the module whose function the checkpointer calls
         real_remove, calls = retention.remove_iteration, {"n": 0}
 
         def remove_iteration(root, iteration, log):
