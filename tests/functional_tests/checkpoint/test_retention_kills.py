@@ -103,3 +103,13 @@ def test_kill_during_a_non_persistent_write(tmp_path):
     assert (list_iterations(root), read_tracker(root)) == ([4], 4)
     assert (list_iterations(os.path.join(root, NP)), read_tracker(os.path.join(root, NP))) == ([3], 3)
     assert_latest_loads(root, ("", 4))
+
+
+def test_the_same_iterations_with_torch_dist_and_async_saves(tmp_path):
+    """torch_dist files and --async-save (deletion once the background write is made current) keep the same
+    iterations, and the newest verifies."""
+    root = str(tmp_path / "ckpt")
+    proc = run([*FLAGS, "--save", root, "--ckpt-format", "torch_dist", "--async-save"])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert_final_layout(root)
+    assert_latest_loads(root, (NP, 7))
