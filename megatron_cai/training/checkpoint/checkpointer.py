@@ -33,7 +33,7 @@ from .dcp_pieces import DCP_METADATA
 from .file_io import ALGORITHMS, CheckpointError
 from .integrity import Mismatch, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
-from .retention import RetentionPolicy, newest_checkpoint, non_persistent_root
+from .retention import RetentionPolicy, check_non_persistent_dir, newest_checkpoint, non_persistent_root
 from .run_dirs import (
     TRACKER,
     check_paths,
@@ -248,6 +248,7 @@ def open_run_dirs(ckpt: CheckpointConfig) -> RunLock | None:
     if error[0] is not None:
         raise CheckpointError(error[0])
     check_run_dirs(ckpt.load, ckpt.save, ckpt.ckpt_step, finetune=ckpt.finetune, overwrite=ckpt.overwrite_checkpoints)
+    check_non_persistent_dir(ckpt)
     return lock
 
 

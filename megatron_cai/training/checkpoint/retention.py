@@ -59,6 +59,33 @@ def newest_checkpoint(load: str | None, np_root: str | None) -> tuple[str | None
     return load, persistent
 
 
+def check_non_persistent_dir(ckpt: CheckpointConfig) -> None:
+    """Raise CheckpointError when the non-persistent saves of this run would meet iterations already in their
+    directory (a fresh start, or a resume older than them), unless ``--overwrite-checkpoints``; as
+    :func:`.run_dirs.check_run_dirs` does for ``--save``."""
+    np_root = non_persistent_root(ckpt, ckpt.save)
+    if np_root is None or ckpt.overwrite_checkpoints or ckpt.non_persistent_save_interval is None:
+        return
+    found = list_iterations(np_root)
+    if not found:
+        return
+    if ckpt.finetune:
+        resumed: int | None = 0
+    elif ckpt.ckpt_step is not None:
+        resumed = ckpt.ckpt_step
+    else:
+        resumed = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))[1]
+    later = [i for i in found if resumed is None or i > resumed]
+    if later:
+        what = ("and this run starts from scratch" if resumed is None
+                else f"after iteration {resumed}, which this run resumes")
+        raise CheckpointError(
+            f"the non-persistent directory {np_root} holds iter_{later[0]:07d}"
+            f"{f' and {len(later) - 1} more' if len(later) > 1 else ''} {what}; saving would replace them. Resume "
+            f"with --load {ckpt.save} --non-persistent-ckpt-type global, choose another directory, or pass "
+            f"--overwrite-checkpoints to move them aside")
+
+
 def retention_victims(iterations: list[int], newest: int, retain_interval: int | None, lineage_start: int,
                       tracked: int | None) -> list[int]:
     """The iterations to delete once ``newest`` is published: those of this lineage (>= ``lineage_start``)

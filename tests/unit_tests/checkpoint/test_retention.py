@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from megatron_cai.training.checkpoint import retention, run_dirs
+import pytest
+
+from megatron_cai.training.checkpoint import CheckpointError, retention, run_dirs
 from megatron_cai.training.checkpoint.integrity import hash_tree
 from megatron_cai.training.config import CheckpointConfig
 
@@ -97,3 +99,18 @@ def test_a_killed_deletion_is_finished_by_the_next_pass(tmp_path):
     save(root, 3)
     policy(root, save_retain_interval=10).after_publish(root, 3)  # iter_0000002: not this job's lineage
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", run_dirs.TRACKER]
+
+
+def test_start_up_refuses_non_persistent_iterations_that_saving_would_replace(tmp_path):
+    root = str(tmp_path / "ckpt")
+    np_root = os.path.join(root, "non_persistent")
+    flags = dict(save=root, non_persistent_ckpt_type="global", non_persistent_save_interval=1)
+    retention.check_non_persistent_dir(CheckpointConfig(**flags))  # nothing there yet
+    save(np_root, 3)
+    with pytest.raises(CheckpointError, match="holds iter_0000003 and this run starts from scratch"):
+        retention.check_non_persistent_dir(CheckpointConfig(**flags))
+    retention.check_non_persistent_dir(CheckpointConfig(**flags, load=root))  # resumes the non-persistent 3
+    save(root, 2)
+    with pytest.raises(CheckpointError, match="after iteration 2, which this run resumes"):
+        retention.check_non_persistent_dir(CheckpointConfig(**flags, load=root, ckpt_step=2))
+    retention.check_non_persistent_dir(CheckpointConfig(**flags, load=root, ckpt_step=2, overwrite_checkpoints=True))
