@@ -20,6 +20,8 @@ What is deleted, and when (issue 28: nothing is removed unless intended):
 - only this run's lineage: the iterations this job published, and, when it resumed in place (``--load`` is
   ``--save``, or its non-persistent directory, without ``--finetune``), the older ones of that directory;
   never another run's iterations in a ``--save`` that differs from ``--load``;
+- a deletion that fails (permissions, a busy file system) is one warning, not an error; the next save
+  tries again;
 - a deletion first renames ``iter_N`` to ``iter_N.deleting`` (one atomic step), so a kill mid-deletion never
   leaves a half-deleted ``iter_N``; leftover ``*.deleting`` directories are removed by the next pass.
 """
@@ -141,7 +143,13 @@ def prune(root: str, below: int, retain_interval: int | None, lineage_start: int
         return []
     remove_leftovers(root)
     victims = retention_victims(list_iterations(root), below, retain_interval, lineage_start, read_tracker(root))
-    removed = [i for i in victims if remove_iteration(root, i, log)]
+    removed = []
+    for i in victims:
+        try:
+            if remove_iteration(root, i, log):
+                removed.append(i)
+        except OSError as e:  # as in Megatron-LM, a failed deletion is not fatal
+            log(f" WARNING: could not remove {iteration_dir(root, i)}: {e.strerror or e} (the next save tries again)")
     if removed:
         log(f" removed checkpoints {', '.join(f'iter_{i:07d}' for i in removed)} of {root} "
             f"(superseded by iteration {below})")

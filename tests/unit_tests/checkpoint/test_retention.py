@@ -114,3 +114,22 @@ def test_start_up_refuses_non_persistent_iterations_that_saving_would_replace(tm
     with pytest.raises(CheckpointError, match="after iteration 2, which this run resumes"):
         retention.check_non_persistent_dir(CheckpointConfig(**flags, load=root, ckpt_step=2))
     retention.check_non_persistent_dir(CheckpointConfig(**flags, load=root, ckpt_step=2, overwrite_checkpoints=True))
+
+
+def test_a_failed_deletion_is_one_warning_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    root = str(tmp_path / "ckpt")
+    for it in (1, 2, 3):
+        save(root, it)
+    real_rmtree, lines = retention.shutil.rmtree, []
+
+    def rmtree(path, *args, **kwargs):
+        if path.endswith("iter_0000001" + retention.DELETING):
+            raise PermissionError(13, "Permission denied")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(retention.shutil, "rmtree", rmtree)
+    p = retention.RetentionPolicy(CheckpointConfig(save=root, save_retain_interval=10), log=lines.append)
+    p.resumed_in_place()
+    assert p.after_publish(root, 3) == [2]
+    assert run_dirs.list_iterations(root) == [3]
+    assert [line for line in lines if "could not remove" in line and "iter_0000001" in line], lines
