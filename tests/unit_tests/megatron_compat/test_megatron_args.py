@@ -260,6 +260,18 @@ def test_ckpt_formats():
         resolved(["--ckpt-format", "torch_dcp"])
 
 
+def test_non_persistent_checkpoint_flags():
+    """global is implemented; local and in_memory are refused by name; an interval needs a type."""
+    a = resolved(["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "global",
+                  "--save-retain-interval", "100", "--use-persistent-ckpt-worker"])
+    assert (a.non_persistent_save_interval, a.non_persistent_ckpt_type, a.save_retain_interval) == (5, "global", 100)
+    for kind in ("local", "in_memory"):
+        with pytest.raises(ArgumentError, match=f"--non-persistent-ckpt-type {kind}: refused"):
+            resolved(["--non-persistent-ckpt-type", kind])
+    with pytest.raises(ArgumentError, match="--non-persistent-save-interval 5 needs --non-persistent-ckpt-type"):
+        resolved(["--non-persistent-save-interval", "5"])
+
+
 def test_aliases():
     a = resolved(["--use-rotary-position-embeddings"])
     assert a.position_embedding_type == "rope"
