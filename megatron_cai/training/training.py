@@ -36,6 +36,7 @@ from ..core.optimizer.grad_scaler import build_grad_scaler
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import DistributedAdamW
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
+from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
 from . import checkpointing, dist_checkpoint, divergence, run_dirs, startup_checks
 from .arguments import rebuild_for_world_size
@@ -120,6 +121,9 @@ class Trainer:
         self.lse_stats = LseStatsCollector()
         vpp = config.parallel.virtual_pipeline_model_parallel_size
         chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
+        if run.compile:  # --compile: each transformer layer, before DDP / FSDP2 wrap the chunks
+            for m in chunks:
+                compile_transformer_layers(m)
         dp = ps.get_data_parallel_world_size()
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         self.param_layout = checkpointing.tp_layout(chunks)

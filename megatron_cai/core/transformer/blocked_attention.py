@@ -14,6 +14,7 @@ import math
 import torch
 
 from megatron_cai.core.transformer import attention_tiling
+from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["blocked_attention"]
@@ -71,90 +72,92 @@ def _q_block(x_b: torch.Tensor, qs: int, qe: int, kv_heads: int) -> torch.Tensor
     return x_b[:, qs:qe].reshape(kv_heads, (h // kv_heads) * (qe - qs), d)
 
 
-class _BlockedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block_q, block_k):
-        ctx.set_materialize_grads(False)
-        in_dtype = q.dtype
-        cd = torch.float64 if in_dtype == torch.float64 else torch.float32
-        qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
-        bsz, heads, seq_q, dim = q.shape
-        kv_heads = k.shape[1]
-        group = heads // kv_heads
-        scale = 1.0 / math.sqrt(dim)
-        pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
-        plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
-        off = plan.offset
-        out = torch.zeros(bsz, heads, seq_q, dim, dtype=cd, device=q.device)
-        lse = torch.full((bsz, heads, seq_q), float("-inf"), dtype=cd, device=q.device)
-        for b in range(bsz):
-            for qs, qe, keys, needs_mask in plan.steps[b]:
-                if keys is None:
-                    continue
-                rows = qe - qs
-                kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
-                s = torch.matmul(_q_block(qf[b], qs, qe, kv_heads), kb.transpose(1, 2)).mul_(scale)
-                if needs_mask:
-                    pos_b = pos[b] if pos is not None else None
-                    mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
-                    s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
-                m = s.amax(-1, keepdim=True)
-                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-                p = s.sub_(m).exp_()
-                z = p.sum(-1, keepdim=True)
-                o = torch.matmul(p, vb).div_(torch.where(z > 0, z, torch.ones_like(z)))
-                out[b, :, qs:qe] = o.view(heads, rows, dim)
-                lse[b, :, qs:qe] = (z.log() + m).view(heads, rows)
-        ctx.save_for_backward(qf, kf, vf, out, lse, start, limit, pos)
-        ctx.plan, ctx.window, ctx.coeff, ctx.in_dtype = plan, window, coeff, in_dtype
-        ctx.kv_heads = kv_heads
-        return out.to(in_dtype), lse.to(torch.float32)
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        qf, kf, vf, out, lse, start, limit, pos = ctx.saved_tensors
-        bsz, heads, seq_q, dim = qf.shape
-        kv_heads = ctx.kv_heads
-        off = ctx.plan.offset
-        group = heads // kv_heads
-        scale = 1.0 / math.sqrt(dim)
-        cd = qf.dtype
-        dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        do = grad_out.to(cd)
-        delta = (do * out).sum(-1)  # D_i
-        if dlse is not None:
-            delta = delta - dlse.to(cd)
-        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        for b in range(bsz):
-            for qs, qe, keys, needs_mask in ctx.plan.steps[b]:
-                if keys is None:
-                    continue
-                rows = qe - qs
-                kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
-                qb = _q_block(qf[b], qs, qe, kv_heads)
-                dob = _q_block(do[b], qs, qe, kv_heads)
-                s = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)
-                if needs_mask:
-                    pos_b = pos[b] if pos is not None else None
-                    mask = _tile_mask(start[b], limit[b], pos_b, ctx.window, qs + off, qe + off, keys)
-                    s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
-                p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
-                dvb = torch.matmul(p.transpose(1, 2), dob)
-                dp = torch.matmul(dob, vb.transpose(1, 2))
-                ds = p.mul_(dp.sub_(delta[b, :, qs:qe].reshape(kv_heads, group * rows, 1))).mul_(scale)
-                dq[b, :, qs:qe] = torch.matmul(ds, kb).view(heads, rows, dim)
-                dkb = torch.matmul(ds.transpose(1, 2), qb)
-                if isinstance(keys, slice):
-                    dk[b, :, keys] += dkb
-                    dv[b, :, keys] += dvb
-                else:
-                    dk[b].index_add_(1, keys, dkb)
-                    dv[b].index_add_(1, keys, dvb)
-        dt = ctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
+
+def _forward(q, k, v, start, limit, position_ids, window, block_q, block_k):
+    """``(out, lse)`` in the compute dtype (fp32, fp64 for fp64 inputs)."""
+    cd = _compute_dtype(q.dtype)
+    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
+    bsz, heads, seq_q, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim)
+    pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
+    plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
+    off = plan.offset
+    out = torch.zeros(bsz, heads, seq_q, dim, dtype=cd, device=q.device)
+    lse = torch.full((bsz, heads, seq_q), float("-inf"), dtype=cd, device=q.device)
+    for b in range(bsz):
+        for qs, qe, keys, needs_mask in plan.steps[b]:
+            if keys is None:
+                continue
+            rows = qe - qs
+            kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
+            s = torch.matmul(_q_block(qf[b], qs, qe, kv_heads), kb.transpose(1, 2)).mul_(scale)
+            if needs_mask:
+                pos_b = pos[b] if pos is not None else None
+                mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
+                s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m).exp_()
+            z = p.sum(-1, keepdim=True)
+            o = torch.matmul(p, vb).div_(torch.where(z > 0, z, torch.ones_like(z)))
+            out[b, :, qs:qe] = o.view(heads, rows, dim)
+            lse[b, :, qs:qe] = (z.log() + m).view(heads, rows)
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q, k, v, out, lse, start, limit, position_ids, window, coeff, block_q, block_k):
+    """``(dq, dk, dv)`` in the input dtypes; flash-style, the probabilities recomputed from ``lse``."""
+    cd = out.dtype
+    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
+    bsz, heads, seq_q, dim = qf.shape
+    kv_heads = kf.shape[1]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim)
+    pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
+    plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
+    off = plan.offset
+    dlse = zreg_lse_grad(lse, coeff, grad_lse)
+    do = grad_out.to(cd)
+    delta = (do * out).sum(-1)  # D_i
+    if dlse is not None:
+        delta = delta - dlse.to(cd)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    for b in range(bsz):
+        for qs, qe, keys, needs_mask in plan.steps[b]:
+            if keys is None:
+                continue
+            rows = qe - qs
+            kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
+            qb = _q_block(qf[b], qs, qe, kv_heads)
+            dob = _q_block(do[b], qs, qe, kv_heads)
+            s = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)
+            if needs_mask:
+                pos_b = pos[b] if pos is not None else None
+                mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
+                s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
+            p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
+            dvb = torch.matmul(p.transpose(1, 2), dob)
+            dp = torch.matmul(dob, vb.transpose(1, 2))
+            ds = p.mul_(dp.sub_(delta[b, :, qs:qe].reshape(kv_heads, group * rows, 1))).mul_(scale)
+            dq[b, :, qs:qe] = torch.matmul(ds, kb).view(heads, rows, dim)
+            dkb = torch.matmul(ds.transpose(1, 2), qb)
+            if isinstance(keys, slice):
+                dk[b, :, keys] += dkb
+                dv[b, :, keys] += dvb
+            else:
+                dk[b].index_add_(1, keys, dkb)
+                dv[b].index_add_(1, keys, dvb)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_OP = IntervalAttentionOp("blocked_attention", _forward, _backward, out_dtype=_compute_dtype,
+                          lse_dtype=_compute_dtype)
 
 
 def blocked_attention(
@@ -172,8 +175,7 @@ def blocked_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-skipping attention; returns ``(out [B, H, T, D] in q.dtype, lse [B, H, T] fp32)``.
 
-    Shapes and semantics as :func:`megatron_cai.core.transformer.attention.attend`.
+    Shapes and semantics as :func:`megatron_cai.core.transformer.attention.attend`. Runs as the custom
+    ops ``megatron_cai::blocked_attention_fwd`` / ``_bwd`` (one node under ``torch.compile``).
     """
-    return _BlockedAttention.apply(
-        q, k, v, start, limit, position_ids, window, float(zreg_coeff), int(block_q), int(block_k)
-    )
+    return _OP(q, k, v, start, limit, position_ids, window, zreg_coeff, block_q, block_k)

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from megatron_cai.core import kernel_configs
 from megatron_cai.core.transformer import attention_tiling
+from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["triton_attention"]
@@ -252,72 +253,92 @@ def launch_tiles(q: torch.Tensor, block: int | None) -> dict[str, kernel_configs
     return tiles
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block):
-        ctx.set_materialize_grads(False)
-        in_dtype = q.dtype
-        cd = torch.float32 if in_dtype == torch.float64 else in_dtype
-        q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
-        bsz, heads, seq_q, dim = q.shape
-        kv_heads, seq_k = k.shape[1], k.shape[2]
-        # Same semantics, int32-safe: positions are in [0, seq_k).
-        start32 = _aligned(start.clamp(-1, seq_k + 1).to(torch.int32))
-        limit32 = _aligned(limit.clamp(-1, seq_k + 1).to(torch.int32))
-        pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
-        pos32 = _aligned(pos.to(torch.int32))
-        tiles = launch_tiles(q, block)
-        fwd, dkdv = tiles["fwd"], tiles["bwd_dkdv"]
-        fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
-        kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
-        if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
-            bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids,
-                                                    seq_q)
-        else:
-            bwd_map = fwd_map
-        q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))
-        n_kb = fwd_map.shape[-1]
-        out = torch.empty_like(q)
-        lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
-        scale = 1.0 / math.sqrt(dim)
-        win = int(window or 0)
-        strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
-        _fwd_kernel[(fwd_map.shape[-2], bsz * heads)](
-            q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, heads // kv_heads, n_kb, win, scale * LOG2E, *strides,
-            **_meta(cd, dim, fwd, win > 0),
-        )
-        ctx.save_for_backward(q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx)
-        ctx.tiles, ctx.win, ctx.strides, ctx.coeff, ctx.in_dtype = tiles, win, strides, coeff, in_dtype
-        return out.to(in_dtype), lse
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else dtype
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx, q_num, q_idx = ctx.saved_tensors
-        bsz, heads, seq_q, dim = q.shape
-        kv_heads, seq_k = k.shape[1], k.shape[2]
-        do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(q.dtype))
-        delta = (do.float() * out.float()).sum(-1)
-        dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        delta = _aligned(delta)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        scale = 1.0 / math.sqrt(dim)
-        group = heads // kv_heads
-        win = ctx.win
-        _bwd_dq_kernel[(kv_idx.shape[-2], bsz * heads)](
-            q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
-            seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
-            **_meta(q.dtype, dim, ctx.tiles["bwd_dq"], win > 0),
-        )
-        _bwd_dkdv_kernel[(q_idx.shape[-2], bsz * kv_heads)](
-            q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
-            seq_q, seq_k, heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *ctx.strides,
-            **_meta(q.dtype, dim, ctx.tiles["bwd_dkdv"], win > 0),
-        )
-        dt = ctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
+
+def _maps(start, limit, window, position_ids, seq_q: int, tiles: dict) -> tuple[torch.Tensor, ...]:
+    """The visited tiles: ``(kv_num, kv_idx)`` per query block (forward, dQ), ``(q_num, q_idx)`` per key
+    block (dK/dV)."""
+    fwd, dkdv = tiles["fwd"], tiles["bwd_dkdv"]
+    fwd_map, _ = attention_tiling.block_map(start, limit, fwd.block_m, fwd.block_n, window, position_ids, seq_q)
+    kv_num, kv_idx = (_aligned(x) for x in attention_tiling.block_indices(fwd_map))
+    if (dkdv.block_m, dkdv.block_n) != (fwd.block_m, fwd.block_n):
+        bwd_map, _ = attention_tiling.block_map(start, limit, dkdv.block_m, dkdv.block_n, window, position_ids,
+                                                seq_q)
+    else:
+        bwd_map = fwd_map
+    q_num, q_idx = (_aligned(x) for x in attention_tiling.block_indices(bwd_map.transpose(-1, -2).contiguous()))
+    return kv_num, kv_idx, q_num, q_idx
+
+
+def _int_args(start, limit, window, position_ids, seq_k: int) -> tuple[torch.Tensor, ...]:
+    """Intervals and positions as aligned int32 (same semantics: positions are in [0, seq_k))."""
+    start32 = _aligned(start.clamp(-1, seq_k + 1).to(torch.int32))
+    limit32 = _aligned(limit.clamp(-1, seq_k + 1).to(torch.int32))
+    pos = attention_tiling.key_positions(start, position_ids) if window is not None else start
+    return start32, limit32, _aligned(pos.to(torch.int32))
+
+
+def _forward(q, k, v, start, limit, position_ids, window, tile_q, tile_k):
+    """``(out, lse)``: out in the compute dtype (fp32 for fp64 inputs), lse fp32."""
+    cd = _compute_dtype(q.dtype)
+    q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
+    bsz, heads, seq_q, dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    start32, limit32, pos32 = _int_args(start, limit, window, position_ids, seq_k)
+    tiles = launch_tiles(q, tile_q or None)
+    fwd = tiles["fwd"]
+    kv_num, kv_idx, _, _ = _maps(start, limit, window, position_ids, seq_q, tiles)
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, heads, seq_q, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(dim)
+    win = int(window or 0)
+    strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
+    _fwd_kernel[(kv_idx.shape[-2], bsz * heads)](
+        q, k, v, out, lse, start32, limit32, pos32, kv_num, kv_idx,
+        seq_q, seq_k, heads, heads // kv_heads, kv_idx.shape[-1], win, scale * LOG2E, *strides,
+        **_meta(cd, dim, fwd, win > 0),
+    )
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q_in, k_in, v_in, out, lse, start, limit, position_ids, window, coeff, tile_q,
+              tile_k):
+    """``(dq, dk, dv)`` in the input dtypes (the tile maps are rebuilt: a few small kernels)."""
+    cd = out.dtype
+    q, k, v = (_aligned(x.to(cd)) for x in (q_in, k_in, v_in))
+    bsz, heads, seq_q, dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    start32, limit32, pos32 = _int_args(start, limit, window, position_ids, seq_k)
+    tiles = launch_tiles(q, tile_q or None)
+    kv_num, kv_idx, q_num, q_idx = _maps(start, limit, window, position_ids, seq_q, tiles)
+    do = _aligned(grad_out.to(cd))
+    delta = (do.float() * out.float()).sum(-1)
+    dlse = zreg_lse_grad(lse, coeff, grad_lse)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = _aligned(delta)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = 1.0 / math.sqrt(dim)
+    group = heads // kv_heads
+    win = int(window or 0)
+    strides = (*q.stride()[:3], *k.stride()[:3], start32.stride(0))
+    _bwd_dq_kernel[(kv_idx.shape[-2], bsz * heads)](
+        q, k, v, do, dq, lse, delta, start32, limit32, pos32, kv_num, kv_idx,
+        seq_q, seq_k, heads, group, kv_idx.shape[-1], win, scale * LOG2E, scale, *strides,
+        **_meta(q.dtype, dim, tiles["bwd_dq"], win > 0),
+    )
+    _bwd_dkdv_kernel[(q_idx.shape[-2], bsz * kv_heads)](
+        q, k, v, do, dk, dv, lse, delta, start32, limit32, pos32, q_num, q_idx,
+        seq_q, seq_k, heads, kv_heads, group, q_idx.shape[-1], win, scale * LOG2E, scale, *strides,
+        **_meta(q.dtype, dim, tiles["bwd_dkdv"], win > 0),
+    )
+    return dq.to(q_in.dtype), dk.to(k_in.dtype), dv.to(v_in.dtype)
+
+
+_OP = IntervalAttentionOp("triton_attention", _forward, _backward, out_dtype=_compute_dtype,
+                          lse_dtype=lambda dtype: torch.float32)
 
 
 def triton_attention(
@@ -336,7 +357,7 @@ def triton_attention(
 
     Semantics as :func:`megatron_cai.core.transformer.attention.attend`. Tiles, warps and stages come
     from :data:`kernel_configs.ATTENTION_TABLE` for the device's shared memory (16 x 16 under the
-    interpreter); ``block`` forces square tiles (tests only).
+    interpreter); ``block`` forces square tiles (tests only). Runs as the custom ops
+    ``megatron_cai::triton_attention_fwd`` / ``_bwd`` (one node under ``torch.compile``).
     """
-    return _TritonAttention.apply(q, k, v, start, limit, position_ids, window, float(zreg_coeff),
-                                  None if block is None else int(block))
+    return _OP(q, k, v, start, limit, position_ids, window, zreg_coeff, block or 0, block or 0)
