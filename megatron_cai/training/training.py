@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
+from ..core.datasets.device_prefetch import DevicePrefetcher
 from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.memory import max_over_ranks, memory_report
@@ -175,8 +176,9 @@ class Trainer:
                                                       train_ds=train_ds)
         self.forward_step_func = _bind_distiller(forward_step_func, self.distiller)
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
-        self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
-        self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
+        # pinned host batches, copied to the device one step ahead (training) or when taken (validation)
+        self.train_iter = self._loader(train_ds, self.state.consumed_train_samples, lookahead=None)
+        self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples, lookahead=False)
         log = config.logging
         self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
@@ -205,26 +207,24 @@ class Trainer:
             evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
         return (run.train_iters * gbs, evals * gbs, log.eval_iters * gbs)
 
-    def _loader(self, dataset, consumed: int):
+    def _loader(self, dataset, consumed: int, lookahead: bool | None) -> DevicePrefetcher | None:
+        """``lookahead``: copy the next step's micro-batches during this one (None: on accelerators)."""
         from ..core.datasets.data_samplers import build_pretraining_data_loader
 
         if dataset is None:
             return None
         loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
                                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                                               num_workers=self.config.data.num_workers)
-        return iter(loader)
+                                               num_workers=self.config.data.num_workers,
+                                               pin_memory=self.device.type == "cuda")
+        return DevicePrefetcher(iter(loader), self.device, lookahead=lookahead)
 
-    def _next_microbatches(self, iterator) -> list[dict]:
-        batches = []
-        for _ in range(self.num_microbatches):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                raise RuntimeError("the dataset ran out of samples; it was built for fewer iterations than "
-                                   "requested (rebuild the index cache or lower --train-iters)") from None
-            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
-        return batches
+    def _next_microbatches(self, prefetcher: DevicePrefetcher) -> list[dict]:
+        try:
+            return prefetcher.take(self.num_microbatches)
+        except StopIteration:
+            raise RuntimeError("the dataset ran out of samples; it was built for fewer iterations than "
+                               "requested (rebuild the index cache or lower --train-iters)") from None
 
     def _forward_context(self):
         run = self.config.training
