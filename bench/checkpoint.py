@@ -12,7 +12,7 @@ each first, not counted: the async staging buffers are allocated by the first sa
   thread's end, plus the finalize that renames it and moves the tracker). **step slowdown** = the mean
   iteration time while the write is in flight over the mean iteration time without a save (the writer
   thread shares the CPU and the GIL with training).
-- load: ``load_checkpoint`` of the checkpoint just written, into the same model (page cache warm).
+- load: ``Checkpointer.load`` of the checkpoint just written, into the same model (page cache warm).
 - bytes: the size of the ``iter_XXXXXXX`` directory.
 
 Each figure is the median over the repeats with min-max. torch_dist (``--ckpt-format torch_dist``, DCP)
@@ -63,7 +63,7 @@ class Session:
 
     def __init__(self, argv: list[str], save: str) -> None:
         import pretrain_gpt
-        from megatron_cai.training.async_checkpoint import AsyncCheckpointSaver
+        from megatron_cai.training.checkpoint import AsyncCheckpointSaver
         from megatron_cai.training.training import Trainer
 
         config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
@@ -87,7 +87,7 @@ class Session:
                 shutil.rmtree(os.path.join(self.save_root, d))
 
     def save_sync(self) -> dict:
-        self.trainer.async_saver = None
+        self.trainer.checkpointer.async_saver = None
         self.step()
         t = time.perf_counter()
         self.trainer.save()
@@ -96,7 +96,7 @@ class Session:
 
     def save_async(self) -> dict:
         tr = self.trainer
-        tr.async_saver = self.saver
+        tr.checkpointer.async_saver = self.saver
         self.step()
         t0 = time.perf_counter()
         tr.save()
@@ -116,21 +116,13 @@ class Session:
                 **self._after_save(job.iteration)}
 
     def _after_save(self, it: int) -> dict:
-        from megatron_cai.training import checkpointing
+        from megatron_cai.training.checkpoint import iteration_dir, read_tracker
 
         tr = self.trainer
-        assert checkpointing.read_tracker(self.save_root) == it
-        nbytes = _dir_bytes(checkpointing.iteration_dir(self.save_root, it))
+        assert read_tracker(self.save_root) == it
+        nbytes = _dir_bytes(iteration_dir(self.save_root, it))
         t = time.perf_counter()
-        reducers = [m.reducer for m in tr.model]
-        if tr.config.checkpoint.ckpt_format == "torch_dist":
-            from megatron_cai.training import dist_checkpoint
-
-            dist_checkpoint.load_dist_checkpoint(self.save_root, it, tr.model, tr.optimizer, tr.scheduler,
-                                                 tr.config.model, tr.param_layout, reducers=reducers)
-        else:
-            checkpointing.load_checkpoint(self.save_root, tr.model, tr.optimizer, tr.scheduler, tr.config.model,
-                                          step=it, reducers=reducers)
+        tr.checkpointer.load([m.reducer for m in tr.model], root=self.save_root, step=it)
         load_s = time.perf_counter() - t
         self._clear_old(it)
         return {"load_s": load_s, "bytes": nbytes}

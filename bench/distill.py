@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 from megatron_cai.core import parallel_state as ps  # noqa: E402
 from megatron_cai.core.datasets.builder import build_train_valid_test_datasets  # noqa: E402
 from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: E402
-from megatron_cai.training.checkpoint_conversion import load_canonical  # noqa: E402
+from megatron_cai.training.checkpoint import load_canonical  # noqa: E402
 from megatron_cai.training.distill import build_teacher  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")

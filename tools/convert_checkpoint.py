@@ -34,15 +34,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_cai.training.checkpoint_conversion import (  # noqa: E402
+from megatron_cai.training.checkpoint import (  # noqa: E402
     ConversionError,
+    check_conversion_target,
+    detect_format,
+    dist_to_torch,
     read_metadata,
     read_tracker,
     reshard_checkpoint,
+    torch_to_dist,
 )
 from megatron_cai.training.errors import run_cli  # noqa: E402
 from megatron_cai.training.known_errors import KNOWN_ERRORS  # noqa: E402
-from megatron_cai.training.run_dirs import check_conversion_target  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="--to hf: override the checkpoint's tokenizer file")
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
-    # --- checkpoint formats (torch <-> torch_dist): megatron_cai/training/dist_checkpoint.py
+    # --- checkpoint formats (torch <-> torch_dist): megatron_cai/training/checkpoint/format_conversion.py
     p.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default=None,
                    help="output format (default: torch; the source's format is detected from its files)")
     _add_megatron_flags(p)
@@ -120,11 +123,8 @@ def _convert_megatron(a: argparse.Namespace) -> int:
 
 def _convert_format(a: argparse.Namespace) -> bool:
     """torch -> torch_dist, or torch_dist -> torch (any TP/PP); False when this is a plain torch reshard."""
-    from megatron_cai.training import dist_checkpoint as dc
-    from megatron_cai.training import dist_checkpoint_conversion as conv
-
     step = a.ckpt_step if a.ckpt_step is not None else read_tracker(a.load)
-    source = dc.detect_format(a.load, step) if step is not None else None
+    source = detect_format(a.load, step) if step is not None else None
     target = a.target_ckpt_format or "torch"
     if target == "torch_dist":
         if source == "torch_dist":
@@ -132,14 +132,14 @@ def _convert_format(a: argparse.Namespace) -> bool:
         given = [f"--{n.replace('_', '-')}" for n in _SIZE_FLAGS if vars(a)[n] is not None]
         if given:
             raise ConversionError(f"a torch_dist checkpoint has no fixed layout: drop {', '.join(given)}")
-        conv.torch_to_dist(a.load, a.save, a.ckpt_step, with_optimizer=not a.no_optimizer)
+        torch_to_dist(a.load, a.save, a.ckpt_step, with_optimizer=not a.no_optimizer)
         return True
     if source != "torch_dist":
         return False
-    conv.dist_to_torch(a.load, a.save, a.ckpt_step, tp=a.target_tensor_parallel_size,
-                     pp=a.target_pipeline_model_parallel_size, vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
-                     dp=a.target_data_parallel_size, with_optimizer=not a.no_optimizer,
-                     make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
+    dist_to_torch(a.load, a.save, a.ckpt_step, tp=a.target_tensor_parallel_size,
+                  pp=a.target_pipeline_model_parallel_size, vp_layers=a.target_num_layers_per_virtual_pipeline_stage,
+                  dp=a.target_data_parallel_size, with_optimizer=not a.no_optimizer,
+                  make_vocab_size_divisible_by=a.make_vocab_size_divisible_by)
     return True
     # --- end of checkpoint formats
 

@@ -52,7 +52,7 @@ from megatron_cai.core.distillation import (  # noqa: E402
     topk_select,
 )
 from megatron_cai.core.distillation.dataset import sample_order_fingerprint  # noqa: E402
-from megatron_cai.training.checkpoint_conversion import ConversionError, load_canonical  # noqa: E402
+from megatron_cai.training.checkpoint import ConversionError, load_canonical  # noqa: E402
 from megatron_cai.training.distill import build_teacher  # noqa: E402
 from megatron_cai.training.tokenizer import build_tokenizer  # noqa: E402
 

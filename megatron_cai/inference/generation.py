@@ -20,7 +20,7 @@ from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer.self_attention import KVCache
-from ..training.checkpoint_conversion import CanonicalCheckpoint, load_canonical
+from ..training.checkpoint import CanonicalCheckpoint, load_canonical
 
 
 @dataclass

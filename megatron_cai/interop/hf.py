@@ -29,7 +29,7 @@ import torch
 
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
-from ..training.checkpoint_conversion import (
+from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     CanonicalCheckpoint,
     ConversionError,

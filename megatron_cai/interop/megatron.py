@@ -9,7 +9,7 @@ ways too, read and written with ``torch.distributed.checkpoint`` alone (:func:`r
 :func:`write_torch_dist`), so megatron-core need not be installed.
 
 Architecture mapping (megatron-core name <-> ours; tensors per TP rank on Megatron's side, full
-tensors on ours, see ``checkpoint_conversion``):
+tensors on ours, see ``training.checkpoint.reshard``):
 
 ===========================================  ===============================================================
 ``...self_attention.linear_qkv``             ``linear_q`` + ``linear_kv``. Megatron fuses Q, K and V *per query
@@ -52,18 +52,21 @@ import torch
 
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
-from ..training.checkpoint_conversion import (
+from ..training.checkpoint import (
     OUTPUT_WEIGHT,
+    TRACKER,
     CanonicalCheckpoint,
     ConversionError,
     Layout,
     fit_vocab_rows,
+    iteration_dir,
     load_canonical,
+    rank_dir_name,
     save_resharded,
+    save_torch,
     target_layout,
+    write_text,
 )
-from ..training.checkpoint_io import save_torch, write_text
-from ..training.checkpointing import TRACKER, iteration_dir, rank_dir_name
 from ..training.tokenizer import vocab_size_with_padding
 
 SPECS = ("local", "transformer_engine")

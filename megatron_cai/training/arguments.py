@@ -239,7 +239,7 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a background thread while training goes on; the tracker moves "
                         "once every rank's write has finished and verified (megatron_cai/training/"
-                        "async_checkpoint.py)")
+                        "checkpoint/async_save.py)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:

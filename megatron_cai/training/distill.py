@@ -44,6 +44,7 @@ from ..core.distillation import (
     vocab_parallel_sparse_kd_loss,
 )
 from ..core.distillation.dataset import DISTILL_KEYS, TeacherSamplesDataset, open_teacher_samples
+from ..core.distributed.contracts import ModelChunk
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -55,21 +56,17 @@ __all__ = ["Distiller", "build_teacher", "setup_distillation"]
 _PADDING_LOGIT = -1e9  # student logits of padded vocab rows: exp() underflows to 0, and 0 * it stays finite
 
 
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
 # ------------------------------------------------------------------------------------------- teacher
 def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "cpu",
                   attention_backend: str | None = None) -> GPTModel:
     """A whole (all layers) GPTModel from a canonical checkpoint, sharded over this process's TP group.
 
-    ``ck`` is a :class:`~megatron_cai.training.checkpoint_conversion.CanonicalCheckpoint` (any saved
+    ``ck`` is a :class:`~megatron_cai.training.checkpoint.CanonicalCheckpoint` (any saved
     layout). Vocabulary rows are re-padded to ``padded_vocab_size``; dropout and training-only terms are
     off; the model is in eval mode with ``requires_grad=False``. The global RNG state is left untouched.
     """
     from ..core.models.gpt.model import WORD_EMBEDDINGS
-    from .checkpoint_conversion import OUTPUT_WEIGHT, fit_vocab_rows
+    from .checkpoint import OUTPUT_WEIGHT, fit_vocab_rows
 
     cfg = GPTConfig.from_dict(ck.config.to_dict())
     cfg.padded_vocab_size = padded_vocab_size
@@ -105,7 +102,7 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
 
 def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int | None = None) -> GPTModel:
     """Load the checkpoint at ``path`` (any TP/PP layout) as an online teacher for ``student``."""
-    from .checkpoint_conversion import load_canonical
+    from .checkpoint import load_canonical
 
     ck = load_canonical(path, step, load_optimizer=False)
     if ck.config.vocab_size != student.vocab_size:
@@ -154,13 +151,13 @@ class Distiller:
         self.alpha, self.tau, self.estimator, self.k, self.seed = alpha, tau, estimator, k, seed
         self.teacher = teacher
 
-    def applies(self, model, batch: dict) -> bool:
+    def applies(self, model: ModelChunk, batch: dict) -> bool:
         """True on the last stage for batches of the train split (they carry ``distill_index``)."""
-        return _unwrap(model).post_process and "distill_index" in batch
+        return model.module.post_process and "distill_index" in batch
 
-    def forward(self, model, batch: dict, visibility=None):
+    def forward(self, model: ModelChunk, batch: dict, visibility=None):
         """Student forward + CE + KD; returns ``(per-token CE, loss_func)`` for the schedule."""
-        cfg = _unwrap(model).config
+        cfg = model.module.config
         logits = model(batch["tokens"], batch["position_ids"], visibility=visibility)  # [b, s, V/TP]
         ce = vocab_parallel_cross_entropy(logits, batch["labels"], cfg.vocab_size, cfg.output_zreg_coeff)
         if self.teacher is None:

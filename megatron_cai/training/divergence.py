@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..core.distributed.contracts import ModelChunk
+
 
 class DivergenceError(RuntimeError):
     """The run diverged (too many consecutive non-finite iterations); the message says where and what is kept."""
@@ -81,11 +83,11 @@ def stats_finite(stats: list[dict]) -> bool:
                if isinstance(v, torch.Tensor))
 
 
-def state_finite(model_chunks, optimizer, device: torch.device) -> bool:
+def state_finite(model_chunks: list[ModelChunk], optimizer, device: torch.device) -> bool:
     """Collective: whether all parameters and all Adam state on every rank are finite."""
     ok = True
     for m in model_chunks:
-        for p in getattr(m, "module", m).parameters():
+        for p in m.module.parameters():
             ok = ok and bool(torch.isfinite(p.detach()).all())
     for chunk_list in getattr(optimizer, "chunks", []):
         for c in chunk_list:
@@ -159,7 +161,7 @@ class DivergenceMonitor:
         self.last_finite = (int(last[0]), float(last[1])) if last else None
         self.spikes = int(counters.get("loss_spikes") or 0)
 
-    def refuse_save(self, model_chunks, optimizer) -> str | None:
+    def refuse_save(self, model_chunks: list[ModelChunk], optimizer) -> str | None:
         """Collective: why the current state must not be saved, or None when it may be."""
         if self.consecutive_skipped > 0:
             return f"the last {self.consecutive_skipped} iteration(s) had a non-finite loss or gradient"

@@ -8,8 +8,7 @@ from __future__ import annotations
 from ..core.datasets.indexed_dataset import IndexedDatasetError
 from ..core.parallel_state import ParallelLayoutError
 from .arguments import ArgumentError
-from .checkpoint_conversion import ConversionError
-from .checkpoint_io import CheckpointError
+from .checkpoint import CheckpointError, ConversionError
 from .divergence import DivergenceError
 from .errors import DataError, RankLocalError
 

@@ -29,19 +29,20 @@ from ..core import parallel_state as ps
 from ..core.datasets.device_prefetch import DevicePrefetcher
 from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
+from ..core.distributed.fsdp import build_fsdp2
 from ..core.distributed.memory import max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
 from ..core.optimizer.grad_scaler import build_grad_scaler
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
-from ..core.optimizer.optimizer import DistributedAdamW
+from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import checkpointing, dist_checkpoint, divergence, run_dirs, startup_checks
+from . import divergence, startup_checks
 from .arguments import rebuild_for_world_size
-from .async_checkpoint import AsyncCheckpointSaver
+from .checkpoint import Checkpointer, check_run_dirs, iteration_dir, tp_layout
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
 from .initialize import discover_env, initialize_distributed
@@ -113,7 +114,7 @@ class Trainer:
         self.config = config
         self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
         print_rank_0(format_config(config))
-        run_dirs.check_run_dirs(config.checkpoint.load, config.checkpoint.save, config.checkpoint.ckpt_step)
+        check_run_dirs(config.checkpoint.load, config.checkpoint.save, config.checkpoint.ckpt_step)
         model_cfg, run = config.model, config.training
         if model_cfg.qat.gemm_backend == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
@@ -127,21 +128,17 @@ class Trainer:
                 compile_transformer_layers(m)
         dp = ps.get_data_parallel_world_size()
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
-        self.param_layout = checkpointing.tp_layout(chunks)
-        self.model = []
+        param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
-            if not config.ddp.use_torch_fsdp2:
-                reducer = build_reducer(config.ddp, ps.get_data_parallel_group(), dp, seed=run.seed + ps.get_rank(),
-                                        timing_level=config.logging.timing_log_level)
-                self.model.append(DistributedDataParallel(m, reducer, config.ddp, device=self.device))
-        if config.ddp.use_torch_fsdp2:  # FSDP2 chunks and AdamW over the shards (core/distributed/fsdp.py)
-            from ..core.distributed.fsdp import build_fsdp2
-
-            self.model, self.optimizer = build_fsdp2(chunks, self.device, config.ddp, config.optimizer,
-                                                     bf16=run.bf16, seed=run.seed + ps.get_rank())
+        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
+            self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
-            self.optimizer = DistributedAdamW(self.model, config.optimizer)
+            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
+                                                                   seed=run.seed + ps.get_rank(),
+                                                                   timing_level=config.logging.timing_log_level),
+                                                  config.ddp, device=self.device) for m in chunks]
+        self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
         self.scheduler = OptimizerParamScheduler(config.scheduler)
@@ -153,17 +150,17 @@ class Trainer:
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
+        self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
+                                         self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
-            counters = dist_checkpoint.load_checkpoint(  # either format (--ckpt-format, --auto-detect-ckpt-format)
-                config, self.model, self.optimizer, self.scheduler, self.param_layout,
-                reducers=[m.reducer for m in self.model])
+            counters = self.checkpointer.load([m.reducer for m in self.model])  # either format
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
                 self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
                 print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
-                self.divergence.last_good_checkpoint = checkpointing.iteration_dir(ckpt.load, self.state.iteration)
+                self.divergence.last_good_checkpoint = iteration_dir(ckpt.load, self.state.iteration)
                 self.divergence.load_state_dict(counters)
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
@@ -184,8 +181,6 @@ class Trainer:
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
-        self.async_saver = (AsyncCheckpointSaver(self.device, ckpt.ckpt_format)  # collective (torch_dist)
-                            if ckpt.async_save and ckpt.save else None)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
         tp = config.parallel.tensor_model_parallel_size
         seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
@@ -334,12 +329,12 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- loop
     def save(self) -> None:
-        ckpt = self.config.checkpoint
-        if not ckpt.save:
+        """Save now (collective), unless the state is not finite: the checkpointer picks format and mode."""
+        if not self.config.checkpoint.save:
             return
         self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
-        if self.async_saver is not None and not self.divergence.consecutive_skipped:
+        if self.checkpointer.asynchronous and not self.divergence.consecutive_skipped:
             refused = None  # --async-save: finiteness is checked on the staged copy, in the writer thread
         else:
             refused = self.divergence.refuse_save(self.model, self.optimizer)  # collective
@@ -347,35 +342,13 @@ class Trainer:
             print_rank_0(f" WARNING: not saving a checkpoint at iteration {self.state.iteration}: {refused}; the "
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
-        tok_model = self.config.tokenizer.tokenizer_model
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
-        reducer_states = [m.reducer.state_dict() for m in self.model]
-        tok_files = [tok_model] if tok_model else []
-        it = self.state.iteration
-        if self.async_saver is not None:  # stage now (collective), write in the background
-            if ckpt.ckpt_format == dist_checkpoint.FORMAT:
-                self.async_saver.submit_dist(ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config,
-                                             counters, self.param_layout, reducer_states=reducer_states,
-                                             save_optim=ckpt.save_optim, tokenizer_files=tok_files)
-            else:
-                private = getattr(self.optimizer, "state_dict_copies", False)  # its state needs no staging copy
-                staged = checkpointing.stage_checkpoint(
-                    ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config, counters,
-                    reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
-                    optimizer_views=private)
-                self.async_saver.submit(staged, owned=("optimizer",) if private else ())
-            print_rank_0(f" started an asynchronous save at iteration {it:7d} to {ckpt.save}")
+        path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model])
+        if path is None:  # --async-save: staged, written in the background, published by finalize_async_save
+            print_rank_0(f" started an asynchronous save at iteration {self.state.iteration:7d} to "
+                         f"{self.config.checkpoint.save}")
             return
-        if ckpt.ckpt_format == dist_checkpoint.FORMAT:
-            path = dist_checkpoint.save_dist_checkpoint(
-                ckpt.save, it, self.model, self.optimizer, self.scheduler, self.config, counters,
-                self.param_layout, reducer_states=reducer_states, save_optim=ckpt.save_optim,
-                tokenizer_files=tok_files)
-        else:
-            path = checkpointing.save_checkpoint(ckpt.save, it, self.model, self.optimizer,
-                                                 self.scheduler, self.config, counters, reducer_states=reducer_states,
-                                                 save_optim=ckpt.save_optim, tokenizer_files=tok_files)
-        self._saved(path, it)
+        self._saved(path, self.state.iteration)
 
     def _saved(self, path: str, iteration: int) -> None:
         self.divergence.last_good_checkpoint = path
@@ -383,14 +356,14 @@ class Trainer:
 
     def finalize_async_save(self, blocking: bool) -> None:
         """Make an --async-save in flight current once every rank has written it (collective)."""
-        if self.async_saver is not None:
-            done = self.async_saver.maybe_finalize(blocking)
-            if done is not None and done.refused:
+        done = self.checkpointer.finalize_async(blocking)
+        if done is not None:
+            if done.refused:
                 print_rank_0(f" WARNING: dropped the asynchronous save of iteration {done.iteration}: "
                              f"parameters or optimizer state hold non-finite values; the last good checkpoint "
                              f"stays current: "
                              f"{self.divergence.last_good_checkpoint or 'none'}")
-            elif done is not None:
+            else:
                 self._saved(done.final, done.iteration)
 
     def train(self) -> TrainState:
@@ -507,8 +480,7 @@ class Trainer:
                 scalars["throughput"] = throughput
         self.tb.scalars(scalars, st.iteration)
         if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
-            reducers = [getattr(m, "reducer", None) for m in self.model]
-            timings = [r.timers.collect() for r in reducers if hasattr(r, "timers")]
+            timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:

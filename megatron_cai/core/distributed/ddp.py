@@ -19,12 +19,16 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import parallel_state as ps
 from .config import DDPConfig
+from .contracts import BucketReducer
 from .grad_buffer import ParamAndGradBuffer
-from .grad_reducer import GradReducer
 
 
 class DistributedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, reducer: GradReducer, config: DDPConfig, *, device: torch.device) -> None:
+    """One model chunk over contiguous gradient buckets and a reducer (a ``contracts.ModelChunk``)."""
+
+    data_parallel_kind = "ddp"
+
+    def __init__(self, module: nn.Module, reducer: BucketReducer, config: DDPConfig, *, device: torch.device) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer

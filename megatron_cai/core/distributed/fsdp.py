@@ -11,8 +11,8 @@ the TP-local shards, so FSDP2 shards TP shards over DP.
 reduce-scatter before the last micro-batch's backward of the chunk), ``zero_grad_buffer``,
 ``finish_grad_sync`` (sums over the embedding group for tied embeddings across stages and over TP for
 TP-partial gradients, on the local DP shards), ``reducer`` (the reduce-scatter hooks' state) and
-``grad_comm_bytes``. ``FullyShardedAdamW`` is ``torch.optim.AdamW`` over the DTensor shards with
-the DDP path's grad-norm clip and non-finite check.
+``grad_comm_bytes`` (the ``contracts.ModelChunk`` members). ``core.optimizer.fsdp_adamw.FullyShardedAdamW``
+updates the DTensor shards.
 
 HSDP (``--squinch --squinch-hierarchical``): the shard mesh is this node's DP ranks (parallel_state's
 intra-node DP group); each unit's ``SquinchReduceScatter(inter_group=...)`` reduce-scatters inside the node and, as the
@@ -21,7 +21,6 @@ size. The grad norm counts the first node's shards only.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .. import parallel_state as ps
-from ..optimizer.config import OptimizerConfig
 from .config import DDPConfig
+from .contracts import StatelessReducer
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
@@ -106,9 +105,12 @@ def sharding_units(module: nn.Module) -> list[nn.Module]:
 
 
 class FullyShardedChunk(nn.Module):
-    """One model chunk (``GPTModel``) under FSDP2 over the DP mesh dimension."""
+    """One model chunk (``GPTModel``) under FSDP2 over the DP mesh dimension (a ``contracts.ModelChunk``)."""
 
-    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, settings: FSDPSettings) -> None:
+    data_parallel_kind = "fsdp2"
+
+    def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, settings: FSDPSettings,
+                 device: torch.device) -> None:
         super().__init__()
         self.settings = settings
         self.meta = {name: ParamMeta(bool(getattr(p, "shared_embedding", False)),
@@ -130,7 +132,8 @@ class FullyShardedChunk(nn.Module):
                     m.set_all_reduce_hook(comm.all_reduce_hook)
                     m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size()))
                 self.comms[name or "root"] = comm
-        self.reducer = CommState(self.comms)
+        self.reducer = UnitReducers(self.comms)
+        self.reducer.attach(device)  # the gradients' device: Squinch state is restored there
         named = dict(module.named_parameters())
         self.shared_params = [p for n, p in named.items() if self.meta[n].shared_embedding]
         self.tp_partial_params = [p for n, p in named.items() if self.meta[n].allreduce_over_tp]
@@ -188,11 +191,17 @@ class FullyShardedChunk(nn.Module):
         return self.reducer.bytes_sent
 
 
-class CommState:
-    """The reduce-scatter hooks of one chunk, seen as one reducer (bytes, skipped steps, state)."""
+class UnitReducers(StatelessReducer):
+    """The reduce-scatter hooks of one chunk's ``fully_shard`` units, seen as one ``contracts.GradReducer``
+    (bytes, skipped steps, state; no phase timers)."""
 
     def __init__(self, comms: dict[str, CountingReduceScatter]) -> None:
         self.comms = comms
+        self.carries_feedback = any(c.carries_feedback for c in comms.values())
+
+    def attach(self, device: torch.device) -> None:
+        for c in self.comms.values():
+            c.attach(device)
 
     @property
     def bytes_sent(self) -> int:
@@ -225,77 +234,18 @@ def wrap_model_chunks(chunks: list[nn.Module], device: torch.device,
                       settings: FSDPSettings) -> list[FullyShardedChunk]:
     """Shard every model chunk of this rank over DP (after ``chunk.to(device)``)."""
     mesh = build_dp_mesh(device, settings.hsdp)
-    return [FullyShardedChunk(c, mesh, settings) for c in chunks]
+    return [FullyShardedChunk(c, mesh, settings, device) for c in chunks]
 
 
-class FullyShardedAdamW:
-    """``torch.optim.AdamW`` over the FSDP2 shards, no weight decay on 1-D parameters (as Megatron), with
-    the DDP path's global grad norm, clipping and non-finite check."""
-
-    def __init__(self, chunks: list[FullyShardedChunk], *, lr: float, weight_decay: float = 0.01,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        self.model_chunks = chunks
-        decay, no_decay = [], []
-        self.norm_params: list[nn.Parameter] = []
-        for c in chunks:
-            for name, p in c.module.named_parameters():
-                (decay if c.meta[name].decay else no_decay).append(p)
-                if c.counted_in_norm(name):
-                    self.norm_params.append(p)
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
-                                           foreach=False)
-        self.all_params = decay + no_decay
-
-    def grad_norm(self) -> float:
-        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite)."""
-        device = local(self.all_params[0]).device
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for p in self.norm_params:
-            if p.grad is not None:
-                g = local(p.grad).float().reshape(-1)
-                total += torch.dot(g, g).double()
-        if ps.get_world_size() > 1:
-            dist.all_reduce(total)
-        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
-
-    def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
-        """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
-        norm = self.grad_norm()
-        if not math.isfinite(norm):
-            return norm, False
-        if max_norm > 0:
-            coeff = max_norm / (norm + 1e-6)
-            if coeff < 1.0:
-                for p in self.all_params:
-                    if p.grad is not None:
-                        local(p.grad).mul_(coeff)
-        return norm, True
-
-    @torch.no_grad()
-    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
-        """One AdamW step at `lr` (--decoupled-lr is refused with FSDP2 at start-up, so `decoupled_lr` is unused)."""
-        if lr is not None:
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-        self.optimizer.step()
-
-    def finish_param_sync(self) -> None:
-        """Nothing pending: FSDP2 all-gathers the parameter shards itself in each forward."""
-        return None
+__all__: list[str] = ["FSDPSettings", "FullyShardedChunk", "UnitReducers", "build_dp_mesh", "build_fsdp2", "local",
+                      "sharding_units", "wrap_model_chunks"]
 
 
-__all__: list[str] = ["FSDPSettings", "FullyShardedAdamW", "FullyShardedChunk", "build_dp_mesh", "local",
-                      "sharding_units", "wrap_model_chunks", "build_fsdp2"]
-
-
-def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, optimizer: OptimizerConfig, *,
-                bf16: bool, seed: int) -> tuple[list[FullyShardedChunk], FullyShardedAdamW]:
-    """The trainer's hook: shard this rank's chunks as ``ddp`` says and build AdamW over the shards."""
+def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, *, bf16: bool,
+                seed: int) -> list[FullyShardedChunk]:
+    """The trainer's hook: shard this rank's chunks as ``ddp`` says."""
     settings = FSDPSettings(bf16=bf16, reduce_in_bf16=ddp.grad_reduce_in_bf16, squinch=ddp.reducer == "squinch",
                             squinch_error_feedback=ddp.squinch.error_feedback,
                             squinch_stochastic=ddp.squinch.stochastic_rounding,
                             hierarchical=ddp.squinch.hierarchical, seed=seed)
-    model = wrap_model_chunks(chunks, device, settings)
-    return model, FullyShardedAdamW(model, lr=optimizer.lr, weight_decay=optimizer.weight_decay,
-                                    betas=optimizer.betas, eps=optimizer.adam_eps)
+    return wrap_model_chunks(chunks, device, settings)

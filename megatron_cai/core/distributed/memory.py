@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .. import device as device_mod
 from .. import parallel_state as ps
+from .contracts import ModelChunk
 
 MiB = 1 << 20
 
@@ -52,9 +53,9 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process high-water mark"
 
 
-def memory_report(model_chunks: list, optimizer, device: torch.device) -> MemoryReport:
+def memory_report(model_chunks: list[ModelChunk], optimizer, device: torch.device) -> MemoryReport:
     """This rank's bytes of parameters, gradients and optimizer state (see the module docstring)."""
-    if hasattr(optimizer, "optimizer"):  # FullyShardedAdamW: DTensor shards
+    if model_chunks[0].data_parallel_kind == "fsdp2":  # FullyShardedAdamW: DTensor shards
         params = [p for c in model_chunks for p in c.module.parameters()]
         p_bytes = sum(_nbytes(p) for p in params)
         g_bytes = sum(_nbytes(p.grad) if p.grad is not None else _nbytes(p) for p in params)

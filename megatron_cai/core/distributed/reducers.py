@@ -1,6 +1,6 @@
 """Gradient reducers: how one bucket's gradients are averaged over the data-parallel group.
 
-The interface is deliberately small::
+The interface (``contracts.BucketReducer``) is deliberately small::
 
     handle = reducer.reduce(bucket)   # starts the reduction (asynchronously where possible)
     handle.wait()                     # afterwards the bucket holds the DP-mean gradient: the whole
@@ -9,6 +9,7 @@ The interface is deliberately small::
 ``reducer.bytes_sent`` counts the bytes this rank put on the wire for gradients (the algorithmic
 volume of the collective: a ring all-reduce sends 2(n-1)/n of the buffer, a reduce-scatter (n-1)/n).
 ``reducer.shards`` says whether only the shard is valid afterwards (distributed optimizer).
+``build_reducer`` picks one of the two plain reducers here or ``squinch_reducer.SquinchReducer``.
 """
 from __future__ import annotations
 
@@ -17,13 +18,43 @@ import torch.distributed as dist
 
 from .. import device as device_mod
 from .config import DDPConfig
+from .contracts import BucketReducer, StatelessReducer
 from .grad_buffer import Bucket
-from .grad_reducer import CompletedHandle, GradReducer, WorkHandle
+from .squinch_reducer import SquinchReducer
 
-__all__ = ["AllReduceReducer", "GradReducer", "ReduceScatterReducer", "build_reducer"]
+__all__ = ["AllReduceReducer", "ReduceScatterReducer", "build_reducer"]
 
 
-class AllReduceReducer(GradReducer):
+class CompletedHandle:
+    def wait(self) -> None:
+        return None
+
+
+class WorkHandle:
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+class _PlainReducer(StatelessReducer):
+    """Uncompressed, flat DP: no state between steps, every byte counted as inter-node."""
+
+    shards = False
+
+    def __init__(self, dp_group, dp_size: int) -> None:
+        self.group, self.dp_size = dp_group, dp_size
+        self.bytes_sent = 0
+
+    @property
+    def inter_node_bytes_sent(self) -> int:
+        return self.bytes_sent
+
+
+class AllReduceReducer(_PlainReducer):
     """Plain DP: pre-scale by 1/DP and all-reduce (sum) the whole bucket."""
 
     def reduce(self, bucket: Bucket):
@@ -35,7 +66,7 @@ class AllReduceReducer(GradReducer):
         return WorkHandle(dist.all_reduce(bucket.grad_data, group=self.group, async_op=True))
 
 
-class ReduceScatterReducer(GradReducer):
+class ReduceScatterReducer(_PlainReducer):
     """Distributed optimizer: pre-scale by 1/DP and reduce-scatter; each rank keeps its shard's sum."""
 
     shards = True
@@ -64,7 +95,8 @@ class _CopyBack:
             self.work = None
 
 
-def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0, timing_level: int = 0) -> GradReducer:
+def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0,
+                  timing_level: int = 0) -> BucketReducer:
     """The reducer ``config.reducer`` names: `allreduce`, `reducescatter`, or `squinch` (see
     core.distributed.squinch_reducer; ``seed`` seeds its stochastic rounding, ``timing_level`` > 0 records
     its per-phase timers, as --timing-log-level)."""
@@ -73,8 +105,6 @@ def build_reducer(config: DDPConfig, dp_group, dp_size: int, *, seed: int = 0, t
     if config.reducer == "reducescatter":
         return ReduceScatterReducer(dp_group, dp_size)
     if config.reducer == "squinch":
-        from .squinch_reducer import SquinchReducer
-
         sq = config.squinch
         return SquinchReducer(dp_group, dp_size, error_feedback=sq.error_feedback, stochastic=sq.stochastic_rounding,
                               hierarchical=sq.hierarchical, shard_only=config.use_distributed_optimizer, seed=seed,

@@ -24,7 +24,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import device as device_mod
+from .contracts import StatelessReducer
 from .squinch_collectives import compressed_all_reduce, compressed_reduce_scatter, padded_chunk
+from .squinch_feedback import ROWS, FeedbackReducer, SquinchFeedback
+
+OWNER = "owner"  # HSDP: the residual of the owner's re-encode of its cross-node shard
 
 
 def _check_sum(op) -> None:
@@ -41,10 +45,8 @@ class _Done:
         return True
 
 
-class CountingReduceScatter(ReduceScatter):
+class CountingReduceScatter(StatelessReducer, ReduceScatter):
     """Uncompressed sum reduce-scatter that counts bytes sent ((n-1)/n of the input)."""
-
-    holds_squinch_state = False  # Squinch error-feedback residuals that checkpoints carry
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -62,65 +64,25 @@ class CountingReduceScatter(ReduceScatter):
         self.inter_node_bytes_sent += nbytes
         return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    def step_skipped(self) -> None:
-        return None
 
-    def rescale_feedback(self, factor: float) -> None:
-        return None
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        return None
-
-
-class SquinchReduceScatter(CountingReduceScatter):
+class SquinchReduceScatter(FeedbackReducer, CountingReduceScatter):
     """Squinch 6-bit reduce-scatter with per-parameter-group error feedback.
 
     With ``inter_group`` (HSDP, ``--squinch-hierarchical``) it is instead the uncompressed reduce-scatter
     over the node's DP ranks, and :meth:`all_reduce_hook` (installed with ``set_all_reduce_hook``) sums
     the reduced shard across nodes, over ``inter_group`` (one rank per node), with the Squinch
     all-reduce: error feedback on its all-to-all rows (``residuals["rows"]``) and on the owner's
-    re-encode (``residuals["owner"]``). FSDP2 then divides by the whole DP size."""
-
-    holds_squinch_state = True
+    re-encode (``residuals["owner"]``). FSDP2 then divides by the whole DP size. The residuals and the
+    stochastic-rounding generator are its ``feedback`` (``squinch_feedback.SquinchFeedback``)."""
 
     def __init__(self, *, error_feedback: bool = True, stochastic: bool = False, seed: int = 0,
                  backend: str | None = None, inter_group=None) -> None:
         super().__init__()
-        self.error_feedback, self.stochastic, self.backend = error_feedback, stochastic, backend
-        self.residual: torch.Tensor | None = None        # flat FSDP2: the reduce-scatter rows
-        self.residuals: dict[str, torch.Tensor] = {}     # HSDP: the cross-node all-reduce's
-        self.generator: torch.Generator | None = None
-        self._seed = seed
+        self.backend = backend
+        self.feedback = SquinchFeedback(error_feedback=error_feedback, stochastic=stochastic, seed=seed)
         self.hierarchical = inter_group is not None
         self.inter_group = inter_group
         self.nodes = dist.get_world_size(inter_group) if inter_group is not None else 1
-
-    def _residual(self, numel: int, device: torch.device) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        if self.residual is None or self.residual.numel() != numel:
-            self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
-        elif self.residual.device != device:  # restored from a checkpoint on the CPU
-            self.residual = self.residual.to(device)
-        return self.residual
-
-    def _cross_node_residual(self, key: str, numel: int, device: torch.device) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        r = self.residuals.get(key)
-        if r is None or r.numel() != numel:
-            r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
-        elif r.device != device:  # restored from a checkpoint on the CPU
-            r = self.residuals[key] = r.to(device)
-        return r
-
-    def _gen(self, device: torch.device) -> torch.Generator | None:
-        if self.stochastic and self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self._seed)
-        return self.generator
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
@@ -129,9 +91,10 @@ class SquinchReduceScatter(CountingReduceScatter):
         if self.hierarchical:  # inside the node: uncompressed, not inter-node traffic
             self.bytes_sent += (world - 1) * input_tensor.numel() * input_tensor.element_size() // world
             return device_mod.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        residual = self._residual(world * padded_chunk(output_tensor.numel()), input_tensor.device)
-        nbytes = compressed_reduce_scatter(output_tensor, input_tensor, group, world, residual,
-                                           stochastic=self.stochastic, generator=self._gen(input_tensor.device),
+        fb, dev = self.feedback, input_tensor.device
+        nbytes = compressed_reduce_scatter(output_tensor, input_tensor, group, world,
+                                           fb.residual(ROWS, world * padded_chunk(output_tensor.numel()), dev),
+                                           stochastic=fb.stochastic, generator=fb.generator(dev),
                                            backend=self.backend)
         self.bytes_sent += nbytes
         self.inter_node_bytes_sent += nbytes
@@ -141,40 +104,10 @@ class SquinchReduceScatter(CountingReduceScatter):
         """HSDP: sum ``reduce_output`` (this rank's intra-node-reduced shard) over the nodes, in place."""
         if self.nodes == 1:
             return
-        m, dev = self.nodes, reduce_output.device
+        m, dev, fb = self.nodes, reduce_output.device, self.feedback
         row = padded_chunk(-(-reduce_output.numel() // m))
-        nbytes = compressed_all_reduce(reduce_output, self.inter_group, m,
-                                       self._cross_node_residual("rows", m * row, dev),
-                                       self._cross_node_residual("owner", row, dev), stochastic=self.stochastic,
-                                       generator=self._gen(dev), backend=self.backend)
+        nbytes = compressed_all_reduce(reduce_output, self.inter_group, m, fb.residual(ROWS, m * row, dev),
+                                       fb.residual(OWNER, row, dev), stochastic=fb.stochastic,
+                                       generator=fb.generator(dev), backend=self.backend)
         self.bytes_sent += nbytes
         self.inter_node_bytes_sent += nbytes
-
-    def _all_residuals(self) -> list[torch.Tensor]:
-        return ([self.residual] if self.residual is not None else []) + list(self.residuals.values())
-
-    def step_skipped(self) -> None:
-        """A skipped step discards its gradients, including what error feedback carried."""
-        for r in self._all_residuals():
-            r.zero_()
-
-    def rescale_feedback(self, factor: float) -> None:
-        """Residuals follow a loss-scale change (they are in loss-scaled units), as in SquinchReducer."""
-        for r in self._all_residuals():
-            r.mul_(factor)
-
-    def state_dict(self) -> dict:
-        state = {"residual": None if self.residual is None else self.residual.detach().cpu().clone()}
-        if self.residuals:
-            state["residuals"] = {k: v.detach().cpu().clone() for k, v in self.residuals.items()}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        r = state.get("residual")
-        self.residual = None if r is None else r.clone()
-        self.residuals = {k: v.clone() for k, v in state.get("residuals", {}).items()}
-        if "generator" in state:
-            self.generator = torch.Generator().manual_seed(self._seed)
-            self.generator.set_state(state["generator"])

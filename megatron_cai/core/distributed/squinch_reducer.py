@@ -10,7 +10,8 @@ of the payloads and a decode into the full bucket, so every replica ends with id
 Nothing is ever reduced in a ring over compressed data. The codec steps (per-row encode with the flag
 byte, decode-accumulate, the all-gather decode) are ``squinch_collectives``' functions, the ones FSDP2's
 reduce-scatter hooks call; this class adds the buckets, the asynchronous staging, the persistent
-buffers, the phase timers and the per-bucket residuals (keys ``b<i>`` and ``o<i>`` for the owner).
+buffers, the phase timers and the per-bucket error feedback (``SquinchFeedback``: residuals ``b<i>`` and
+``o<i>`` for the owner, the stochastic-rounding generator).
 
 Hierarchical mode: an uncompressed reduce-scatter inside each node, the Squinch all-to-all across
 nodes among ranks with the same local index (the inter-node group), and (all-reduce mode) the
@@ -66,28 +67,25 @@ from .. import parallel_state as ps
 from ..squinch import payload_nbytes
 from .comm_timing import PhaseTimers
 from .grad_buffer import Bucket
-from .grad_reducer import GradReducer
 from .squinch_collectives import decode_rows_into, decode_sum_into, encode_rows
+from .squinch_feedback import FeedbackReducer, SquinchFeedback
 
 _NULL = contextlib.nullcontext()
 _INF = float("inf")
 _SECOND_GROUPS: dict[tuple, object] = {}  # (world, ranks) -> duplicate process group for the all-gathers
 
 
-class SquinchReducer(GradReducer):
-    holds_squinch_state = True
+class SquinchReducer(FeedbackReducer):
+    """The Squinch ``contracts.BucketReducer`` (see the module docstring)."""
 
     def __init__(self, dp_group, dp_size: int, *, error_feedback: bool = True, stochastic: bool = False,
                  hierarchical: bool = False, shard_only: bool = False, seed: int = 0,
                  backend: str | None = None, timing_level: int = 0, device: torch.device | None = None) -> None:
-        super().__init__(dp_group, dp_size)
-        self.error_feedback, self.stochastic = error_feedback, stochastic
+        self.group, self.dp_size = dp_group, dp_size
+        self.bytes_sent = self.inter_node_bytes_sent = 0
         self.shards = shard_only
         self.backend = backend
-        self.residuals: dict[str, torch.Tensor] = {}
-        self.generator: torch.Generator | None = None
-        self._generator_state: torch.Tensor | None = None  # loaded before the generator existed
-        self._seed = seed
+        self.feedback = SquinchFeedback(error_feedback=error_feedback, stochastic=stochastic, seed=seed)
         self.device: torch.device | None = None
         self.timers = PhaseTimers(timing_level)
         self._buffers: dict[tuple, torch.Tensor] = {}
@@ -106,49 +104,20 @@ class SquinchReducer(GradReducer):
                                  f"nodes does not make the data-parallel size {dp_size}")
             self.intra_group = ps.get_data_parallel_intra_node_group()
             self.inter_group = ps.get_data_parallel_inter_node_group()
-        self.inter_node_bytes_sent = 0
         if device is not None:
             self.attach(device)
 
     def attach(self, device: torch.device | str) -> None:
-        """Bind the reducer to the device of the gradient buckets (DistributedDataParallel calls this).
-
-        Error-feedback residuals and the stochastic-rounding generator live there, including state
-        loaded from a checkpoint before or after this call. On an accelerator the reducer gets its
-        own communication stream (see the module docstring)."""
+        """Bind the reducer to the device of the gradient buckets (DistributedDataParallel calls this):
+        the error-feedback state lives there (``SquinchFeedback``'s device rule). On an accelerator the
+        reducer gets its own communication stream (see the module docstring)."""
         self.device = torch.device(device)
         self.timers.device = self.device
-        for k, v in self.residuals.items():
-            if v.device != self.device:
-                self.residuals[k] = v.to(self.device)
-        if self.generator is not None and self.generator.device != self.device:
-            self._generator_state, self.generator = self.generator.get_state(), None
-        if self._generator_state is not None and self.stochastic:
-            self._gen(self.device)
+        super().attach(self.device)
         if self.device.type not in ("cpu", "meta") and self.dp_size > 1:
             self._comm_stream = torch.Stream(self.device)
 
     # ----------------------------------------------------------------------------------- helpers
-    def _residual(self, key: str, numel: int, device) -> torch.Tensor | None:
-        if not self.error_feedback:
-            return None
-        r = self.residuals.get(key)
-        if r is None or r.numel() != numel:
-            r = self.residuals[key] = torch.zeros(numel, dtype=torch.float32, device=device)
-        elif r.device != device:
-            r = self.residuals[key] = r.to(device)
-        return r
-
-    def _gen(self, device) -> torch.Generator | None:
-        if not self.stochastic:
-            return None
-        if self.generator is None:
-            self.generator = torch.Generator(device=device).manual_seed(self._seed)
-            if self._generator_state is not None:
-                self.generator.set_state(self._generator_state)
-                self._generator_state = None
-        return self.generator
-
     def _buf(self, name: tuple, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A buffer kept across steps (allocated on the communication stream when there is one)."""
         b = self._buffers.get(name)
@@ -161,10 +130,10 @@ class SquinchReducer(GradReducer):
 
     def _encode_rows(self, x: torch.Tensor, rows: int, key: str) -> torch.Tensor:
         """``squinch_collectives.encode_rows`` with this key's residual, into its persistent send buffer."""
-        residual = self._residual(key, x.numel(), x.device)
+        fb = self.feedback
         send = self._buf(("send", key), (rows, 1 + payload_nbytes(x.numel() // rows)), torch.uint8, x.device)
-        return encode_rows(x, rows, residual, out=send, stochastic=self.stochastic, generator=self._gen(x.device),
-                           backend=self.backend)
+        return encode_rows(x, rows, fb.residual(key, x.numel(), x.device), out=send, stochastic=fb.stochastic,
+                           generator=fb.generator(x.device), backend=self.backend)
 
     def _decode_sum_into(self, recv: torch.Tensor, out: torch.Tensor, key: str) -> None:
         """``squinch_collectives.decode_sum_into``, with a persistent fp32 accumulator for bf16 buckets."""
@@ -338,42 +307,6 @@ class SquinchReducer(GradReducer):
             return None
 
         return work, "intra all-gather", place
-
-    # ------------------------------------------------------------------------------------ state
-    def step_skipped(self) -> None:
-        """A skipped step discards its gradients, including what error feedback carried."""
-        for r in self.residuals.values():
-            r.zero_()
-
-    def rescale_feedback(self, factor: float) -> None:
-        """Residuals are in the units of the gradients they were cut from: loss-scaled ones under --fp16.
-        When the loss scale changes by ``factor``, the next step's gradients are ``factor`` x larger, so
-        the residuals carried into it are scaled alike (else growth would halve their weight and backoff
-        double it)."""
-        for r in self.residuals.values():
-            r.mul_(factor)
-
-    def state_dict(self) -> dict:
-        state = {"residuals": {k: v.detach().cpu().clone() for k, v in self.residuals.items()}}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        elif self._generator_state is not None:
-            state["generator"] = self._generator_state.clone()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore residuals and the generator onto the buckets' device (see :meth:`attach`)."""
-        for k, v in state.get("residuals", {}).items():
-            target = self.device if self.device is not None else v.device
-            if k in self.residuals and self.residuals[k].numel() == v.numel():
-                self.residuals[k] = self.residuals[k].to(target)
-                self.residuals[k].copy_(v)
-            else:
-                self.residuals[k] = v.detach().clone().to(target)
-        if "generator" in state:
-            self._generator_state, self.generator = state["generator"].clone(), None
-            if self.device is not None and self.stochastic:
-                self._gen(self.device)
 
 
 def _all_gather_async(out: torch.Tensor, inp: torch.Tensor, group):

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from .. import device as device_mod
 from .. import parallel_state as ps
+from ..distributed.contracts import ModelChunk
 from ..distributed.ddp import DistributedDataParallel
+from .clip_grads import GlobalNormClipping
 from .config import OptimizerConfig
+from .fsdp_adamw import FullyShardedAdamW
 
 
 def _intersect(segments: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -41,7 +43,7 @@ class _Chunk:
         self.decoupled_decay = [(s - lo, e - lo) for s, e in _intersect(list(decoupled_decay_segments), lo, hi)]
 
 
-class DistributedAdamW:
+class DistributedAdamW(GlobalNormClipping):
     """AdamW (``optimizer="adam"``) or SGD with momentum (``optimizer="sgd"``: torch.optim.SGD's update with L2
     weight decay on matrices, as Megatron-LM's sgd) over the flat buffers.
 
@@ -92,37 +94,14 @@ class DistributedAdamW:
             self._register_param_gather_hooks()
 
     # ------------------------------------------------------------------------------------ gradients
-    def grad_norm(self) -> float:
-        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (inf/nan when non-finite)."""
-        total = torch.zeros((), dtype=torch.float64, device=self._device())
-        for chunk_list in self.chunks:
-            for c in chunk_list:
-                for s, e in c.norm:
-                    g = c.grad[s:e].float()
-                    total += torch.dot(g, g).double()
-        if ps.get_world_size() > 1:
-            dist.all_reduce(total)
-        return math.sqrt(total.item()) if math.isfinite(total.item()) else float("nan")
+    def owned_grads(self):
+        return (c.grad for chunk_list in self.chunks for c in chunk_list)
 
-    @torch.no_grad()
-    def scale_grads(self, factor: float) -> None:
-        """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
-        for chunk_list in self.chunks:
-            for c in chunk_list:
-                c.grad.mul_(factor)
+    def norm_grads(self):
+        return (c.grad[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
 
-    def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
-        """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
-        norm = self.grad_norm()
-        if not math.isfinite(norm):
-            return norm, False
-        if max_norm > 0:
-            coeff = max_norm / (norm + 1e-6)
-            if coeff < 1.0:
-                for chunk_list in self.chunks:
-                    for c in chunk_list:
-                        c.grad.mul_(coeff)
-        return norm, True
+    def grad_device(self) -> torch.device:
+        return self.model_chunks[0].buffer.param_data.device
 
     # --------------------------------------------------------------------------------------- update
     @torch.no_grad()
@@ -209,9 +188,6 @@ class DistributedAdamW:
                     module.register_forward_pre_hook(
                         lambda _m, _inp, keys=tuple(sorted(keys)): [self._wait_bucket(k) for k in keys] and None)
 
-    def _device(self) -> torch.device:
-        return self.model_chunks[0].buffer.param_data.device
-
     # ----------------------------------------------------------------------------------- state I/O
     def _full_state(self, which: str) -> list[torch.Tensor]:
         """Per model chunk, the flat state over the whole buffer (gathered over DP when sharded)."""
@@ -269,3 +245,10 @@ class DistributedAdamW:
             for c in chunk_list:
                 c.exp_avg.copy_(full_ea[c.lo:c.hi])
                 c.exp_avg_sq.copy_(full_eas[c.lo:c.hi])
+
+
+def build_optimizer(model_chunks: list[ModelChunk], config: OptimizerConfig) -> DistributedAdamW | FullyShardedAdamW:
+    """The optimizer for the chunks' kind of data parallelism: over DDP's flat buffers, or FSDP2's shards."""
+    if model_chunks[0].data_parallel_kind == "fsdp2":
+        return FullyShardedAdamW(model_chunks, config)
+    return DistributedAdamW(model_chunks, config)

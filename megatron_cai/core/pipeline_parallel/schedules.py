@@ -6,8 +6,8 @@ Common contract (Megatron's)::
     loss_func(output_tensor) -> (loss, stats: dict[str, Tensor])      # only on the last stage
 
 Each micro-batch's loss is divided by the number of micro-batches before backward. Model chunks are
-``DistributedDataParallel`` wrappers (or anything with ``set_is_last_microbatch``/``module``); only the
-last micro-batch's backward lets the gradient buckets start reducing.
+``contracts.ModelChunk``s (the DDP or the FSDP2 wrapper); only the last micro-batch's backward lets
+them start reducing gradients.
 """
 from __future__ import annotations
 
@@ -17,25 +17,17 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import parallel_state as ps
+from ..distributed.contracts import ModelChunk
 from .p2p_communication import P2P
 
 
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
-def _set_last(model, last: bool) -> None:
-    if hasattr(model, "set_is_last_microbatch"):
-        model.set_is_last_microbatch(last)
-
-
-def forward_step(forward_step_func: Callable, data_iterator: Iterator, model, input_tensor,
+def forward_step(forward_step_func: Callable, data_iterator: Iterator, model: ModelChunk, input_tensor,
                  num_microbatches: int, losses: list[dict], forward_context=None) -> torch.Tensor:
     """Run one micro-batch through one model chunk; on the last stage turn its output into the loss."""
-    _unwrap(model).set_input_tensor(input_tensor)
+    model.module.set_input_tensor(input_tensor)
     with forward_context() if forward_context else contextlib.nullcontext():
         output, loss_func = forward_step_func(data_iterator, model)
-    if _unwrap(model).post_process:
+    if model.module.post_process:
         loss, stats = loss_func(output)
         losses.append(stats)
         output = loss / num_microbatches
@@ -50,7 +42,7 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad) -> torch.Tens
     return input_tensor.grad if input_tensor is not None else None
 
 
-def forward_backward_no_pipelining(forward_step_func, data_iterator, model: list, num_microbatches: int,
+def forward_backward_no_pipelining(forward_step_func, data_iterator, model: list[ModelChunk], num_microbatches: int,
                                    tensor_shape=None, dtype=torch.float32, forward_only: bool = False,
                                    forward_context=None) -> list[dict]:
     """Gradient accumulation over micro-batches on a single stage."""
@@ -58,14 +50,14 @@ def forward_backward_no_pipelining(forward_step_func, data_iterator, model: list
     iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     losses: list[dict] = []
     for i in range(num_microbatches):
-        _set_last(chunk, i == num_microbatches - 1)
+        chunk.set_is_last_microbatch(i == num_microbatches - 1)
         output = forward_step(forward_step_func, iterator, chunk, None, num_microbatches, losses, forward_context)
         if not forward_only:
             backward_step(None, output, None)
     return losses
 
 
-def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model: list,
+def forward_backward_pipelining_without_interleaving(forward_step_func, data_iterator, model: list[ModelChunk],
                                                      num_microbatches: int, tensor_shape=None,
                                                      dtype=torch.float32, forward_only: bool = False,
                                                      forward_context=None) -> list[dict]:
@@ -83,7 +75,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
 
     def run_backward(inp, out, out_grad):
         nonlocal backwards_done
-        _set_last(chunk, backwards_done == num_microbatches - 1)
+        chunk.set_is_last_microbatch(backwards_done == num_microbatches - 1)
         backwards_done += 1
         return backward_step(inp, out, out_grad)
 
@@ -134,7 +126,7 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     return losses
 
 
-def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator: list, model: list,
+def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator: list, model: list[ModelChunk],
                                                   num_microbatches: int, tensor_shape=None,
                                                   dtype=torch.float32, forward_only: bool = False,
                                                   forward_context=None) -> list[dict]:
@@ -185,7 +177,7 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         set_vrank(c)
         if ps.is_pipeline_last_stage() and len(out_grads[c]) == 0:
             out_grads[c].append(None)
-        _set_last(model[c], backward_counts[c] == M - 1)
+        model[c].set_is_last_microbatch(backward_counts[c] == M - 1)
         backward_counts[c] += 1
         return backward_step(inputs[c].pop(0), outputs[c].pop(0), out_grads[c].pop(0))
 
@@ -267,5 +259,5 @@ def get_forward_backward_func(pp_size: int, vpp_size: int | None = None) -> Call
     return forward_backward_no_pipelining
 
 
-def _device(model) -> torch.device:
-    return next(_unwrap(model).parameters()).device
+def _device(model: ModelChunk) -> torch.device:
+    return next(model.module.parameters()).device

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from functional_tests.faults.test_faults import INJECT, MODEL, ROOT, assert_one_error, launch_ranks, rank_file, tracker
 from functional_tests.faults.test_faults import run as run_fault
-from megatron_cai.training import async_checkpoint
+from megatron_cai.training.checkpoint import async_save
 
 ARGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "2e-3",
                      "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--seed", "7",
@@ -30,22 +30,23 @@ ARGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-s
 def _train_recording_finalizes(rank, world, argv, write_delay):
     """Train; with ``write_delay`` the background write starts that many seconds late (training goes on)."""
     if write_delay:
-        real = async_checkpoint.AsyncCheckpointSaver._run
+        real = async_save.AsyncCheckpointSaver._run
 
         def slow_run(job):
             time.sleep(write_delay)
             real(job)
 
-        async_checkpoint.AsyncCheckpointSaver._run = staticmethod(slow_run)
+        async_save.AsyncCheckpointSaver._run = staticmethod(slow_run)
     finalized = []
 
     def hook(trainer):
         real_finalize = trainer.finalize_async_save
 
         def finalize(blocking):
-            job = trainer.async_saver.in_flight if trainer.async_saver else None
+            saver = trainer.checkpointer.async_saver
+            job = saver.in_flight if saver else None
             real_finalize(blocking)
-            if job is not None and trainer.async_saver.in_flight is None:
+            if job is not None and saver.in_flight is None:
                 finalized.append((job.iteration, trainer.state.iteration))
         trainer.finalize_async_save = finalize
 

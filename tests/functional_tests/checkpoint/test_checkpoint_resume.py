@@ -6,7 +6,8 @@ import torch
 from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, last_stage_history, train
 
-from megatron_cai.training import checkpointing
+from megatron_cai.training import checkpoint
+from megatron_cai.training.checkpoint import torch_format
 
 BASE = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "2e-3",
                      "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--seed", "11",
@@ -36,7 +37,7 @@ def test_resume_is_bit_exact(tmp_path, world, extra, iters):
     straight = _losses(run_distributed(_worker, world, (args,)))
     save = str(tmp_path / "ckpt")
     first = _losses(run_distributed(_worker, world, (args + ["--save", save, "--exit-interval", str(half)],)))
-    assert checkpointing.read_tracker(save) == half
+    assert checkpoint.read_tracker(save) == half
     second = _losses(run_distributed(_worker, world, (args + ["--load", save],)))
     assert len(first) == half and len(second) == iters - half
     assert first == straight[:half]
@@ -45,14 +46,14 @@ def test_resume_is_bit_exact(tmp_path, world, extra, iters):
 
 
 def _die_during_second_save(rank, world_size, argv):
-    real_save = checkpointing._atomic_torch_save
+    real_save = torch_format.save_torch
 
     def save(obj, path):
         if "iter_0000004" in path:
             os._exit(3)  # the process is killed in the middle of writing the checkpoint
         real_save(obj, path)
 
-    checkpointing._atomic_torch_save = save
+    torch_format.save_torch = save
     return train(argv, world_size)
 
 
@@ -65,7 +66,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
     with pytest.raises(AssertionError, match="died with exit code"):
         _crash(save)
-    assert checkpointing.read_tracker(save) == 2
+    assert checkpoint.read_tracker(save) == 2
     assert os.path.isdir(os.path.join(save, "iter_0000004.tmp"))
     resumed = run_distributed(_worker, 1, (BASE + ["--train-iters", "4", "--load", save],))[0]
     assert resumed["iteration"] == 4 and len(resumed["history"]) == 2

@@ -13,7 +13,7 @@ from testlib import TOOLS
 from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, last_stage_history, train
 
-from megatron_cai.training.checkpoint_conversion import ConversionError, reshard_checkpoint
+from megatron_cai.training.checkpoint import ConversionError, reshard_checkpoint
 
 sys.path.insert(0, TOOLS)
 

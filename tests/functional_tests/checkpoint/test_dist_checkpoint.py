@@ -11,8 +11,8 @@ from testlib.distributed import run_distributed
 from testlib.train import last_stage_history, train
 
 from functional_tests.parallel.test_parallel_equivalence import BASE as EQUIV_BASE
-from megatron_cai.training import checkpointing, dist_checkpoint
-from megatron_cai.training.checkpoint_io import load_torch
+from megatron_cai.training import checkpoint
+from megatron_cai.training.checkpoint import load_torch
 
 sys.path.insert(0, TOOLS)
 
@@ -115,7 +115,7 @@ def test_fsdp2_resume_other_dp_and_ddp(tmp_path, reference):
     save = str(tmp_path / "ckpt")
     hist = _run(2, BASE + FSDP + ["--train-iters", str(ITERS), "--save", save, "--save-interval", str(HALF)])
     _close(hist, reference)
-    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000005")).state_dict_metadata
+    saved = checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000005")).state_dict_metadata
     for key in ("embedding.word_embeddings.weight", "optimizer.state.exp_avg.decoder.layers.0.mlp.linear_fc1.weight"):
         rows = sorted(c.offsets[0] for c in saved[key].chunks)  # each DP rank wrote its own shard's rows
         assert len(rows) >= 2 and rows[0] == 0, (key, rows)
@@ -167,9 +167,9 @@ def test_torch_to_dist_and_back_round_trip(torch_ckpt, tmp_path, capfd):
     src, args, hist = torch_ckpt
     dist_dir, back = str(tmp_path / "dist"), str(tmp_path / "back")
     assert _convert("--load", src, "--save", dist_dir, "--target-ckpt-format", "torch_dist", "--ckpt-step", "4") == 0
-    assert dist_checkpoint.detect_format(dist_dir, 4) == "torch_dist"
+    assert checkpoint.detect_format(dist_dir, 4) == "torch_dist"
     assert _convert("--load", dist_dir, "--save", back, "--target-ckpt-format", "torch") == 0
-    assert dist_checkpoint.detect_format(back, 4) == "torch"
+    assert checkpoint.detect_format(back, 4) == "torch"
     for rank_dir in ("mp_rank_00", "mp_rank_01"):
         a = load_torch(os.path.join(src, "iter_0000004", rank_dir, "model_optim_rng.pt"))
         b = load_torch(os.path.join(back, "iter_0000004", rank_dir, "model_optim_rng.pt"))
@@ -239,14 +239,14 @@ def test_missing_and_corrupt_metadata_are_named(saved_tp2pp2, tmp_path):
 
 def test_tracker_written_last_and_no_tmp_left(saved_tp2pp2):
     save = saved_tp2pp2[0]
-    assert checkpointing.read_tracker(save) == ITERS
+    assert checkpoint.read_tracker(save) == ITERS
     assert sorted(os.listdir(save)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
 
 
 def test_no_save_optim_and_finetune(tmp_path, capfd):
     save = str(tmp_path / "ckpt")
     _run(1, BASE + ["--train-iters", "2", "--save", save, "--no-save-optim"])
-    saved = dist_checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000002")).state_dict_metadata
+    saved = checkpoint.read_dcp_metadata(os.path.join(save, "iter_0000002")).state_dict_metadata
     assert not any(k.startswith("optimizer.") for k in saved) and "embedding.word_embeddings.weight" in saved
     capfd.readouterr()
     resumed = _run(1, BASE + ["--train-iters", "3", "--load", save])

@@ -49,6 +49,17 @@ def _assert_same(got, ref, keys=KEYS, rel=1e-5):
             assert a[key] == tol, f"iteration {i + 1} {key}: {a[key]} vs {b[key]}"
 
 
+class _Chunk(torch.nn.Module):
+    """The ``ModelChunk`` members the Distiller uses (``module``, calling it), without data parallelism."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def test_loss_and_gradient_match_a_reference(setup):
     """(1 - alpha) CE + alpha KD with masked means, the student normalised over its 100 real tokens only."""
     prefix, _, stores = setup
@@ -65,7 +76,8 @@ def test_loss_and_gradient_match_a_reference(setup):
         batch = {k: torch.stack([it[k] for it in items]) for k in items[0]}
         batch["loss_mask"][0, :5] = 0.0
         alpha = 0.3
-        ce, loss_func = Distiller(alpha=alpha, tau=1.0, estimator="priority", k=8, seed=11).forward(model, batch)
+        ce, loss_func = Distiller(alpha=alpha, tau=1.0, estimator="priority", k=8, seed=11).forward(_Chunk(model),
+                                                                                                    batch)
         loss, stats = loss_func(ce)
         loss.backward()
         grads = [p.grad.clone() for p in model.parameters()]

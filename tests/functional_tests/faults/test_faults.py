@@ -412,7 +412,7 @@ def test_sigterm_with_a_closed_stdout_still_saves(base, tmp_path):
 
 def test_enospc_message_unit(tmp_path):
     """The writer's ENOSPC message: file, rank, bytes needed and free (no real full disk needed)."""
-    from megatron_cai.training.checkpoint_io import CheckpointIOError, save_torch
+    from megatron_cai.training.checkpoint import CheckpointIOError, save_torch
 
     path = str(tmp_path / "x.pt")
     real = torch.save

@@ -7,7 +7,7 @@ import sys
 import pytest
 from testlib import ROOT
 
-from megatron_cai.training import checkpointing
+from megatron_cai.training import checkpoint
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
@@ -28,6 +28,6 @@ def test_signal_saves_and_exits(tmp_path, sig):
     text = "".join(lines) + out
     assert proc.returncode == 0, text
     assert "exit signal received" in text
-    saved = checkpointing.read_tracker(save)
+    saved = checkpoint.read_tracker(save)
     assert saved is not None and saved >= 3
     assert f"saved checkpoint at iteration {saved:7d}" in text

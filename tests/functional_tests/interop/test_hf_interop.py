@@ -18,7 +18,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset  # noqa: E402
 from megatron_cai.inference.generation import full_logits, generate, load_model  # noqa: E402
 from megatron_cai.interop.hf import export_to_hf, import_from_hf  # noqa: E402
-from megatron_cai.training.checkpoint_conversion import ConversionError  # noqa: E402
+from megatron_cai.training.checkpoint import ConversionError  # noqa: E402
 
 sys.path.insert(0, TOOLS)
 
@@ -157,7 +157,7 @@ def test_imported_llama_trains_from_the_hf_weights(tmp_path):
     """pretrain_gpt.py --load of an imported checkpoint (fresh start): iteration 1's loss is the HF model's
     loss on the same batch."""
     from megatron_cai.interop.hf import pretrain_flags
-    from megatron_cai.training.checkpoint_conversion import load_canonical
+    from megatron_cai.training.checkpoint import load_canonical
 
     hf = _tiny_llama(str(tmp_path / "orig")).eval()
     import_from_hf(str(tmp_path / "orig"), str(tmp_path / "ckpt"), log=_quiet)

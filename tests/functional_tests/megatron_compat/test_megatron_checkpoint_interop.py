@@ -183,13 +183,13 @@ def _our_model(root: str, tp: int):
     from megatron_cai.core import parallel_state as ps
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.core.models.gpt.model import GPTModel
-    from megatron_cai.training.checkpointing import load_checkpoint, read_metadata
+    from megatron_cai.training.checkpoint import load_torch_checkpoint, read_metadata
 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = GPTConfig.from_dict(read_metadata(root, ITERATION)["model_config"])
     model = GPTModel(config)
-    counters = load_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
+    counters = load_torch_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
     return model.eval(), counters
 
 
@@ -353,7 +353,7 @@ def _training_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
 
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.interop.hf import pretrain_flags
-    from megatron_cai.training.checkpointing import read_metadata
+    from megatron_cai.training.checkpoint import read_metadata
 
     config = GPTConfig.from_dict(read_metadata(ours_dir, ITERATION)["model_config"])
     argv = pretrain_flags(config) + [
@@ -446,8 +446,7 @@ def test_torch_dist_both_ways(layout, tp, tmp_path):
 
 def _assert_load_refuses_megatron_dir(root: str) -> None:
     """``--load`` on a Megatron-LM directory (either format) names the converter instead of failing later."""
-    from megatron_cai.training.checkpoint_io import CheckpointError
-    from megatron_cai.training.checkpointing import refuse_megatron_lm_checkpoint
+    from megatron_cai.training.checkpoint import CheckpointError, refuse_megatron_lm_checkpoint
 
     with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint.*--from-megatron"):
         refuse_megatron_lm_checkpoint(root, ITERATION)
@@ -528,7 +527,7 @@ def _canonical(tmp: str, **kw) -> str:
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.core.models.gpt.model import GPTModel
     from megatron_cai.interop.hf import param_layout
-    from megatron_cai.training.checkpoint_conversion import CanonicalCheckpoint, Layout, save_resharded
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint, Layout, save_resharded
 
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
                        ffn_hidden_size=48, seq_length=SEQ, normalization="RMSNorm", activation="swiglu",
@@ -550,7 +549,7 @@ def test_transformer_engine_names_round_trip(tmp_path):
     core_attention extra state are written and read; the weights come back unchanged. (Transformer Engine
     is not installed: the names are those megatron-core's sharded_state_dict also uses for the local spec,
     which the torch_dist test reads from megatron-core itself.)"""
-    from megatron_cai.training.checkpoint_conversion import load_canonical
+    from megatron_cai.training.checkpoint import load_canonical
 
     _shim_cpu()
     ours = _canonical(str(tmp_path / "ours"))
@@ -580,7 +579,7 @@ def test_unrepresentable_megatron_options_are_refused(change, message):
     import argparse
 
     from megatron_cai.interop.megatron import config_from_megatron_args
-    from megatron_cai.training.checkpoint_conversion import ConversionError
+    from megatron_cai.training.checkpoint import ConversionError
 
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, swiglu=True,
                               add_bias_linear=False, padded_vocab_size=64, max_position_embeddings=16, seq_length=16,

@@ -8,7 +8,7 @@ from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, last_stage_history, train
 
 from megatron_cai.core.quantization.qat_linear import GemmInputQuantizer
-from megatron_cai.training import checkpointing
+from megatron_cai.training import checkpoint
 
 BASE = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3",
                      "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--seed", "5",
@@ -61,7 +61,7 @@ def test_resume_restores_qat_state_bit_exactly(tmp_path, clamp):
     save = str(tmp_path / "ckpt")
     args = BASE + ["--qat", "int8", "--qat-clamp", clamp, "--train-iters", "8"]
     straight = run_distributed(_worker, 1, (args + ["--save", save, "--save-interval", "4"],))[0]
-    assert checkpointing.read_tracker(save) == 8
+    assert checkpoint.read_tracker(save) == 8
     resumed = run_distributed(_worker, 1, (args + ["--load", save, "--ckpt-step", "4"],))[0]
     losses = [h["lm loss"] for h in straight["history"]]
     assert [h["lm loss"] for h in resumed["history"]] == losses[4:], "resumed QAT run differs"

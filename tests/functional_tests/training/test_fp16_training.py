@@ -83,7 +83,7 @@ def _residual_worker(rank, world_size, argv):
     held = {}
     out = train(argv, world_size, trainer_hook=lambda t: held.setdefault("trainer", t))
     trainer = held["trainer"]
-    residuals = {k: v.clone() for m in trainer.model for k, v in m.reducer.residuals.items()}
+    residuals = {k: v.clone() for m in trainer.model for k, v in m.reducer.feedback.residuals.items()}
     return {"residuals": residuals, "scale": trainer.grad_scaler.scale, "skipped": out["skipped"]}
 
 

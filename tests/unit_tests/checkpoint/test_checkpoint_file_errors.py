@@ -9,14 +9,14 @@ import torch
 
 from megatron_cai.core.distributed.reducers import AllReduceReducer
 from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
-from megatron_cai.training.checkpoint_io import (
+from megatron_cai.training.checkpoint.file_io import (
     CheckpointError,
     CheckpointIOError,
     load_torch,
     read_json,
-    reducer_state_dropped,
     save_torch,
 )
+from megatron_cai.training.checkpoint.torch_format import reducer_state_dropped
 
 
 def test_load_torch_names_what_it_found(tmp_path):

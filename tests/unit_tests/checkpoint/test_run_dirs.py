@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from megatron_cai.training import run_dirs
-from megatron_cai.training.checkpoint_io import CheckpointError
+from megatron_cai.training.checkpoint import CheckpointError, run_dirs
 
 
 def _mk_run(root, iterations, tracker=None):

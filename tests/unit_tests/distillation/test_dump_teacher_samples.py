@@ -12,7 +12,7 @@ from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron_cai.core.distillation import TeacherSamples, counter_gumbel
 from megatron_cai.core.models.gpt.config import GPTConfig
 from megatron_cai.core.models.gpt.model import GPTModel
-from megatron_cai.training.checkpoint_conversion import reshard_checkpoint
+from megatron_cai.training.checkpoint import reshard_checkpoint
 
 ITERS = 4  # the student run the dumps are for: 4 iterations x 4 samples = 16 samples = shards of 5, 5, 5, 1
 

@@ -130,6 +130,47 @@ def test_the_cycle_finder_finds_a_planted_circle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+# --------------------------------------------------------------------------- the checkpoint package
+CHECKPOINT = "megatron_cai.training.checkpoint"
+CHECKPOINT_TESTS = ("tests/unit_tests/checkpoint/", "tests/functional_tests/checkpoint/")  # may test its modules
+
+
+def _scripts() -> dict[str, str]:
+    """{path relative to the repository: path} of the Python code outside the package: entry point, tools,
+    benchmarks and tests."""
+    out = {"pretrain_gpt.py": os.path.join(ROOT, "pretrain_gpt.py")}
+    for top in ("tools", "bench", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            out.update({os.path.relpath(os.path.join(dirpath, f), ROOT): os.path.join(dirpath, f)
+                        for f in files if f.endswith(".py")})
+    return out
+
+
+def _private_checkpoint_imports(importer: str, path: str) -> list[str]:
+    """The checkpoint package's modules (not its ``__init__``) that ``importer``, outside it, imports."""
+    if importer == CHECKPOINT or importer.startswith(CHECKPOINT + "."):
+        return []
+    return sorted(t for t in _imports(importer, path) if t.startswith(CHECKPOINT + "."))
+
+
+def test_code_outside_the_checkpoint_package_imports_only_its_public_names():
+    assert {f"{CHECKPOINT}.torch_format", f"{CHECKPOINT}.dist_format", f"{CHECKPOINT}.async_save"} <= set(MODULES)
+    importers = {**MODULES, **{rel: p for rel, p in _scripts().items() if not rel.startswith(CHECKPOINT_TESTS)}}
+    offenders = [f"{name} imports {t}" for name, path in importers.items()
+                 for t in _private_checkpoint_imports(name, path)]
+    assert not offenders, (f"import from {CHECKPOINT} (its __init__), not from its modules:\n" + "\n".join(offenders))
+
+
+def test_the_checkpoint_import_rule_catches_a_private_import(tmp_path):
+    path = tmp_path / "offender.py"
+    path.write_text(f"import {CHECKPOINT}.file_io\nfrom {CHECKPOINT} import Checkpointer, torch_format\n"
+                    f"from {CHECKPOINT}.run_dirs import TRACKER\nfrom {CHECKPOINT} import save_torch\n")
+    assert _private_checkpoint_imports("tools/offender.py", str(path)) == [
+        f"{CHECKPOINT}.file_io", f"{CHECKPOINT}.run_dirs", f"{CHECKPOINT}.torch_format"]
+    assert _private_checkpoint_imports(f"{CHECKPOINT}.checkpointer", str(path)) == []  # inside: free
+    assert _private_checkpoint_imports(CHECKPOINT, str(path)) == []
+
+
 # ------------------------------------------------------------------------------ hidden channels
 def _global_names(fn: types.FunctionType) -> set[str]:
     names = set(fn.__code__.co_names)

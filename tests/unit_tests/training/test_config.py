@@ -18,7 +18,7 @@ import pretrain_gpt
 from megatron_cai.core.distributed.config import DDPConfig, SquinchConfig
 from megatron_cai.core.models.gpt.config import GPTConfig
 from megatron_cai.core.quantization.qat_config import QATConfig
-from megatron_cai.training import checkpointing
+from megatron_cai.training import checkpoint
 from megatron_cai.training.arguments import (
     ArgumentError,
     build_config,
@@ -125,7 +125,7 @@ def test_the_config_is_saved_and_compared_field_by_field_on_resume(tmp_path, cap
     save = str(tmp_path / "ckpt")
     base = FIXTURE_FLAGS + ["--train-iters", "2", "--no-exit-signal-handler"]
     _trainer(base + ["--save", save]).train()
-    meta = checkpointing.read_metadata(save, 2)
+    meta = checkpoint.read_metadata(save, 2)
     config = pretrain_gpt.build_run(base + ["--save", save], world_size=1)[0]
     assert meta["train_config"] == json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k != "flags"}))
     assert GPTConfig.from_dict(meta["model_config"]) == config.model
@@ -170,13 +170,13 @@ def test_a_checkpoint_saved_before_the_typed_config_loads_and_resumes(tmp_path, 
 
 def test_an_incompatible_old_checkpoint_is_refused_naming_the_difference(tmp_path):
     root = _copy_fixture(tmp_path)
-    with pytest.raises(checkpointing.CheckpointError, match=r"hidden_size: 16 \(checkpoint\) vs 32 \(this run\)"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"hidden_size: 16 \(checkpoint\) vs 32 \(this run\)"):
         _trainer([a if a != "16" else "32" for a in FIXTURE_FLAGS] + ["--train-iters", "3", "--load", root])
     meta_path = os.path.join(root, "iter_0000002", "metadata.json")
     meta = json.load(open(meta_path))
     meta["checkpoint_version"] = 7
     json.dump(meta, open(meta_path, "w"))
-    with pytest.raises(checkpointing.CheckpointError, match="checkpoint_version 7.*up to 1"):
+    with pytest.raises(checkpoint.CheckpointError, match="checkpoint_version 7.*up to 1"):
         _trainer(FIXTURE_FLAGS + ["--train-iters", "3", "--load", root])
 
 

@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_cai.core.distributed.config import DDPConfig
+from megatron_cai.core.distributed.ddp import DistributedDataParallel
+from megatron_cai.core.distributed.reducers import AllReduceReducer
 from megatron_cai.training.divergence import DivergenceConfig, DivergenceError, DivergenceMonitor
 
 CPU = torch.device("cpu")
@@ -50,14 +53,14 @@ def test_spike_detection_counts_losses_above_k_times_the_median():
 
 
 def test_refuse_save_after_a_skip_or_with_non_finite_state():
-    model = torch.nn.Linear(3, 3)
+    model = DistributedDataParallel(torch.nn.Linear(3, 3), AllReduceReducer(None, 1), DDPConfig(), device=CPU)
     m = DivergenceMonitor(DivergenceConfig(), CPU)
     assert m.refuse_save([model], None) is None
     m.observe(1, {}, skipped=True)
     assert "non-finite" in m.refuse_save([model], None)
     m.observe(2, {"lm loss": 1.0}, skipped=False)
     with torch.no_grad():
-        model.weight[0, 0] = float("inf")
+        model.module.weight[0, 0] = float("inf")
     assert "non-finite values" in m.refuse_save([model], None)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetError
 from megatron_cai.training import errors
-from megatron_cai.training.checkpoint_io import CheckpointIOError
+from megatron_cai.training.checkpoint import CheckpointIOError
 from megatron_cai.training.divergence import DivergenceError
 
 

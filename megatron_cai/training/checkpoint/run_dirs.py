@@ -1,4 +1,12 @@
-"""Nothing overwrites a run: start-up checks on ``--load`` / ``--save`` and on conversion targets.
+"""Run directories: the ``iter_XXXXXXX`` layout of ``--save``, how a save is published, and the start-up
+checks that keep anything from overwriting a run.
+
+A save is written into ``iter_XXXXXXX.tmp`` (:func:`begin_save`) and published by :func:`publish` once
+every rank has finished: rank 0 renames it to ``iter_XXXXXXX`` and then moves the tracker
+(``latest_checkpointed_iteration.txt``), so a process killed during a save leaves the previous
+checkpoint current.
+
+Start-up checks:
 
 - ``--load DIR`` that does not exist is an error, unless ``--save`` is the same path (the first start of
   a requeued job that always passes ``--load $SAVE``).
@@ -12,11 +20,74 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
-from .checkpoint_io import CheckpointError
+import torch.distributed as dist
+
+from ...core import parallel_state as ps
+from .file_io import CheckpointError, write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"iter_(\d{7,})$")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration ``root``'s tracker names, or None when there is no tracker."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
+
+
+class IterationPaths:
+    """``final`` (``root/iter_XXXXXXX``) and ``tmp`` (``final + ".tmp"``) for objects with ``root`` and
+    ``iteration``: a save is written into ``tmp`` and renamed to ``final`` before the tracker moves."""
+
+    root: str
+    iteration: int
+
+    @property
+    def final(self) -> str:
+        return iteration_dir(self.root, self.iteration)
+
+    @property
+    def tmp(self) -> str:
+        return self.final + ".tmp"
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def begin_save(root: str, iteration: int) -> str:
+    """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
+    tmp = iteration_dir(root, iteration) + ".tmp"
+    if ps.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    return tmp
+
+
+def publish(root: str, iteration: int) -> str:
+    """Rename ``iter_XXXXXXX.tmp`` into place (replacing a save of the same iteration), then move the tracker;
+    returns the iteration directory. One process calls it (rank 0), once every rank has written."""
+    final = iteration_dir(root, iteration)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(final + ".tmp", final)
+    write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
+    return final
 
 
 def list_iterations(root: str) -> list[int]:

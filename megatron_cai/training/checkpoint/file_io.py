@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import RankLocalError, current_rank
+from ..errors import RankLocalError, current_rank
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
@@ -150,23 +150,3 @@ def load_torch(path: str) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError, zipfile.BadZipFile) as e:
         raise CheckpointIOError(f"cannot load {path} on rank {current_rank()}: {_what_is_wrong(path, e)}") from None
-
-
-def reducer_state_dropped(rpath: str, same_dp: bool, reducers, meta: dict) -> str | None:
-    """Why the saved reducer (Squinch) state cannot be restored into this run, or None when it can.
-
-    ``rpath`` is this DP rank's ``reducer_dp_DDD.pt``; ``meta`` the checkpoint's metadata.json.
-    """
-    rank_dir = os.path.dirname(rpath)
-    saved = any(n.startswith("reducer_dp_") for n in os.listdir(rank_dir)) if os.path.isdir(rank_dir) else False
-    squinch_now = any(type(r).__name__ == "SquinchReducer" for r in reducers)
-    saved_args = meta.get("args") or {}
-    if saved and not squinch_now:
-        return (f"{rank_dir} holds Squinch error-feedback state (reducer_dp_*.pt) but this run does not use "
-                f"--squinch: dropping it")
-    if saved and not same_dp:
-        return (f"{rank_dir} holds Squinch error-feedback state for DP={meta.get('data_parallel_size')}, this run "
-                f"has another DP size: dropping it (the first step runs without residuals)")
-    if squinch_now and not saved and saved_args.get("squinch") is False:
-        return "the checkpoint was saved without --squinch: Squinch error-feedback residuals start at zero"
-    return None

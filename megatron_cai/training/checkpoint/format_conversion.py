@@ -1,7 +1,7 @@
 """Format conversion between the per-rank ``torch`` checkpoints and ``torch_dist`` ones (one process).
 
 ``tools/convert_checkpoint.py --target-ckpt-format`` calls these. Both go through the canonical
-(full-tensor) form of ``checkpoint_conversion``: ``torch -> torch_dist`` writes it with DCP (plain global
+(full-tensor) form of :mod:`.reshard`: ``torch -> torch_dist`` writes it with DCP (plain global
 tensors, which any layout then reads piecewise); ``torch_dist -> torch`` reads every tensor whole and
 cuts it for the target layout with ``save_resharded``. Per-rank RNG states and Squinch reducer states
 keep their (TP, PP, DP) coordinates both ways.
@@ -15,10 +15,21 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from ..core.models.gpt.config import GPTConfig
-from .checkpointing import FORMAT_VERSION, TRACKER, iteration_dir, read_metadata, read_tracker
+from ...core.models.gpt.config import GPTConfig
 from .dcp_pieces import dcp_load, dcp_save, read_dcp_metadata
-from .dist_checkpoint import COMMON, EXP_AVG, EXP_AVG_SQ, FORMAT, RANK_STATE, rank_key
+from .dist_format import COMMON, EXP_AVG, EXP_AVG_SQ, FORMAT, RANK_STATE, rank_key
+from .file_io import load_torch
+from .metadata import FORMAT_VERSION, read_metadata
+from .reshard import (
+    CanonicalCheckpoint,
+    ConversionError,
+    Layout,
+    load_canonical,
+    publish_converted,
+    save_resharded,
+    target_layout,
+)
+from .run_dirs import TRACKER, iteration_dir, read_tracker
 
 
 def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimizer: bool = True,
@@ -27,9 +38,6 @@ def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimiz
 
     Weights, Adam moments, scheduler and counters carry over exactly; the per-rank RNG states and reducer
     files keep their (TP, PP, DP) coordinates, so a resume in the source layout stays bit-exact."""
-    from .checkpoint_conversion import load_canonical, publish_converted
-    from .checkpoint_io import load_torch
-
     ck = load_canonical(load, step, load_optimizer=with_optimizer)
     meta = read_metadata(load, ck.iteration)
     sd: dict[str, Any] = {n: t.contiguous() for n, t in ck.model.items()}
@@ -54,7 +62,7 @@ def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimiz
                  "param_layout": {n: {**m, "full_shape": list(ck.model[n].shape)} for n, m in ck.layout_meta.items()},
                  "converted_from": {"ckpt_format": "torch", "optimizer_state": ck.optimizer is not None,
                                     "notes": list(ck.notes)}})
-    publish_converted(tmp, save, ck.iteration, meta, ck.tokenizer_dir)
+    publish_converted(save, ck.iteration, meta, ck.tokenizer_dir)
     log(f" converted iteration {ck.iteration} from torch to torch_dist (layout-free; optimizer state: "
         f"{'yes' if ck.optimizer is not None else 'no'}); wrote {final}")
     return final
@@ -65,8 +73,6 @@ def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: b
 
     The per-rank states come back keyed by their saved (TP, PP) coordinates, with reducer states in
     ``reducer_states[(tp, pp)][dp]``."""
-    from .checkpoint_conversion import CanonicalCheckpoint, ConversionError, Layout
-
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
@@ -114,8 +120,6 @@ def dist_to_torch(load: str, save: str, step: int | None = None, *, tp: int | No
     (default: the saving run's layout). Reducer (Squinch) states of the saving layout are kept as
     ``reducer_dp_DDD.pt`` files when the target layout is that layout (as the torch resharder does)."""
     import tempfile
-
-    from .checkpoint_conversion import save_resharded, target_layout
 
     ck = load_dist_canonical(load, step, load_optimizer=with_optimizer)
     target = target_layout(ck.config, tp or ck.source.tp, pp or ck.source.pp, vp_layers, dp)

@@ -1,6 +1,6 @@
 """Reshard checkpoints between TP/PP(/VPP) layouts through a layout-free ("canonical") form.
 
-``load_canonical`` reads every rank file of a checkpoint (see ``training.checkpointing``) and rebuilds
+``load_canonical`` reads every rank file of a checkpoint (see :mod:`.torch_format`) and rebuilds
 the full tensors: shards are joined with ``unshard_tensor`` along each parameter's ``tp_dim`` and
 ``tp_sections`` (recorded per parameter in ``tp_layout``), pipeline stages are merged by their global
 parameter names, and the last stage's copy of tied embeddings (``output_layer.weight``) is dropped.
@@ -38,21 +38,15 @@ from typing import Any
 
 import torch
 
-from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
-from ..core.parallel_state import ParallelLayoutError, check_layout
-from ..core.tensor_parallel.utils import shard_tensor, unshard_tensor
-from .checkpoint_io import load_torch, save_torch, write_json, write_text
-from .checkpointing import (
-    FORMAT_VERSION,
-    TRACKER,
-    CheckpointError,
-    iteration_dir,
-    rank_dir_name,
-    read_metadata,
-    read_tracker,
-)
-from .tokenizer import vocab_size_with_padding
+from ...core.models.gpt.config import GPTConfig
+from ...core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
+from ...core.parallel_state import ParallelLayoutError, check_layout
+from ...core.tensor_parallel.utils import shard_tensor, unshard_tensor
+from ..tokenizer import vocab_size_with_padding
+from .file_io import CheckpointError, load_torch, save_torch, write_json
+from .metadata import FORMAT_VERSION, read_metadata
+from .run_dirs import TRACKER, iteration_dir, publish, read_tracker
+from .torch_format import rank_dir_name
 
 OUTPUT_WEIGHT = "output_layer.weight"
 VOCAB_PARAMS = (WORD_EMBEDDINGS, OUTPUT_WEIGHT)
@@ -379,22 +373,18 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
                                "virtual_pipeline_model_parallel_size": ck.source.vpp,
                                "data_parallel_size": ck.source.dp, "optimizer_state": optimizer is not None,
                                "notes": list(ck.notes)}}
-    return publish_converted(tmp, out_root, ck.iteration, meta, ck.tokenizer_dir)
+    return publish_converted(out_root, ck.iteration, meta, ck.tokenizer_dir)
 
 
-def publish_converted(tmp: str, out_root: str, iteration: int, meta: dict, tokenizer_dir: str | None) -> str:
-    """Finish a converted checkpoint written into ``tmp``: ``metadata.json``, the tokenizer copy, the rename
-    to ``iter_XXXXXXX/`` and the tracker, written last. The caller has checked that ``out_root`` is not the
+def publish_converted(out_root: str, iteration: int, meta: dict, tokenizer_dir: str | None) -> str:
+    """Finish a converted checkpoint written into ``iter_XXXXXXX.tmp``: ``metadata.json``, the tokenizer copy,
+    the rename to ``iter_XXXXXXX/`` and the tracker, written last. The caller has checked that ``out_root`` is not the
     source or another run (``check_conversion_target``)."""
-    final = iteration_dir(out_root, iteration)
+    tmp = iteration_dir(out_root, iteration) + ".tmp"
     write_json(os.path.join(tmp, "metadata.json"), meta)
     if tokenizer_dir:
         shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    write_text(os.path.join(out_root, TRACKER), str(iteration), fsync=True)
-    return final
+    return publish(out_root, iteration)
 
 
 def reshard_checkpoint(load: str, save: str, tp: int, pp: int, vp_layers: int | None = None, *,

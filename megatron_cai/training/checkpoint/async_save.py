@@ -1,7 +1,7 @@
 """``--async-save``: the training loop hands a checkpoint to a background writer and goes on training.
 
 One save is in flight at most. :meth:`AsyncCheckpointSaver.submit` runs in the main thread, right after
-the collective part of the save (:func:`~megatron_cai.training.checkpointing.stage_checkpoint`: the
+the collective part of the save (:func:`.torch_format.stage_checkpoint`: the
 optimizer state gathered over DP, the RNG states gathered, ``iter_XXXXXXX.tmp`` cleared): it copies
 every tensor of this rank's payload into CPU staging buffers (kept and reused by the next saves, so a
 save after the first is a plain copy, without new allocations) and starts a writer thread. The thread
@@ -11,8 +11,8 @@ readable and lists the pickled object): that is "finished and verified" for this
 it checks that the staged parameters and optimizer state are finite (the check a synchronous save makes
 on the live state, moved off the training loop); a non-finite save is dropped at finalize.
 
-``--ckpt-format torch_dist`` (:meth:`AsyncCheckpointSaver.submit_dist`): ``dist_checkpoint.begin_save`` and
-``build_state_dict`` run in the main thread, the DCP state dict (its ``Pieces`` too) is staged the same
+``--ckpt-format torch_dist`` (:meth:`AsyncCheckpointSaver.submit_dist`): ``run_dirs.begin_save`` and
+``dist_format.build_state_dict`` run in the main thread, the DCP state dict (its ``Pieces`` too) is staged the same
 way, and the thread runs ``torch.distributed.checkpoint.save`` over a gloo process group of the saver's
 own, then rank 0 writes ``metadata.json``; finalizing checks DCP's ``.metadata`` before the rename.
 
@@ -42,11 +42,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..core import device as device_mod
-from ..core import parallel_state as ps
-from .checkpoint_io import CheckpointError
-from .checkpointing import IterationPaths, StagedCheckpoint, finalize_staged, write_staged
-from .dcp_pieces import describe_dcp_error
+from ...core import device as device_mod
+from ...core import parallel_state as ps
+from . import dist_format as dc
+from .dcp_pieces import Pieces, PiecesSavePlanner, describe_dcp_error
+from .file_io import CheckpointError
+from .run_dirs import IterationPaths, begin_save
+from .torch_format import StagedCheckpoint, finalize_staged, write_staged
 
 __all__ = ["AsyncCheckpointSaver", "AsyncSave", "StagingCache", "dist_state_finite", "staged_state_finite",
            "verify_torch_file"]
@@ -80,7 +82,7 @@ class StagingCache:
     def _stage(self, obj: Any, key: str, seen: dict) -> Any:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, key, seen)
-        if hasattr(obj, "pieces") and hasattr(obj, "__create_write_items__"):  # dist_checkpoint.Pieces
+        if isinstance(obj, Pieces):
             pieces = [(o, self._tensor(t, f"{key}/{i}", seen)) for i, (o, t) in enumerate(obj.pieces)]
             return type(obj)(obj.shape, pieces)
         if isinstance(obj, dict):
@@ -141,8 +143,6 @@ def staged_state_finite(staged: StagedCheckpoint) -> bool:
 
 def dist_state_finite(state_dict: dict[str, Any]) -> bool:
     """torch_dist: whether every saved piece of the weights and Adam moments is finite (buffers excluded)."""
-    from .dist_checkpoint import Pieces
-
     return all(bool(torch.isfinite(t).all()) for obj in state_dict.values() if isinstance(obj, Pieces)
                for _, t in obj.pieces if t.is_floating_point())
 
@@ -223,12 +223,10 @@ class AsyncCheckpointSaver:
     def submit_dist(self, root: str, iteration: int, model_chunks, optimizer, scheduler, train_config, state: dict,
                     param_layout: dict, *, reducer_states: list[dict] | None = None, save_optim: bool = True,
                     tokenizer_files: list[str] | None = None) -> None:
-        """torch_dist format (collective): ``dist_checkpoint.begin_save`` and ``build_state_dict`` as a
+        """torch_dist format (collective): ``run_dirs.begin_save`` and ``build_state_dict`` as a
         synchronous save; the state dict is staged and ``dcp.save`` of it runs in the writer thread, over
         this saver's own gloo group; rank 0 then writes ``metadata.json``."""
-        from . import dist_checkpoint as dc
-
-        tmp = dc.begin_save(root, iteration)
+        tmp = begin_save(root, iteration)
         private = getattr(optimizer, "state_dict_copies", False) and not dc.is_fsdp(model_chunks)
         sd = dc.build_state_dict(model_chunks, _ViewsOptimizer(optimizer) if private else optimizer, scheduler,
                                  train_config.model, state, param_layout, reducer_states=reducer_states,
@@ -237,8 +235,8 @@ class AsyncCheckpointSaver:
         dp_kind = "fsdp2" if dc.is_fsdp(model_chunks) else "ddp"
 
         def write() -> None:
-            try:  # as dist_checkpoint.dcp_save, over this saver's own process group
-                dcp.save(staged, checkpoint_id=tmp, planner=dc.PiecesSavePlanner(), process_group=self.group)
+            try:  # as dcp_pieces.dcp_save, over this saver's own process group
+                dcp.save(staged, checkpoint_id=tmp, planner=PiecesSavePlanner(), process_group=self.group)
             except CheckpointException as e:
                 rank = sorted(e.failures)[0]
                 exc = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]

@@ -6,7 +6,7 @@
 section (``tensor_parallel.utils``' layout: each section split into TP equal chunks) and, under FSDP2,
 only the rows of the DP shard the rank holds. ``dcp_save`` / ``dcp_load`` run DCP with the two planner
 subclasses that look pieces up, and turn DCP's failures into errors naming the directory and the rank.
-Used by ``training/dist_checkpoint.py``.
+Used by :mod:`.dist_format`, :mod:`.async_save` and :mod:`.format_conversion`.
 """
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..core.models.gpt.model import WORD_EMBEDDINGS
-from ..core.tensor_parallel.utils import section_sizes
-from .checkpoint_io import CheckpointError
+from ...core.models.gpt.model import WORD_EMBEDDINGS
+from ...core.tensor_parallel.utils import section_sizes
+from .file_io import CheckpointError
 
 DCP_METADATA = ".metadata"
 OUTPUT_WEIGHT = "output_layer.weight"

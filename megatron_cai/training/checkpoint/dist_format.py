@@ -36,60 +36,49 @@ virtual-PP may all change with no conversion step.
   dropped (one logged line; the first step runs without error feedback) and the RNG keeps this run's
   start-up seeding, as a fresh run with the same ``--seed`` (one logged line), as Megatron-LM does.
 
-``--auto-detect-ckpt-format`` reads whichever format the directory holds (DCP ``.metadata`` vs
-``mp_rank_*`` directories); without it a mismatch is one error naming the directory and the flag.
+Which format a ``--load`` directory holds, and ``--auto-detect-ckpt-format``, are the dispatch's
+(:mod:`.checkpointer`).
 """
 from __future__ import annotations
 
-import glob
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from ..core import device as device_mod
-from ..core import parallel_state as ps
-from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import WORD_EMBEDDINGS
-from ..core.tensor_parallel.random import get_rng_tracker
-from .checkpoint_io import CheckpointError, payload_nbytes, write_json, write_text
-from .checkpointing import (
-    FORMAT_VERSION,
-    TRACKER,
-    begin_save,
-    copy_tokenizer_files,
-    iteration_dir,
-    read_metadata,
-    read_tracker,
-    refuse_megatron_lm_checkpoint,
-    report_config_changes,
-    run_metadata,
-)
-from .config import TrainConfig
-from .dcp_pieces import (  # noqa: F401 - re-exported: the format's building blocks
+from ...core import device as device_mod
+from ...core import parallel_state as ps
+from ...core.models.gpt.config import GPTConfig
+from ...core.models.gpt.model import WORD_EMBEDDINGS
+from ...core.tensor_parallel.random import get_rng_tracker
+from ..config import TrainConfig
+from ..errors import safe_print
+from .dcp_pieces import (
     DCP_METADATA,
     OUTPUT_WEIGHT,
-    VOCAB_PARAMS,
-    Pieces,
-    PiecesLoadPlanner,
-    PiecesSavePlanner,
     dcp_load,
     dcp_save,
     load_pieces,
     local_part,
-    rank_boxes,
     read_dcp_metadata,
     row_sharded,
     save_pieces,
-    tp_boxes,
 )
-from .errors import safe_print
+from .file_io import CheckpointError, payload_nbytes, write_json
+from .metadata import (
+    FORMAT_VERSION,
+    TORCH_DIST,
+    check_version_and_architecture,
+    copy_tokenizer_files,
+    read_metadata,
+    report_config_changes,
+    run_metadata,
+)
+from .run_dirs import barrier, begin_save, iteration_dir, publish
 
-FORMAT = "torch_dist"
+FORMAT = TORCH_DIST
 EXP_AVG = "optimizer.state.exp_avg."
 EXP_AVG_SQ = "optimizer.state.exp_avg_sq."
 COMMON = "common"
@@ -98,7 +87,7 @@ RANK_STATE = "rank_state."
 
 # ------------------------------------------------------------------------------------ model access
 def is_fsdp(model_chunks) -> bool:
-    return type(model_chunks[0]).__name__ == "FullyShardedChunk"
+    return model_chunks[0].data_parallel_kind == "fsdp2"
 
 
 def _module(m):
@@ -209,17 +198,13 @@ def write_metadata(tmp: str, iteration: int, train_config: TrainConfig, param_la
 
 def finish_save(root: str, iteration: int, tmp: str) -> str:
     """Once every rank has written: rename ``tmp`` to ``iter_XXXXXXX`` and write the tracker (collective)."""
-    final = iteration_dir(root, iteration)
-    _barrier()
+    barrier()
     if ps.get_rank() == 0:
         if not os.path.isfile(os.path.join(tmp, DCP_METADATA)):
             raise CheckpointError(f"{tmp} has no {DCP_METADATA} after the save: not publishing it")
-        if os.path.exists(final):  # the same iteration saved again (as the torch format does)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text(os.path.join(root, TRACKER), str(iteration), fsync=True)
-    _barrier()
-    return final
+        publish(root, iteration)  # the same iteration saved again replaces it (as the torch format does)
+    barrier()
+    return iteration_dir(root, iteration)
 
 
 def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
@@ -236,22 +221,7 @@ def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     return finish_save(root, iteration, tmp)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 # ------------------------------------------------------------------------------------------- load
-def detect_format(root: str, iteration: int) -> str | None:
-    """``torch_dist`` (a DCP ``.metadata``), ``torch`` (``mp_rank_*`` directories) or None."""
-    d = iteration_dir(root, iteration)
-    if os.path.isfile(os.path.join(d, DCP_METADATA)):
-        return FORMAT
-    if glob.glob(os.path.join(d, "mp_rank_*")):
-        return "torch"
-    return None
-
-
 @dataclass
 class _Targets:
     """Zeroed TP-local tensors that the load fills, by this run's parameter name."""
@@ -266,23 +236,13 @@ def same_layout(meta: dict) -> bool:
     return all(meta.get(k) == v for k, v in current_layout().items())
 
 
-def _check_meta(meta: dict, config: GPTConfig, path: str) -> None:
-    version = meta.get("checkpoint_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path} has checkpoint_version {version!r}; this version of megatron-cai "
-                              f"reads versions up to {FORMAT_VERSION}")
-    diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
-    if diff:
-        raise CheckpointError(f"checkpoint {path} has a different model configuration: " + "; ".join(diff))
-
-
 def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
                          param_layout: dict, *, load_optim: bool = True, load_rng: bool = True,
                          finetune: bool = False, reducers=None, train_config: TrainConfig | None = None) -> dict:
     """Restore a torch_dist checkpoint into this run's layout (collective); returns the saved counters."""
     path = iteration_dir(root, iteration)
     meta = read_metadata(root, iteration)
-    _check_meta(meta, config, path)
+    check_version_and_architecture(meta, config, path)
     if train_config is not None and ps.get_rank() == 0:
         report_config_changes(meta, train_config, root)
     saved = read_dcp_metadata(path).state_dict_metadata
@@ -379,10 +339,7 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
 
 def _uses_squinch(reducers) -> bool:
     """Whether this run's reducers (DDP) or FSDP2 reduce-scatter hooks are Squinch's."""
-    for r in reducers:
-        if any(getattr(c, "holds_squinch_state", False) for c in [r, *getattr(r, "comms", {}).values()]):
-            return True
-    return False
+    return any(r.carries_feedback for r in reducers)
 
 
 def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
@@ -431,54 +388,3 @@ def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
                 _copy_into(st["exp_avg"], state["param_state"][n]["exp_avg"])
                 _copy_into(st["exp_avg_sq"], state["param_state"][n]["exp_avg_sq"])
             opt.state[p] = st
-
-
-# --------------------------------------------------------------------------------------- dispatch
-def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect: bool) -> str:
-    """The reader for ``iter_XXXXXXX`` in ``root``: ``ckpt_format``, or what the files say with
-    ``--auto-detect-ckpt-format``; a mismatch without the flag is an error naming the directory and the flag."""
-    d = iteration_dir(root, iteration)
-    found = detect_format(root, iteration)
-    if found is None:
-        if auto_detect and os.path.isdir(d):
-            raise CheckpointError(f"{d} holds neither a torch_dist checkpoint ({DCP_METADATA}) nor torch-format "
-                                  f"mp_rank_* directories: --auto-detect-ckpt-format cannot tell its format (an "
-                                  f"interrupted save, or a damaged checkpoint)")
-        return ckpt_format  # that format's reader names what is missing
-    if found != ckpt_format:
-        if not auto_detect:
-            raise CheckpointError(f"{d} is a {found} checkpoint but this run reads --ckpt-format {ckpt_format}: pass "
-                                  f"--ckpt-format {found}, or --auto-detect-ckpt-format to read whichever format the "
-                                  f"directory holds")
-        if ps.get_rank() == 0:
-            safe_print(f" --auto-detect-ckpt-format: {d} is a {found} checkpoint; reading it as such")
-    return found
-
-
-def load_checkpoint(train_config: TrainConfig, model_chunks, optimizer, scheduler, param_layout: dict,
-                    reducers=None) -> dict:
-    """The trainer's load (``--load``): either format, into this run's layout; returns the saved counters."""
-    ckpt = train_config.checkpoint
-    root = ckpt.load
-    iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(root)
-    if iteration is None:
-        if ckpt.exit_on_missing_checkpoint:
-            raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
-        return {}
-    refuse_megatron_lm_checkpoint(root, iteration)
-    fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
-    if fmt != FORMAT:
-        if is_fsdp(model_chunks):
-            raise CheckpointError(f"{iteration_dir(root, iteration)} is a torch-format checkpoint, which "
-                                  f"--use-torch-fsdp2 cannot load (FSDP2 parameters are DTensor shards); convert "
-                                  f"it: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
-                                  f"--target-ckpt-format torch_dist")
-        from .checkpointing import load_checkpoint as load_torch_format
-
-        return load_torch_format(root, model_chunks, optimizer, scheduler, train_config.model,
-                                 load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
-                                 step=iteration, exit_on_missing=ckpt.exit_on_missing_checkpoint,
-                                 reducers=reducers, train_config=train_config)
-    return load_dist_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config.model,
-                                param_layout, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng,
-                                finetune=ckpt.finetune, reducers=reducers, train_config=train_config)

@@ -1,9 +1,9 @@
-"""dist_checkpoint.Pieces through torch.distributed.checkpoint in one process: a fused tensor written as
+"""dcp_pieces.Pieces through torch.distributed.checkpoint in one process: a fused tensor written as
 per-section TP pieces reads back, for another TP size, as that rank's sections; vocabulary rows clip."""
 import torch
 
 from megatron_cai.core.tensor_parallel.utils import shard_tensor
-from megatron_cai.training import dist_checkpoint as dc
+from megatron_cai.training.checkpoint import dcp_pieces as dc
 
 
 def _save(tmp_path, full: torch.Tensor, meta: dict, tp: int) -> str:

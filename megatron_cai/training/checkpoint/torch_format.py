@@ -1,4 +1,4 @@
-"""Checkpoints in Megatron's layout, written atomically, resumed bit-exactly.
+"""``--ckpt-format torch``: per-rank files in Megatron's layout, written atomically, resumed bit-exactly.
 
 ::
 
@@ -12,100 +12,44 @@ killed during a save leaves the previous checkpoint current. Each ``model_optim_
 rank 0 of its TP/PP rank) holds the model chunks (parameter names use global layer numbers), the Adam
 state per parameter (gathered over DP when the optimizer is sharded), the LR scheduler, the RNG states
 of every DP rank, the iteration and consumed samples, and each parameter's TP layout so that
-``tools/convert_checkpoint.py`` can reshard it. ``tokenizer/`` holds a copy of the tokenizer files.
-
-``metadata.json`` records the run's whole :class:`~megatron_cai.training.config.TrainConfig`
-(``train_config``) and the flags it was built from (``args``). On resume the architecture fields of the
-model configuration must match (else :class:`CheckpointError` names them); every other field that
-differs is listed, field by field. Checkpoints written before ``train_config`` existed (format 1
-without it) load; only their model configuration is compared.
+``tools/convert_checkpoint.py`` can reshard it. ``tokenizer/`` holds a copy of the tokenizer files;
+``metadata.json`` is described in :mod:`.metadata`. Loading needs the saved TP/PP/VPP layout (the
+``torch_dist`` format loads into any).
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from ..core import device as device_mod
-from ..core import parallel_state as ps
-from ..core.models.gpt.config import GPTConfig
-from ..core.tensor_parallel.random import get_rng_tracker
-from .checkpoint_io import (
-    CheckpointError,
-    load_torch,
-    read_json,
-    reducer_state_dropped,
-    save_torch,
-    write_json,
-    write_text,
+from ...core import device as device_mod
+from ...core import parallel_state as ps
+from ...core.models.gpt.config import GPTConfig
+from ...core.tensor_parallel.random import get_rng_tracker
+from ..config import TrainConfig
+from ..errors import safe_print
+from .file_io import CheckpointError, load_torch, save_torch, write_json
+from .metadata import (
+    FORMAT_VERSION,
+    check_version_and_architecture,
+    copy_tokenizer_files,
+    read_metadata,
+    report_config_changes,
+    run_metadata,
+    tp_layout,
 )
-from .config import TrainConfig, config_diff
-from .errors import safe_print
-
-TRACKER = "latest_checkpointed_iteration.txt"
-FORMAT_VERSION = 1
-
-
-__all__ = ["CheckpointError", "StagedCheckpoint", "finalize_staged", "load_checkpoint", "read_metadata", "read_tracker",
-           "save_checkpoint", "stage_checkpoint", "write_staged"]
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+from .run_dirs import TRACKER, IterationPaths, barrier, begin_save, iteration_dir, publish, read_tracker
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def read_tracker(root: str) -> int | None:
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path} should hold an iteration number, found {text!r}") from None
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _atomic_torch_save(obj: Any, path: str) -> None:
-    save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
-
-
-def begin_save(root: str, iteration: int) -> str:
-    """Make the empty temporary directory ``iter_XXXXXXX.tmp`` (rank 0) and return it (collective)."""
-    tmp = iteration_dir(root, iteration) + ".tmp"
-    if ps.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier()
-    return tmp
-
-
 def param_names(model_chunks) -> list[dict[int, str]]:
     """Per chunk, parameter id -> name in the (unwrapped) model's state dict."""
     return [{id(p): n for n, p in getattr(m, "module", m).named_parameters()} for m in model_chunks]
-
-
-def tp_layout(model_chunks) -> dict[str, dict]:
-    out = {}
-    for m in model_chunks:
-        for n, p in getattr(m, "module", m).named_parameters():
-            out[n] = {"tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
-                      "full_shape": list(getattr(p, "full_shape", p.shape))}
-    return out
 
 
 def _gather_over_dp(obj: Any) -> list[Any]:
@@ -114,22 +58,6 @@ def _gather_over_dp(obj: Any) -> list[Any]:
     out: list[Any] = [None] * ps.get_data_parallel_world_size()
     dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
     return out
-
-
-class IterationPaths:
-    """``final`` (``root/iter_XXXXXXX``) and ``tmp`` (``final + ".tmp"``) for objects with ``root`` and
-    ``iteration``: a save is written into ``tmp`` and renamed to ``final`` before the tracker moves."""
-
-    root: str
-    iteration: int
-
-    @property
-    def final(self) -> str:
-        return iteration_dir(self.root, self.iteration)
-
-    @property
-    def tmp(self) -> str:
-        return self.final + ".tmp"
 
 
 @dataclass
@@ -153,7 +81,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     """Collective: every rank must call it. Clears ``iter_XXXXXXX.tmp`` and gathers what each rank writes.
 
     The returned payloads may reference live tensors (model parameters, optimizer state): copy them
-    (``async_checkpoint``) before training mutates them, or write them at once (:func:`save_checkpoint`).
+    (:mod:`.async_save`) before training mutates them, or write them at once (:func:`save_torch_checkpoint`).
     ``optimizer_views``: the optimizer state as views of its gathered flat buffers (``state_dict(copy=False)``)."""
     config = train_config.model
     tmp = begin_save(root, iteration)
@@ -192,7 +120,7 @@ def write_staged(staged: StagedCheckpoint) -> None:
     """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread)."""
     for path, obj in staged.files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _atomic_torch_save(obj, path)
+        save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
     if staged.meta is not None:
         write_json(os.path.join(staged.tmp, "metadata.json"), staged.meta)
         copy_tokenizer_files(staged.tmp, staged.tokenizer_files)
@@ -201,87 +129,26 @@ def write_staged(staged: StagedCheckpoint) -> None:
 def finalize_staged(staged: StagedCheckpoint) -> str:
     """Rank 0, once every rank's write has finished: rename ``.tmp`` into place, then move the tracker."""
     if ps.get_rank() == 0:
-        if os.path.exists(staged.final):
-            shutil.rmtree(staged.final)
-        os.replace(staged.tmp, staged.final)
-        write_text(os.path.join(staged.root, TRACKER), str(staged.iteration), fsync=True)
+        publish(staged.root, staged.iteration)
     return staged.final
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
+def save_torch_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                     state: dict, reducer_states: list[dict] | None = None,
                     save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
     """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
     staged = stage_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config, state,
                               reducer_states, save_optim, tokenizer_files)
     write_staged(staged)
-    _barrier()
+    barrier()
     final = finalize_staged(staged)
-    _barrier()
+    barrier()
     return final
-
-
-def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
-    """The ``metadata.json`` of a checkpoint of this run (rank 0 writes it): layout, configs, flags."""
-    return {"checkpoint_version": FORMAT_VERSION, "iteration": iteration,
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-            "data_parallel_size": ps.get_data_parallel_world_size(),
-            "model_config": train_config.model.to_dict(),
-            "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
-            "args": train_config.flags}
-
-
-def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> None:
-    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing)."""
-    if not tokenizer_files:
-        return
-    tok_dir = os.path.join(ckpt_dir, "tokenizer")
-    os.makedirs(tok_dir, exist_ok=True)
-    for src in tokenizer_files:
-        if src and os.path.isfile(src):
-            shutil.copy2(src, tok_dir)
-
-
-def refuse_megatron_lm_checkpoint(root: str, iteration: int) -> None:
-    """A Megatron-LM checkpoint given to ``--load`` gets one error naming the converter command.
-
-    Megatron-LM's ``torch_dist`` directories hold a ``metadata.json`` with ``sharded_backend``; its legacy
-    ``torch`` ones hold ``mp_rank_*`` directories and no ``metadata.json`` (ours always write one)."""
-    d = iteration_dir(root, iteration)
-    meta_path = os.path.join(d, "metadata.json")
-    megatron = False
-    if os.path.isfile(meta_path):
-        try:
-            with open(meta_path) as f:
-                megatron = "sharded_backend" in json.load(f)
-        except (OSError, ValueError):
-            return  # read_metadata names the corrupt file
-    elif glob.glob(os.path.join(d, "mp_rank_*")):
-        megatron = True
-    if megatron:
-        raise CheckpointError(f"{d} is a Megatron-LM checkpoint, not one of ours: convert it first with "
-                              f"python tools/convert_checkpoint.py --from-megatron --load {root} --save NEW_DIR "
-                              f"(docs/conversion.md)")
-
-
-def read_metadata(root: str, iteration: int) -> dict:
-    meta = read_json(os.path.join(iteration_dir(root, iteration), "metadata.json"))
-    missing = [k for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "model_config")
-               if k not in meta]
-    if missing:
-        raise CheckpointError(f"{os.path.join(iteration_dir(root, iteration), 'metadata.json')} is corrupt: it "
-                              f"lacks {missing}")
-    return meta
 
 
 def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
     """Same TP/PP/VPP layout and the same architecture, or a clear error saying what differs."""
-    version = meta.get("checkpoint_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {root} has checkpoint_version {version!r}; this version of megatron-cai "
-                              f"reads versions up to {FORMAT_VERSION}")
+    check_version_and_architecture(meta, config, root)
     here = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size())
     there = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
@@ -292,34 +159,12 @@ def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
             f"first: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
             f"--target-tensor-parallel-size {here[0]} --target-pipeline-model-parallel-size {here[1]} (or convert "
             f"it once with --target-ckpt-format torch_dist: that format loads into any layout)")
-    diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
-    if diff:
-        raise CheckpointError(f"checkpoint {root} has a different model configuration: " + "; ".join(diff))
 
 
-def report_config_changes(meta: dict, train_config: TrainConfig, root: str, log=print) -> list[tuple]:
-    """Compare the checkpoint's saved TrainConfig with this run's, field by field, and log what differs.
-
-    Returns the differences ``[(field, checkpoint value, this run's value)]`` (architecture mismatches are
-    refused earlier, by :func:`check_compatible`)."""
-    saved = meta.get("train_config")
-    if saved is None:
-        log(f" checkpoint {root} predates saved training configurations: only its model configuration "
-            "was compared")
-        return []
-    current = {k: v for k, v in train_config.to_dict().items() if k != "flags"}
-    diff = config_diff(saved, json.loads(json.dumps(current, default=str)))
-    if diff:
-        log(f" configuration differs from checkpoint {root} in {len(diff)} field(s):")
-        for name, there, here in diff:
-            log(f"   {name}: {there!r} (checkpoint) -> {here!r} (this run)")
-    return diff
-
-
-def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTConfig, *, load_optim: bool = True,
+def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTConfig, *, load_optim: bool = True,
                     load_rng: bool = True, finetune: bool = False, step: int | None = None,
                     exit_on_missing: bool = False, reducers=None, train_config: TrainConfig | None = None) -> dict:
-    """Restore what `save_checkpoint` wrote; returns the saved counters (empty dict if nothing loaded).
+    """Restore what :func:`save_torch_checkpoint` wrote; returns the saved counters (empty dict if nothing loaded).
 
     With ``train_config``, the checkpoint's saved configuration is compared with it field by field
     (differences are printed on rank 0)."""
@@ -378,3 +223,23 @@ def load_checkpoint(root: str, model_chunks, optimizer, scheduler, config: GPTCo
     counters = {k: v for k, v in payload.items()
                 if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state", "tp_layout", "model_config")}
     return counters
+
+
+def reducer_state_dropped(rpath: str, same_dp: bool, reducers, meta: dict) -> str | None:
+    """Why the saved reducer (Squinch) state cannot be restored into this run, or None when it can.
+
+    ``rpath`` is this DP rank's ``reducer_dp_DDD.pt``; ``meta`` the checkpoint's metadata.json.
+    """
+    rank_dir = os.path.dirname(rpath)
+    saved = any(n.startswith("reducer_dp_") for n in os.listdir(rank_dir)) if os.path.isdir(rank_dir) else False
+    squinch_now = any(r.carries_feedback for r in reducers)
+    saved_args = meta.get("args") or {}
+    if saved and not squinch_now:
+        return (f"{rank_dir} holds Squinch error-feedback state (reducer_dp_*.pt) but this run does not use "
+                f"--squinch: dropping it")
+    if saved and not same_dp:
+        return (f"{rank_dir} holds Squinch error-feedback state for DP={meta.get('data_parallel_size')}, this run "
+                f"has another DP size: dropping it (the first step runs without residuals)")
+    if squinch_now and not saved and saved_args.get("squinch") is False:
+        return "the checkpoint was saved without --squinch: Squinch error-feedback residuals start at zero"
+    return None

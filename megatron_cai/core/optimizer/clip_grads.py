@@ -1,0 +1,61 @@
+"""The global gradient norm, clipping and the non-finite check, shared by both optimizers.
+
+Each optimizer says which gradient tensors it owns (:meth:`GlobalNormClipping.owned_grads`: what it
+updates, and what clipping and ``--fp16``'s unscaling multiply) and which count in the global norm
+(:meth:`GlobalNormClipping.norm_grads`: each distinct gradient element once over all TP / PP / DP
+ranks). The norm is one fp64 sum of squares, all-reduced over the world: one host read per iteration.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .. import parallel_state as ps
+
+
+class GlobalNormClipping(ABC):
+    """``grad_norm``, ``clip_and_check`` and ``scale_grads`` over the gradients an optimizer owns."""
+
+    @abstractmethod
+    def owned_grads(self) -> Iterable[torch.Tensor]:
+        """Every gradient tensor this rank updates (views into its gradient storage)."""
+
+    @abstractmethod
+    def norm_grads(self) -> Iterable[torch.Tensor]:
+        """The gradient tensors this rank counts in the global norm."""
+
+    @abstractmethod
+    def grad_device(self) -> torch.device:
+        """Where the gradients live (the norm is summed there)."""
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_device())
+        for g in self.norm_grads():
+            g = g.float().reshape(-1)
+            total += torch.dot(g, g).double()
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        value = total.item()
+        return math.sqrt(value) if math.isfinite(value) else float("nan")
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
+        for g in self.owned_grads():
+            g.mul_(factor)
+
+    def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
+        """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            return norm, False
+        if max_norm > 0:
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                self.scale_grads(coeff)
+        return norm, True

@@ -1,0 +1,56 @@
+"""AdamW over FSDP2's parameter shards (``--use-torch-fsdp2``).
+
+``torch.optim.AdamW`` updates the local DTensor shards; no weight decay on 1-D parameters (as
+Megatron). The global grad norm, clipping and non-finite check are the DDP path's
+(``clip_grads.GlobalNormClipping``), over this rank's shards of the gradients that
+``FullyShardedChunk.counted_in_norm`` counts.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..distributed.fsdp import FullyShardedChunk, local
+from .clip_grads import GlobalNormClipping
+from .config import OptimizerConfig
+
+
+class FullyShardedAdamW(GlobalNormClipping):
+    """``torch.optim.AdamW`` over the FSDP2 shards of ``chunks``."""
+
+    def __init__(self, chunks: list[FullyShardedChunk], config: OptimizerConfig) -> None:
+        self.model_chunks = chunks
+        self.grad_scaler = None  # set by the trainer (--fp16 is refused with FSDP2 at start-up)
+        decay, no_decay = [], []
+        self.norm_params: list[nn.Parameter] = []
+        for c in chunks:
+            for name, p in c.module.named_parameters():
+                (decay if c.meta[name].decay else no_decay).append(p)
+                if c.counted_in_norm(name):
+                    self.norm_params.append(p)
+        groups = [{"params": decay, "weight_decay": config.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
+                                           eps=config.adam_eps, foreach=False)
+        self.all_params = decay + no_decay
+
+    def owned_grads(self):
+        return (local(p.grad) for p in self.all_params if p.grad is not None)
+
+    def norm_grads(self):
+        return (local(p.grad) for p in self.norm_params if p.grad is not None)
+
+    def grad_device(self) -> torch.device:
+        return local(self.all_params[0]).device
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
+        """One AdamW step at `lr` (--decoupled-lr is refused with FSDP2 at start-up, so `decoupled_lr` is unused)."""
+        if lr is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+        self.optimizer.step()
+
+    def finish_param_sync(self) -> None:
+        """Nothing pending: FSDP2 all-gathers the parameter shards itself in each forward."""
+        return None

@@ -1,0 +1,44 @@
+"""Checkpoints: one save/load entry, :class:`Checkpointer` (``save``, ``load``, ``finalize_async``).
+
+Behind it, modules named for what they hold:
+
+- ``torch_format``: ``--ckpt-format torch``, per-rank files in Megatron's layout (fixed TP/PP layout);
+- ``dist_format``: ``--ckpt-format torch_dist`` on ``torch.distributed.checkpoint``, loads into any layout;
+- ``dcp_pieces``: the TP/DP pieces of each global tensor that DCP writes and reads;
+- ``async_save``: ``--async-save``, the background writer and its staging buffers;
+- ``metadata``: ``metadata.json``, format detection, the checks a resume makes;
+- ``run_dirs``: ``iter_XXXXXXX`` directories, publishing a save, the guards against overwriting a run;
+- ``file_io``: reads and writes whose errors name the file and the rank;
+- ``reshard``: the layout-free (canonical) form and resharding torch-format checkpoints;
+- ``format_conversion``: torch <-> torch_dist (``tools/convert_checkpoint.py --target-ckpt-format``).
+
+Code outside this package imports only the names below (``test_code_structure.py`` checks it).
+"""
+from .async_save import AsyncCheckpointSaver, AsyncSave
+from .checkpointer import Checkpointer, resolve_load_format
+from .dcp_pieces import read_dcp_metadata
+from .file_io import CheckpointError, CheckpointIOError, load_torch, save_torch, write_json, write_text
+from .format_conversion import dist_to_torch, torch_to_dist
+from .metadata import TORCH, TORCH_DIST, detect_format, read_metadata, refuse_megatron_lm_checkpoint, tp_layout
+from .reshard import (
+    OUTPUT_WEIGHT,
+    CanonicalCheckpoint,
+    ConversionError,
+    Layout,
+    fit_vocab_rows,
+    load_canonical,
+    reshard_checkpoint,
+    save_resharded,
+    target_layout,
+)
+from .run_dirs import TRACKER, check_conversion_target, check_run_dirs, iteration_dir, read_tracker
+from .torch_format import load_torch_checkpoint, rank_dir_name
+
+__all__ = [
+    "OUTPUT_WEIGHT", "TORCH", "TORCH_DIST", "TRACKER", "AsyncCheckpointSaver", "AsyncSave", "CanonicalCheckpoint",
+    "CheckpointError", "CheckpointIOError", "Checkpointer", "ConversionError", "Layout", "check_conversion_target",
+    "check_run_dirs", "detect_format", "dist_to_torch", "fit_vocab_rows", "iteration_dir", "load_canonical",
+    "load_torch", "load_torch_checkpoint", "rank_dir_name", "read_dcp_metadata", "read_metadata", "read_tracker",
+    "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
+    "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text",
+]
