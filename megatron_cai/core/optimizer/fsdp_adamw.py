@@ -1,7 +1,7 @@
 """AdamW over FSDP2's parameter shards (``--use-torch-fsdp2``).
 
-``torch.optim.AdamW`` updates the local DTensor shards; no weight decay on 1-D parameters (as
-Megatron). The global grad norm, clipping and non-finite check are the DDP path's
+``torch.optim.AdamW(fused=True)`` updates the local DTensor shards; no weight decay on 1-D parameters
+(as Megatron). The global grad norm, clipping and non-finite check are the DDP path's
 (``clip_grads.GlobalNormClipping``), over this rank's shards of the gradients that
 ``FullyShardedChunk.counted_in_norm`` counts.
 """
@@ -30,8 +30,9 @@ class FullyShardedAdamW(GlobalNormClipping):
                     self.norm_params.append(p)
         groups = [{"params": decay, "weight_decay": config.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
+        # PyTorch's fused kernel over the local shards (one pass, no per-step host read of the step counts)
         self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, foreach=False)
+                                           eps=config.adam_eps, fused=True)
         self.all_params = decay + no_decay
 
     def owned_grads(self):
