@@ -60,17 +60,19 @@ def per_token_loss_step(step_func: Callable, batches: list[dict], model_chunks: 
     by their number (Megatron-LM's rule), instead of the mean of per-micro-batch means.
 
     Each micro-batch's mean loss is weighted by n_mb * M * DP / N (N: tokens of the global batch), so that
-    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise."""
-    local = sum(float(b["loss_mask"].float().sum()) for b in batches)
-    total = torch.tensor([local], dtype=torch.float64, device=device)
+    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise. The
+    weights stay on the device: nothing is read back before the forward pass."""
+    counts = [b["loss_mask"].float().sum().to(torch.float64) for b in batches]
+    total = torch.stack(counts).sum()
     dp = ps.get_data_parallel_world_size()
     if dp > 1:
         dist.all_reduce(total, group=ps.get_data_parallel_group())
-    scale = num_microbatches * dp / max(float(total.item()), 1.0)
+    scale = (num_microbatches * dp) / total.clamp_min(1.0)
+    weights = {id(b): (c * scale).float() for b, c in zip(batches, counts)}  # device scalars
 
     def step(data_iterator: _RecordingIterator, model):
         output, loss_func = step_func(data_iterator, model)
-        weight = float(data_iterator.last["loss_mask"].float().sum()) * scale
+        weight = weights[id(data_iterator.last)]
 
         def weighted(out):
             loss, stats = loss_func(out)

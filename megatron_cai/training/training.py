@@ -30,7 +30,7 @@ from ..core.datasets.device_prefetch import DevicePrefetcher
 from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.fsdp import build_fsdp2
-from ..core.distributed.memory import max_over_ranks, memory_report
+from ..core.distributed.memory import MemoryReport, max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
@@ -56,6 +56,7 @@ from .logging import (
     validation_log_lines,
 )
 from .megatron_compat import no_op_message
+from .step_readback import loss_means, read_step
 from .train_extras import LogWindow, StepProfiler, WandbWriter, empty_device_cache, per_token_loss_step
 
 
@@ -88,11 +89,13 @@ class _ExitSignal:
     def _handler(self, signum, frame) -> None:
         self.received = True
 
-    def any_rank(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if ps.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+@dataclass(frozen=True)
+class StepResult:
+    losses: dict[str, float]  # averaged over micro-batches and DP (last pipeline stage; {} elsewhere)
+    grad_norm: float          # nan when some gradient was not finite
+    finite: bool              # the optimizer stepped (False: skipped on every rank)
+    exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
 
 
 class Trainer:
@@ -256,8 +259,10 @@ class Trainer:
                                      forward_only=forward_only, forward_context=self._forward_context)
 
     # ---------------------------------------------------------------------------------------- step
-    def train_step(self) -> tuple[dict[str, float], float, bool]:
-        """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+    def train_step(self) -> StepResult:
+        """One iteration: forward/backward over the micro-batches, grad sync, clip, update.
+
+        Reads the device once (``step_readback.read_step``), after the gradient-norm reduction."""
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -273,7 +278,10 @@ class Trainer:
             empty_device_cache(self.device)
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
+        read = read_step(self.optimizer.local_norm_sq(), stats, self.exit_signal.received, self.device)
+        finite = math.isfinite(read.grad_norm)
+        if finite:
+            self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
         if self.grad_scaler is not None:
             old_scale = self.grad_scaler.scale
             self.grad_scaler.update(not finite)
@@ -281,7 +289,7 @@ class Trainer:
                 for m in self.model:
                     m.reducer.rescale_feedback(self.grad_scaler.scale / old_scale)
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
-            finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
+            finite = finite and not read.nonfinite_loss
         if finite:
             self.optimizer.step(self.scheduler.get_lr(), self.scheduler.get_lr(decoupled=True))
             self.scheduler.step(self.microbatches.running_global_batch_size)  # in samples, as Megatron's
@@ -290,19 +298,12 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
-        return self._average_stats(stats), grad_norm, finite
+        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested)
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
-        if not ps.is_pipeline_last_stage(ignore_virtual=True):
-            return {}
-        keys = stats[0].keys() if stats else []
-        vec = torch.stack([torch.stack([s[k].float() for s in stats]).mean() for k in keys]) if keys else None
-        if vec is None:
-            return {}
-        if ps.get_data_parallel_world_size() > 1:
-            dist.all_reduce(vec, group=ps.get_data_parallel_group())
-            vec /= ps.get_data_parallel_world_size()
-        return {k: v.item() for k, v in zip(keys, vec)}
+        """Each statistic's mean over micro-batches and DP ranks, read back (validation)."""
+        keys, means = loss_means(stats, ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+        return dict(zip(keys, means.tolist())) if means is not None else {}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -379,7 +380,8 @@ class Trainer:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()
-            losses, grad_norm, finite = self.train_step()
+            step = self.train_step()
+            losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
@@ -402,8 +404,6 @@ class Trainer:
             loss_scale = {"loss scale": self.grad_scaler.scale} if self.grad_scaler else {}
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
-            if len(history) == 1:
-                st.extra["memory"] = self._log_memory("after the first iteration")
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
                 gc.collect()
             if self.tb.writer is not None and st.iteration % log.tensorboard_log_interval == 0:
@@ -421,7 +421,7 @@ class Trainer:
                     self._validation_scalars(val)
             if save_interval and st.iteration % save_interval == 0:
                 self.save()
-            if self.exit_signal.any_rank(self.device):
+            if step.exit_requested:
                 self.save()  # the checkpoint first: a failing log write must not lose it
                 print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")
                 break
@@ -436,6 +436,8 @@ class Trainer:
         else:
             if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
                 self.save()
+        if "memory" not in st.extra:  # no iteration logged
+            st.extra["memory"] = self._log_memory("at the end of training")
         self.finalize_async_save(blocking=True)  # exit paths and the end of training wait for the write
         self.optimizer.finish_param_sync()
         self.profiler.close()
@@ -453,7 +455,13 @@ class Trainer:
 
     def _log(self, window: LogWindow, lr: float, grad_norm: float, comm_bytes: int) -> None:
         run, log, st = self.config.training, self.config.logging, self.state
-        device_mod.synchronize(self.device)
+        # the read waits for the queued work, so the window's time below covers it
+        # Megatron-LM's memory report comes with the first log line; st.extra keeps this rank's figures
+        mine = memory_report(self.model, self.optimizer, self.device) if "memory" not in st.extra else None
+        extra, most = self._log_readback(mine)
+        if mine is not None:
+            print_rank_0(most.line("max over ranks, at the first log"))
+            st.extra["memory"] = mine.to_dict()
         elapsed = window.seconds_per_iteration()
         batch = self.microbatches.running_global_batch_size  # this iteration's (--rampup-batch-size)
         tps = batch * self.config.model.seq_length / max(elapsed, 1e-9)
@@ -461,7 +469,6 @@ class Trainer:
         if log.log_throughput:
             flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
             throughput = flops / (elapsed * 1e12 * self.config.parallel.world_size)
-        extra = self._lse_stats()
         line_extra = None
         if extra:
             line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
@@ -509,29 +516,34 @@ class Trainer:
                             self.state.consumed_train_samples)
         self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
-    def _lse_stats(self) -> dict[str, float]:
-        """Attention lse mean / max per layer in this iteration's last micro-batch (every rank calls it).
+    def _log_readback(self, memory: MemoryReport | None) -> tuple[dict[str, float], MemoryReport | None]:
+        """A logging iteration's one read (every rank calls it): the attention lse mean / max per layer in this
+        iteration's last micro-batch, and ``memory``'s figures maxed over ranks when given.
 
         Each layer's stats come from the ranks that hold it (its pipeline stage, every TP/DP rank): the
         mean is the mean of those ranks' means (equal row counts per rank), the max their max.
         """
         layers = self.config.model.num_layers
-        stats = torch.zeros(layers, 3, device=self.device)  # [sum of means, ranks, max]
-        stats[:, 2] = float("-inf")
+        sums = torch.zeros(layers, 2, device=self.device)  # [sum of means, ranks]
+        maxes = torch.full((layers,), float("-inf"), device=self.device)
         for layer, mean_max in self.lse_stats.per_layer().items():
             mean, mx = mean_max.to(self.device)
-            stats[layer] = torch.stack([mean, torch.ones_like(mean), mx])
+            sums[layer] = torch.stack([mean, torch.ones_like(mean)])
+            maxes[layer] = mx
+        maxes = maxes.to(torch.float64)
+        if memory is not None:
+            maxes = torch.cat([maxes, memory.as_tensor(self.device)])
         if ps.get_world_size() > 1:
-            sums, maxes = stats[:, :2].contiguous(), stats[:, 2].contiguous()
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            stats = torch.cat([sums, maxes.unsqueeze(1)], dim=1)
+        values = torch.cat([sums.to(torch.float64).flatten(), maxes]).tolist()
         out = {}
-        for layer, (total, ranks, mx) in enumerate(stats.cpu().tolist()):
+        for layer in range(layers):
+            total, ranks, mx = values[2 * layer], values[2 * layer + 1], values[2 * layers + layer]
             if ranks > 0:
                 out[f"attention-lse/layer{layer}-mean"] = total / ranks
                 out[f"attention-lse/layer{layer}-max"] = mx
-        return out
+        return out, memory.from_values(values[3 * layers:]) if memory is not None else None
 
 
 def _bind_distiller(forward_step_func, distiller):
