@@ -205,7 +205,7 @@ class Trainer:
             evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
         return (run.train_iters * gbs, evals * gbs, log.eval_iters * gbs)
 
-    def _loader(self, dataset, consumed: int, lookahead: bool | None) -> DevicePrefetcher | None:
+    def _loader(self, dataset, consumed: int, lookahead: bool | None = False) -> DevicePrefetcher | None:
         """``lookahead``: copy the next step's micro-batches during this one (None: on accelerators)."""
         from ..core.datasets.data_samplers import build_pretraining_data_loader
 

@@ -1,5 +1,6 @@
 """--compile (inductor, fp32, CPU) against the eager run: packed-document visibility under TP=2 (with
-Attention Z-Reg) and under PP=2; each layer one graph, no graph break (Dynamo's counters per rank)."""
+sequence parallelism and Attention Z-Reg) and under PP=2; each layer one graph, no graph break (Dynamo's
+counters per rank)."""
 import pytest
 from testlib.data import random_docs, write_dataset
 from testlib.distributed import run_distributed
@@ -10,7 +11,8 @@ BASE = TINY_MODEL + ["--tokenizer-type", "NullTokenizer", "--micro-batch-size", 
                      "--eval-iters", "0", "--seed", "7", "--split", "1", "--no-exit-signal-handler",
                      "--reset-attention-mask", "--reset-position-ids"]
 LAYOUTS = {
-    "tp2_packed_zreg": ["--tensor-model-parallel-size", "2", "--num-layers", "1", "--attention-zreg-coeff", "0.01"],
+    "tp2_sp_packed_zreg": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--num-layers", "1",
+                           "--attention-zreg-coeff", "0.01"],
     "pp2_packed": ["--pipeline-model-parallel-size", "2", "--num-layers", "2"],
 }
 
