@@ -11,22 +11,36 @@ import sys
 
 import torch
 
+from megatron_cai.core.context_parallel import get_batch_on_this_cp_rank
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
-from megatron_cai.training.errors import run_cli
+from megatron_cai.training.errors import KNOWN_ERRORS, run_cli
 from megatron_cai.training.initialize import discover_env
-from megatron_cai.training.known_errors import KNOWN_ERRORS
 from megatron_cai.training.training import pretrain
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor, normalizer: torch.Tensor | None = None):
     """Masked mean of the per-token losses of one micro-batch (a weighted mean for tree data with
-    ``--tree-loss-weighting branch``, whose loss_mask holds branch weights)."""
+    ``--tree-loss-weighting branch``, whose loss_mask holds branch weights).
+
+    ``normalizer`` (context parallelism): the whole sequence's mask total / CP instead of this rank's mask
+    total, so that the DP x CP mean of the ranks' losses (and gradients) is the sequence's mean."""
     losses = output.float()
     mask = loss_mask.float()
-    loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+    loss = (losses * mask).sum() / (mask.sum().clamp(min=1.0) if normalizer is None else normalizer)
     return loss, {"lm loss": loss.detach()}
+
+
+def get_batch(data_iterator) -> tuple[dict, object]:
+    """The next micro-batch as this rank computes on it, and the visibility its attention takes: this CP
+    rank's share under context parallelism (``core.context_parallel.get_batch_on_this_cp_rank``), the
+    intervals of packed or tree data, or None (plain causal)."""
+    batch = get_batch_on_this_cp_rank(next(data_iterator))
+    visibility = batch.get("visibility")
+    if visibility is None and "visibility_start" in batch:
+        visibility = (batch["visibility_start"], batch["visibility_limit"])
+    return batch, visibility
 
 
 def forward_step(data_iterator, model, distiller=None):
@@ -34,14 +48,13 @@ def forward_step(data_iterator, model, distiller=None):
 
     ``distiller``: the run's :class:`~megatron_cai.training.distill.Distiller`, bound by the Trainer when
     distillation is on (None: plain LM training)."""
-    batch = next(data_iterator)
-    visibility = None
-    if "visibility_start" in batch:
-        visibility = (batch["visibility_start"], batch["visibility_limit"])
+    batch, visibility = get_batch(data_iterator)
     if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage
         return distiller.forward(model, batch, visibility)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], visibility=visibility,
                    label_positions=batch.get("label_positions"))  # tree data: predictions across branches
+    if "loss_normalizer" in batch:  # context parallelism: this rank's share of the sequence's mean
+        return output, functools.partial(loss_func, batch["loss_mask"], normalizer=batch["loss_normalizer"])
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 

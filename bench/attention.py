@@ -1,6 +1,6 @@
 """Visibility-interval attention on CPU: block-skipping path vs dense-mask paths, and tree packing savings.
 
-    python bench/attention.py [--seq 2048 4096 8192] [--tree-jsonl PATH] [--tree-data PREFIX] [--repeats 3]
+    python bench/attention.py [--seq 2048 4096 8192] [--demo-trees] [--tree-jsonl PATH] [--tree-data PREFIX]
 
 For each sequence length and workload (packed documents of 100-1000 tokens; packed code trees) it
 times forward+backward (batch 1, 2 heads, head_dim 64, fp32) of
@@ -17,9 +17,10 @@ methods), ``stdlib`` (the same shape parsed with ``ast`` from Python's standard 
 token) and, with ``--tree-jsonl``, a tree corpus in the issue's JSONL format
 (``{"text", "children", "bidirectional"}`` nested nodes), e.g. ``tools/make_demo_corpus.py --tree``,
 and with ``--tree-data`` a corpus preprocessed by ``tools/preprocess_data.py --tree`` (real token
-counts from its ``.tree`` sidecar; ``bench/tree_corpus.py`` builds the demo one). Trees longer than a
-row are cut as the training dataset cuts them (last subtrees dropped), then packed first fit.
-Writes bench/results/attention.{json,md}.
+counts from its ``.tree`` sidecar), or with ``--demo-trees`` the demo one (``harness.data.demo_trees``:
+``make_demo_corpus.py --tree``, sentencepiece 2048, ``preprocess_data.py --tree``, built in --cache-dir).
+Trees longer than a row are cut as the training dataset cuts them (last subtrees dropped), then packed
+first fit. Writes bench/results/attention.{json,md}; ``--quick``: T = 256, one repeat, a few trees.
 """
 from __future__ import annotations
 
@@ -33,14 +34,13 @@ import sys
 import sysconfig
 import time
 
+import harness as H
 import torch
+from harness.data import demo_trees
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_cai.core.transformer import visibility as V
+from megatron_cai.core.transformer.attention import attend
 
-from megatron_cai.core.transformer import visibility as V  # noqa: E402
-from megatron_cai.core.transformer.attention import attend  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HEADS, HEAD_DIM = 2, 64
 Tree = tuple[list[int], list[int], list[bool]]  # parents, node_lengths, bidirectional
 
@@ -264,24 +264,36 @@ def bench_row(name: str, start: torch.Tensor, limit: torch.Tensor, seq: int, rep
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = H.parser(__doc__, "attention")
+    H.add(ap, repeats=5, threads=None)
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 4096, 8192])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--tree-jsonl", default=None, help="tree corpus in the issue's JSONL format")
     ap.add_argument("--tree-data", default=None, help="tree corpus prefix written by preprocess_data.py --tree")
+    ap.add_argument("--demo-trees", action="store_true", help="build the demo tree corpus and use it as --tree-data")
     ap.add_argument("--no-stdlib", action="store_true", help="skip the stdlib-parsed trees")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "attention"))
+    ap.add_argument("--synthetic-trees", type=int, default=600, help="random code-shaped trees")
+    ap.add_argument("--stdlib-files", type=int, default=400, help="stdlib modules parsed into trees")
     ap.add_argument("--memory-worker", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return H.parse(ap, argv, quick=dict(seq=[256], repeats=1, synthetic_trees=40, stdlib_files=20, demo_trees=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = H.Results(args.out)
+    if args.from_json:
+        out.rewrite(render)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.demo_trees and not args.tree_data:
+        size = dict(max_mb=H.data.QUICK["corpus_mb"], vocab=H.data.QUICK["vocab"]) if args.quick else {}
+        args.tree_data = demo_trees(args.cache_dir, **size)["prefix"]
 
     rng = random.Random(0)
-    sources = {"synthetic-trees": synthetic_trees(rng, 600)}
+    sources = {"synthetic-trees": synthetic_trees(rng, args.synthetic_trees)}
     if not args.no_stdlib:
-        sources["stdlib-trees"] = stdlib_trees()
+        sources["stdlib-trees"] = stdlib_trees(args.stdlib_files)
     if args.tree_jsonl:
         sources["jsonl-trees"] = jsonl_trees(args.tree_jsonl)
     if args.tree_data:
@@ -305,20 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_worker:
         print("MEMORY " + json.dumps(rows), flush=True)
         return 0
-    peaks = memory_pass(argv)
+    peaks = memory_pass([*(argv if argv is not None else sys.argv[1:]), "--tree-data", args.tree_data]
+                        if args.tree_data else argv)
     for row, mem in zip(rows, peaks or [None] * len(rows)):
         for m in METHODS:
             row[m] = dict(seconds=row[m], peak_mib=None if mem is None else mem[m])
-
-    md = render(rows, savings, args)
-    print(md)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as fh:
-        json.dump(dict(config=dict(heads=HEADS, head_dim=HEAD_DIM, batch=1, dtype="float32",
-                                   threads=torch.get_num_threads(), torch=torch.__version__),
-                       rows=rows, branch_savings=savings), fh, indent=1)
-    with open(args.out + ".md", "w") as fh:
-        fh.write(md)
+    config = dict(heads=HEADS, head_dim=HEAD_DIM, batch=1, dtype="float32", threads=torch.get_num_threads(),
+                  torch=torch.__version__, repeats=args.repeats)
+    out.write(dict(config=config, rows=rows, branch_savings=savings), render)
     return 0
 
 
@@ -346,12 +352,13 @@ def _ratio(a, b):
     return "n/a" if a is None or not b else f"{a / b:.0f}x"
 
 
-def render(rows: list[dict], savings: dict, args) -> str:
+def render(payload: dict) -> str:
+    rows, savings, cfg = payload["rows"], payload["branch_savings"], payload["config"]
     lines = [
         "# Visibility-interval attention on CPU",
         "",
-        f"batch 1, {HEADS} heads, head_dim {HEAD_DIM}, fp32, forward+backward, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}; time: best of {args.repeats}. "
+        f"batch {cfg['batch']}, {cfg['heads']} heads, head_dim {cfg['head_dim']}, fp32, forward+backward, "
+        f"{cfg['threads']} threads, torch {cfg['torch']}; time: best of {cfg['repeats']}. "
         "Memory: rise of the peak RSS during one fwd+bwd (inputs excluded; measured in a child with "
         "MALLOC_MMAP_THRESHOLD_=65536 so freed blocks leave RSS). Ratios are dense / blocked.",
         "",
@@ -370,6 +377,9 @@ def render(rows: list[dict], savings: dict, args) -> str:
             f"{_ratio(sd['peak_mib'], b['peak_mib'])} | {_ratio(e['peak_mib'], b['peak_mib'])} | "
             f"{r['interval_mask_bytes'] / 1024:.0f} KiB vs {r['dense_mask_bytes'] / 2**20:.0f} MiB |"
         )
+    if "machine" in payload:
+        lines += ["", f"Machine: {H.results.load_line(payload['machine']['start'])} at the start, "
+                  f"{H.results.load_line(payload['machine']['end'])} at the end."]
     lines += ["", "## Tree packing vs flattening every root-to-leaf branch", "",
               "| source | trees | leaves | tokens as trees | tokens as flattened branches | saved | ratio |",
               "|---|---|---|---|---|---|---|"]

@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _evidence as E  # noqa: E402
+import harness as H
+from harness import training as T
+from harness.data import QUICK, demo_corpus
+from harness.runcache import RunCache, settings_key
 
 FORMATS = {"int8": ["--qat", "int8"], "fp8": ["--qat", "fp8", "--fp8-format", "hybrid"]}
 CLAMPS = ("static", "absmax", "rms", "weight-rms")
@@ -49,7 +49,7 @@ class Fc2Probe:
         self.rms: dict[str, float] = {}
         self._qat = {"on": False, "now": {}}
         self.has_qat = bool(_fc2_probe(trainer, self._qat))
-        for name, mod in E.core_model(trainer).named_modules():
+        for name, mod in T.core_model(trainer).named_modules():
             if name.endswith("mlp.linear_fc2"):
                 mod.register_forward_pre_hook(self._hook(name))
 
@@ -90,7 +90,7 @@ def rescale_ffn(model, s: float) -> None:
 
 # ------------------------------------------------------------------------------------------ runs
 def argv_for(opts, seed: int, iters: int, lr: float, wd: float) -> list[str]:
-    return E.small_gpt_argv(layers=opts.layers, hidden=opts.hidden, heads=opts.heads, seq=opts.seq,
+    return T.small_gpt_argv(layers=opts.layers, hidden=opts.hidden, heads=opts.heads, seq=opts.seq,
                             batch=opts.batch, iters=iters, lr=lr, seed=seed, data=opts._data, tok=opts._tok,
                             cache=opts.cache_dir, weight_decay=wd, warmup=max(1, iters // 20),
                             valid_batches=max(opts.eval_iters, opts.final_eval_iters))
@@ -102,12 +102,12 @@ def train_base(opts, seed: int) -> dict:
 
     path = os.path.join(opts._bases.dir, f"base_seed{seed}.pt")
     if not os.path.exists(path):
-        tr = E.build_trainer(argv_for(opts, seed, opts.base_iters, BASE_LR, BASE_WD))
+        tr = T.build_trainer(argv_for(opts, seed, opts.base_iters, BASE_LR, BASE_WD))
         probe = Fc2Probe(tr)
-        _, first = probe.measure(lambda: E.fixed_valid_loss(tr, opts.eval_iters))
-        E.train_chunk(tr, opts.base_iters)
-        loss, last = probe.measure(lambda: E.fixed_valid_loss(tr, opts.final_eval_iters))
-        base = {"state": {k: v.detach().clone() for k, v in E.core_model(tr).state_dict().items()},
+        _, first = probe.measure(lambda: T.fixed_valid_loss(tr, opts.eval_iters))
+        T.train_chunk(tr, opts.base_iters)
+        loss, last = probe.measure(lambda: T.fixed_valid_loss(tr, opts.final_eval_iters))
+        base = {"state": {k: v.detach().clone() for k, v in T.core_model(tr).state_dict().items()},
                 "consumed": tr.state.consumed_train_samples, "valid_loss": loss,
                 "rms_growth": last["rms"] / first["rms"]}
         torch.save(base, path + f".tmp{os.getpid()}")
@@ -126,8 +126,8 @@ def load_base(meta: dict) -> dict:
 def run_config(opts, name: str, seed: int, base: dict, lr: float, wd: float, rescale: float) -> dict:
     """One configuration warm-started from ``base`` in the drift regime; curves and the final valid loss."""
     t0 = time.time()
-    tr = E.build_trainer(argv_for(opts, seed, opts.iters, lr, wd) + CONFIGS[name])
-    model = E.core_model(tr)
+    tr = T.build_trainer(argv_for(opts, seed, opts.iters, lr, wd) + CONFIGS[name])
+    model = T.core_model(tr)
     missing, unexpected = model.load_state_dict(load_base(base)["state"], strict=False)
     bad = [k for k in missing if not k.endswith("_static_c")] + list(unexpected)
     if bad:
@@ -135,23 +135,23 @@ def run_config(opts, name: str, seed: int, base: dict, lr: float, wd: float, res
     if rescale != 1.0:
         rescale_ffn(model, rescale)
     tr.state.consumed_train_samples = base["consumed"]  # continue the data order after the base run
-    tr.train_iter = tr._loader(tr.train_ds, base["consumed"])
+    tr.train_iter = T.loader(tr, tr.train_ds, base["consumed"])
     probe = Fc2Probe(tr)
     curve = []
 
     def evaluate(it: int) -> None:
-        loss, stats = probe.measure(lambda: E.fixed_valid_loss(tr, opts.eval_iters))
+        loss, stats = probe.measure(lambda: T.fixed_valid_loss(tr, opts.eval_iters))
         curve.append({"iteration": it, "valid_loss": loss, **stats})
 
     evaluate(0)  # the first forward: a static clamp calibrates here, at step 0 of the regime
     train_loss = []
     while tr.state.iteration < opts.iters:
-        hist = E.train_chunk(tr, min(opts.eval_interval, opts.iters - tr.state.iteration))
+        hist = T.train_chunk(tr, min(opts.eval_interval, opts.iters - tr.state.iteration))
         train_loss += [h["lm loss"] for h in hist]
         evaluate(tr.state.iteration)
-    final = E.fixed_valid_loss(tr, opts.final_eval_iters)
+    final = T.fixed_valid_loss(tr, opts.final_eval_iters)
     return {"final_valid_loss": final, "curve": curve, "train_loss": train_loss,
-            "loss_spikes": E.count_spikes(train_loss),
+            "loss_spikes": H.count_spikes(train_loss),
             "seconds": time.time() - t0}
 
 
@@ -176,13 +176,13 @@ def summarise(per_config: dict) -> dict:
     out = {}
     base = per_config["bf16"]
     for name, per_seed in per_config.items():
-        s = E.seed_summary(per_seed, "final_valid_loss")
-        gap = E.paired_gap(per_seed, base, "final_valid_loss") if name != "bf16" else None
-        spread = max(E.seed_summary(base, "final_valid_loss")["std"], s["std"])
+        s = H.seed_summary(per_seed, "final_valid_loss")
+        gap = H.paired_gap(per_seed, base, "final_valid_loss") if name != "bf16" else None
+        spread = max(H.seed_summary(base, "final_valid_loss")["std"], s["std"])
         end = [per_seed[k]["curve"][-1] for k in per_seed]
         row = {"valid_loss": s, "paired_gap": gap, "seed_spread": spread,
                "gap_over_spread": (gap["diff_mean"] / spread if gap and spread > 0 else None),
-               "loss_spikes": sum(E.count_spikes(per_seed[k]["train_loss"]) for k in per_seed)}
+               "loss_spikes": sum(H.count_spikes(per_seed[k]["train_loss"]) for k in per_seed)}
         for k in ("zeroed", "clipped", "rms"):
             if k in end[0]:
                 row[f"{k}_end"] = sum(e[k] for e in end) / len(end)
@@ -221,7 +221,7 @@ def markdown(res: dict) -> str:
         z = f"{s['gap_over_spread']:+.1f} | {_paired_z(g):+.1f}" if s["gap_over_spread"] is not None else "- | -"
         zer = f"{s['zeroed_end']:.2%}" if "zeroed_end" in s else "-"
         cli = f"{s['clipped_end']:.3%}" if "clipped_end" in s else "-"
-        lines.append(f"| {name} | {E.fmt_pm(s['valid_loss']['mean'], s['valid_loss']['std'])} | {gap} | {pct} | "
+        lines.append(f"| {name} | {H.fmt_pm(s['valid_loss']['mean'], s['valid_loss']['std'])} | {gap} | {pct} | "
                      f"{z} | {zer} | {cli} | {s['loss_spikes']} |")
     lines += ["", "## Finding", "", *[f"- {f}" for f in res["findings"]], ""]
     return "\n".join(lines)
@@ -288,32 +288,24 @@ def plot(res: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _quick(o: argparse.Namespace) -> None:
+    o.layers, o.hidden, o.heads, o.seq, o.batch = 1, 32, 2, 32, 2
+    o.base_iters, o.iters, o.eval_interval, o.eval_iters, o.final_eval_iters = 6, 6, 3, 1, 1
+    o.vocab, o.corpus_mb = QUICK["vocab"], QUICK["corpus_mb"]
+    o.seeds = o.seeds[:2]
+
+
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="every configuration at toy size (a smoke test)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
+    p = H.parser(__doc__, "clamp_drift")
+    H.add(p, seeds=[1, 2, 3], layers=2, hidden=32, heads=2, seq=32, batch=4, vocab=2048, corpus_mb=3.0)
     p.add_argument("--base-iters", type=int, default=60)
     p.add_argument("--iters", type=int, default=80, help="iterations of each configuration in the drift regime")
     p.add_argument("--lr", type=float, default=4e-3, help="lr of the warm-start regimes (no weight decay)")
     p.add_argument("--rescale", type=float, default=0.1, help="s of the rescaled warm start")
-    p.add_argument("--eval-interval", type=int, default=10)
-    p.add_argument("--eval-iters", type=int, default=2)
-    p.add_argument("--final-eval-iters", type=int, default=6)
+    H.add(p, eval_interval=10, eval_iters=2, final_eval_iters=6)
     p.add_argument("--regime-seed", type=int, default=None, help="seed of the regime choice (default: the first)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
-    p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "clamp_drift"))
-    o = p.parse_args(argv)
-    if o.quick:
-        o.layers, o.hidden, o.heads, o.seq, o.batch = 1, 32, 2, 32, 2
-        o.base_iters, o.iters, o.eval_interval, o.eval_iters, o.final_eval_iters = 6, 6, 3, 1, 1
-        o.seeds = o.seeds[:2] if len(o.seeds) > 1 else o.seeds
+    o = H.parse(p, argv, quick=_quick)
     o.regime_seed = o.seeds[0] if o.regime_seed is None else o.regime_seed
     if "bf16" not in o.configs:
         o.configs = ["bf16", *o.configs]
@@ -324,15 +316,18 @@ def main(argv=None) -> dict:
     import torch
 
     o = parse(argv)
+    if o.from_json:
+        H.Results(o.out).rewrite(markdown, plot)
+        return {}
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     t0 = time.time()
-    o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
+    o._data, o._tok = demo_corpus(o.cache_dir, o.vocab, o.corpus_mb)
     settings = {k: v for k, v in vars(o).items()
-                if not k.startswith("_") and k not in ("out", "configs", "seeds", "regime_seed")}
-    o._cache = E.RunCache(os.path.join(o.cache_dir, "clamp_drift"), E.settings_key(settings))
-    base_key = E.settings_key({k: settings[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
-                                                        "base_iters", "eval_iters", "final_eval_iters")})
-    o._bases = E.RunCache(os.path.join(o.cache_dir, "clamp_drift"), f"base_{base_key}")
+                if not k.startswith("_") and k not in ("out", "configs", "seeds", "regime_seed", "bench", "from_json")}
+    o._cache = RunCache(os.path.join(o.cache_dir, "clamp_drift"), settings_key(settings))
+    base_key = settings_key({k: settings[k] for k in ("layers", "hidden", "heads", "seq", "batch", "vocab",
+                                                      "corpus_mb", "base_iters", "eval_iters", "final_eval_iters")})
+    o._bases = RunCache(os.path.join(o.cache_dir, "clamp_drift"), f"base_{base_key}")
     # Several processes may run this at once (same flags): they share the runs through the cache's locks.
     seeds = list(dict.fromkeys([o.regime_seed, *o.seeds]))
     bases = {int(s): r for s, r in o._bases.run_all([("base", s, lambda s=s: train_base(o, s)) for s in seeds])[
@@ -350,7 +345,7 @@ def main(argv=None) -> dict:
            "per_seed": per, "seconds": time.time() - t0}
     res["summary"] = summarise(per)
     res["findings"] = findings(res)
-    E.write_outputs(o.out, res, markdown(res), plot)
+    H.Results(o.out).write(res, markdown, plot, record_machine=False)
     return res
 
 

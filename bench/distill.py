@@ -1,7 +1,7 @@
 """Gumbel top-k distillation: storage per token, and a teacher distilled into a smaller student four ways.
 
     python bench/distill.py                 # ~20-30 min on a 2-core CPU
-    python bench/distill.py --quick         # a 2-3 minute smoke run (tiny models, few steps)
+    python bench/distill.py --quick         # seconds: tiny models, a few steps, the scripts run in-process
 
 1. Bytes per token of the teacher's targets: dense bf16 logits (V x 2 bytes) vs a top-k store and the
    Gumbel-k store (ids + fp16 logits + kappa + lse, the sidecar format of tools/dump_teacher_samples.py) at
@@ -24,23 +24,20 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
+import harness as H
 import torch
+from harness.data import QUICK, demo_corpus
+from harness.scripts import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megatron_cai.core import parallel_state as ps
+from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
+from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron_cai.training.checkpoint import load_canonical
+from megatron_cai.training.distill import build_teacher
 
-from megatron_cai.core import parallel_state as ps  # noqa: E402
-from megatron_cai.core.datasets.builder import build_train_valid_test_datasets  # noqa: E402
-from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: E402
-from megatron_cai.training.checkpoint import load_canonical  # noqa: E402
-from megatron_cai.training.distill import build_teacher  # noqa: E402
-
-RESULTS = os.path.join(ROOT, "bench", "results")
 RUNS = ("no KD", "full KD (online)", "top-k KD", "Gumbel-k KD")
 LOG_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)(?:.*?distill loss: ([0-9.E+-]+))?"
                     r"(?:.*?distill kl: ([0-9.E+-]+))?")
@@ -66,40 +63,9 @@ def storage_table(vocabs: list[int], ks: tuple[int, ...]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- runs
-def sh(cmd: list[str], log: str | None = None) -> str:
-    """Run a repo script with this interpreter; its output goes to ``log`` as it runs and is returned."""
-    t0 = time.time()
-    if log is None:
-        fd, log = tempfile.mkstemp(prefix="bench_distill_", suffix=".log")
-        os.close(fd)
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, *cmd], stdout=f, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    out = open(log).read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:2])} failed ({proc.returncode}):\n{out[-4000:]}")
-    print(f"   {os.path.basename(cmd[0])} {cmd[1] if len(cmd) > 1 else ''}... done in {time.time() - t0:.0f} s",
-          flush=True)
-    return out
-
-
-def prepare_data(cache: str, vocab: int, max_mb: float) -> tuple[str, str]:
-    """Demo corpus -> tokenizer -> MMIDIDX; reused when already in ``cache``."""
-    os.makedirs(cache, exist_ok=True)
-    corpus, tok = os.path.join(cache, "stdlib.jsonl"), os.path.join(cache, f"tok{vocab}")
-    prefix = os.path.join(cache, "data", f"stdlib{vocab}")
-    if not os.path.exists(corpus):
-        sh(["tools/make_demo_corpus.py", "--output", corpus, "--max-mb", str(max_mb)])
-    if not os.path.exists(tok + ".model"):
-        sh(["tools/train_tokenizer.py", "--input", corpus, "--vocab-size", str(vocab), "--model-prefix", tok])
-    if not os.path.exists(prefix + "_text_document.idx"):
-        sh(["tools/preprocess_data.py", "--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-            "SentencePieceTokenizer", "--tokenizer-model", tok + ".model", "--append-eod", "--workers", "2",
-            "--no-progress"])
-    return prefix + "_text_document", tok + ".model"
-
-
 def model_flags(layers: int, hidden: int, heads: int) -> list[str]:
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
+    return ["--squared-relu",
+            "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads)]
 
 
 def parse_log(text: str) -> list[dict]:
@@ -145,37 +111,38 @@ def evaluate(log_q: torch.Tensor, log_p: torch.Tensor, labels: torch.Tensor) -> 
 
 
 # --------------------------------------------------------------------------------------------- main
+def _quick(args: argparse.Namespace) -> None:
+    args.teacher, args.student, args.teacher_iters, args.student_iters = "1,32,2", "1,16,2", 4, 4
+    args.eval_samples, args.seq_length, args.batch, args.k, args.curve_points = 4, 32, 4, 8, 2
+    args.corpus_mb, args.vocab_size = QUICK["corpus_mb"], QUICK["vocab"]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (results not meaningful)")
-    p.add_argument("--cache-dir", default="/tmp/megatron_cai_bench/distill")
-    p.add_argument("--vocab-size", type=int, default=4096, help="demo tokenizer vocabulary")
-    p.add_argument("--corpus-mb", type=float, default=4.0)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16, help="global (= micro) batch size")
-    p.add_argument("--teacher", default="4,192,4", help="layers,hidden,heads")
-    p.add_argument("--student", default="2,96,4", help="layers,hidden,heads")
-    p.add_argument("--teacher-iters", type=int, default=250)
-    p.add_argument("--student-iters", type=int, default=150)
+    p = H.parser(__doc__, "distill")
+    H.add(p, vocab_size=4096, corpus_mb=4.0, seq_length=128, batch=16, teacher="4,192,4", student="2,96,4",
+          teacher_iters=250, student_iters=150)
     p.add_argument("--k", type=int, default=32)
-    p.add_argument("--alpha", type=float, default=1.0, help="KD weight in (1 - alpha) CE + alpha KD")
+    H.add(p, alpha=1.0)
     p.add_argument("--eval-samples", type=int, default=48)
     p.add_argument("--curve-points", type=int, default=4, help="held-out evaluations per student run")
     p.add_argument("--split", default="95,5,0")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.teacher, args.student, args.teacher_iters, args.student_iters = "2,64,4", "1,32,4", 30, 20
-        args.eval_samples, args.corpus_mb, args.seq_length = 8, 1.0, 64
-        args.cache_dir = args.cache_dir.rstrip("/") + "_quick"
-    return args
+    return H.parse(p, argv, quick=_quick)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out_files = H.Results(args.out)
+    if args.from_json:
+        out_files.rewrite(to_markdown, plot)
+        return 0
     t_start = time.time()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     print(f"== data ({args.cache_dir})", flush=True)
-    prefix, tok = prepare_data(args.cache_dir, args.vocab_size, args.corpus_mb)
+    prefix, tok = demo_corpus(args.cache_dir, args.vocab_size, args.corpus_mb)
+
+    def sh(cmd: list[str], log: str) -> str:
+        return run_script(cmd[0], cmd[1:], log, in_process=args.quick)
+
     # The teacher is cached per configuration; stores and students are always recomputed.
     key = hashlib.md5(json.dumps([args.teacher, args.teacher_iters, args.seq_length, args.batch, args.vocab_size,
                                   args.corpus_mb, args.split]).encode()).hexdigest()[:10]
@@ -261,7 +228,7 @@ def main(argv=None) -> int:
     g, t = final["Gumbel-k KD"]["KL(teacher||student)"], final["top-k KD"]["KL(teacher||student)"]
     goal = {"gumbel_within_5pct_of_full": abs(g / full_kl - 1) <= 0.05, "gumbel_below_topk": g < t}
     result = {
-        "config": {k: v for k, v in vars(args).items()},
+        "config": {k: v for k, v in vars(args).items() if k not in ("bench", "out", "from_json")},
         "tokens": {"teacher": args.teacher_iters * gbs * seq, "student": s_iters * gbs * seq,
                    "eval": int(tokens.numel())},
         "storage": storage_table([args.vocab_size] + ([8192] if args.vocab_size != 8192 else []), (8, 32, 128)),
@@ -271,15 +238,7 @@ def main(argv=None) -> int:
         "seconds": {k: round(v, 1) for k, v in timings.items()}, "total_seconds": round(time.time() - t_start, 1),
         "torch": torch.__version__, "cpus": os.cpu_count(),
     }
-    md = to_markdown(result)
-    print(md)
-    if not args.quick:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "distill.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(RESULTS, "distill.md"), "w") as f:
-            f.write(md)
-    plot(result, os.path.join(RESULTS if not args.quick else args.cache_dir, "distill.png"))
+    out_files.write(result, to_markdown, plot, record_machine=False)
     return 0
 
 
@@ -327,14 +286,8 @@ def to_markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib.pyplot as plt
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG", file=sys.stderr)
-        return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in r["heldout_curves"].items():
         a.plot([x["iteration"] for x in rows], [x["KL(teacher||student)"] for x in rows], marker="o", label=name)
@@ -354,7 +307,6 @@ def plot(r: dict, path: str) -> None:
     fig.suptitle(f"Distillation, V={c['vocab_size']}, k={c['k']}, alpha={c['alpha']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

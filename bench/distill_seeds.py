@@ -28,9 +28,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _evidence as E  # noqa: E402
+import harness as H
+from harness import training as T
+from harness.data import QUICK, demo_corpus
+from harness.runcache import RunCache, settings_key
 
 DATA_SEED = 1234
 KS = (8, 32)
@@ -55,13 +56,13 @@ def store_bytes_per_token(k: int, vocab: int) -> int:
 
 def argv_for(o, shape: str, iters: int, lr: float, batch: int) -> list[str]:
     layers, hidden, heads = map(int, shape.split(","))
-    return E.small_gpt_argv(layers=layers, hidden=hidden, heads=heads, seq=o.seq, batch=batch, iters=iters,
+    return T.small_gpt_argv(layers=layers, hidden=hidden, heads=heads, seq=o.seq, batch=batch, iters=iters,
                             lr=lr, seed=DATA_SEED, data=o._data, tok=o._tok, cache=o.cache_dir,
                             valid_batches=o.eval_batches)
 
 
 def n_params(trainer) -> int:
-    return sum(p.numel() for p in E.core_model(trainer).parameters())
+    return sum(p.numel() for p in T.core_model(trainer).parameters())
 
 
 # ------------------------------------------------------------------------------------------ teacher
@@ -73,12 +74,12 @@ def train_teacher(o, folder: str) -> dict:
     if os.path.exists(meta):
         with open(meta) as f:
             return json.load(f)
-    tr = E.build_trainer(argv_for(o, o.teacher, o.teacher_iters, o.teacher_lr, o.batch)
+    tr = T.build_trainer(argv_for(o, o.teacher, o.teacher_iters, o.teacher_lr, o.batch)
                          + ["--no-save-optim"])
-    curve = [(0, E.fixed_valid_loss(tr, o.eval_batches))]
+    curve = [(0, T.fixed_valid_loss(tr, o.eval_batches))]
     while tr.state.iteration < o.teacher_iters:
-        E.train_chunk(tr, min(o.teacher_eval_interval, o.teacher_iters - tr.state.iteration))
-        curve.append((tr.state.iteration, E.fixed_valid_loss(tr, o.eval_batches)))
+        T.train_chunk(tr, min(o.teacher_eval_interval, o.teacher_iters - tr.state.iteration))
+        curve.append((tr.state.iteration, T.fixed_valid_loss(tr, o.eval_batches)))
     tr.config.checkpoint.save = os.path.join(folder, "teacher")
     tr.save()
     last_gain = (curve[-2][1] - curve[-1][1]) / curve[-2][1]
@@ -100,7 +101,7 @@ def dump_store(o, teacher_dir: str, sampler: str, k: int, folder: str) -> dict:
                "--global-batch-size", str(o.batch), "--tokenizer-model", o._tok, "--data-cache-path",
                os.path.join(o.cache_dir, "index"), "--micro-batch-size", "16", "--no-progress", "--device", "cpu",
                "--shard-size", "512"]
-        proc = subprocess.run(cmd, cwd=E.ROOT, capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=H.ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"dump_teacher_samples ({sampler}, k={k}) failed:\n{proc.stdout[-2000:]}"
                                f"{proc.stderr[-3000:]}")
@@ -128,16 +129,16 @@ def heldout_kl(o, student, teacher_dir: str) -> float:
 
 def train_student(o, name: str, flags: list[str], seed: int, teacher_dir: str) -> dict:
     t0 = time.time()
-    tr = E.build_trainer(argv_for(o, o.student, o.student_iters, o.student_lr, o.batch) + flags)
-    E.core_model(tr).initialize(seed)  # the seed sets the initialisation only (the stores fix the data order)
+    tr = T.build_trainer(argv_for(o, o.student, o.student_iters, o.student_lr, o.batch) + flags)
+    T.core_model(tr).initialize(seed)  # the seed sets the initialisation only (the stores fix the data order)
     curve = []
     train_loss = []
     while tr.state.iteration < o.student_iters:
-        hist = E.train_chunk(tr, min(o.eval_interval, o.student_iters - tr.state.iteration))
+        hist = T.train_chunk(tr, min(o.eval_interval, o.student_iters - tr.state.iteration))
         train_loss += [h["lm loss"] for h in hist]
-        curve.append((tr.state.iteration, E.fixed_valid_loss(tr, o.eval_batches)))
+        curve.append((tr.state.iteration, T.fixed_valid_loss(tr, o.eval_batches)))
     return {"final_valid_loss": curve[-1][1], "curve": curve, "train_loss": train_loss,
-            "kl_teacher_student": heldout_kl(o, E.core_model(tr), teacher_dir), "params": n_params(tr),
+            "kl_teacher_student": heldout_kl(o, T.core_model(tr), teacher_dir), "params": n_params(tr),
             "seconds": time.time() - t0}
 
 
@@ -145,12 +146,12 @@ def train_student(o, name: str, flags: list[str], seed: int, teacher_dir: str) -
 def summarise(per: dict) -> dict:
     out = {}
     for name, per_seed in per.items():
-        row = {"valid_loss": E.seed_summary(per_seed, "final_valid_loss"),
-               "kl": E.seed_summary(per_seed, "kl_teacher_student")}
+        row = {"valid_loss": H.seed_summary(per_seed, "final_valid_loss"),
+               "kl": H.seed_summary(per_seed, "kl_teacher_student")}
         if name != "no KD":
-            row["gap_to_no_kd"] = E.paired_gap(per_seed, per["no KD"], "final_valid_loss")
+            row["gap_to_no_kd"] = H.paired_gap(per_seed, per["no KD"], "final_valid_loss")
         if name != "full KD":
-            row["gap_to_full_kd"] = E.paired_gap(per_seed, per["full KD"], "final_valid_loss")
+            row["gap_to_full_kd"] = H.paired_gap(per_seed, per["full KD"], "final_valid_loss")
         out[name] = row
     return out
 
@@ -203,10 +204,10 @@ def markdown(res: dict) -> str:
              "|---|---:|---:|---:|---:|---:|"]
     for name, r in res["summary"].items():
         a, b = r.get("gap_to_no_kd"), r.get("gap_to_full_kd")
-        lines.append(f"| {name} | {E.fmt_pm(r['valid_loss']['mean'], r['valid_loss']['std'])} | "
+        lines.append(f"| {name} | {H.fmt_pm(r['valid_loss']['mean'], r['valid_loss']['std'])} | "
                      + (f"{a['diff_mean']:+.4f} ± {a['diff_std']:.4f}" if a else "-") + " | "
                      + (f"{b['diff_mean']:+.4f} ± {b['diff_std']:.4f}" if b else "-") + " | "
-                     + f"{E.fmt_pm(r['kl']['mean'], r['kl']['std'])} | {bytes_row(name, res)} |")
+                     + f"{H.fmt_pm(r['kl']['mean'], r['kl']['std'])} | {bytes_row(name, res)} |")
     lines += ["", "## Finding", "", *[f"- {f}" for f in res["findings"]], ""]
     return "\n".join(lines)
 
@@ -243,66 +244,65 @@ def plot(res: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _quick(o: argparse.Namespace) -> None:
+    o.teacher, o.student, o.seq, o.batch = "2,64,2", "1,16,2", 32, 2
+    o.teacher_iters, o.teacher_eval_interval, o.student_iters, o.eval_interval, o.eval_batches = 8, 4, 6, 3, 1
+    o.vocab, o.corpus_mb = QUICK["vocab"], QUICK["corpus_mb"]
+    o.seeds = o.seeds[:2]
+    o.measure_stores = True
+
+
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="every configuration at toy size (a smoke test)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--teacher", default="4,64,4", help="layers,hidden,heads")
-    p.add_argument("--student", default="2,24,2", help="layers,hidden,heads")
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--teacher-iters", type=int, default=300)
+    p = H.parser(__doc__, "distill_seeds")
+    H.add(p, seeds=[1, 2, 3], teacher="4,64,4", student="2,24,2", seq=32, batch=8, vocab=2048, corpus_mb=3.0,
+          teacher_iters=300)
     p.add_argument("--teacher-lr", type=float, default=2e-3)
     p.add_argument("--teacher-eval-interval", type=int, default=50)
     p.add_argument("--flat-tol", type=float, default=0.01, help="flattened: last interval improved < this")
-    p.add_argument("--student-iters", type=int, default=60)
+    H.add(p, student_iters=60)
     p.add_argument("--student-lr", type=float, default=3e-3)
-    p.add_argument("--eval-interval", type=int, default=20)
+    H.add(p, eval_interval=20)
     p.add_argument("--eval-batches", type=int, default=6)
-    p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
+    H.add(p, alpha=0.5)
     p.add_argument("--train-only", action="store_true", help="train (into the cache) and write no results")
     p.add_argument("--measure-stores", action="store_true",
                    help="also write the four stores with tools/dump_teacher_samples.py and measure them on disk")
-    p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "distill_seeds"))
-    o = p.parse_args(argv)
-    if o.quick:
-        o.teacher, o.student, o.seq, o.batch = "2,64,2", "1,16,2", 32, 2
-        o.teacher_iters, o.teacher_eval_interval, o.student_iters, o.eval_interval, o.eval_batches = 8, 4, 6, 3, 1
-        o.seeds = o.seeds[:2] if len(o.seeds) > 1 else o.seeds
-        o.measure_stores = True
-    return o
+    return H.parse(p, argv, quick=_quick)
 
 
 def main(argv=None) -> dict:
     import torch
 
     o = parse(argv)
+    if o.from_json:
+        H.Results(o.out).rewrite(markdown, plot)
+        return {}
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     t0 = time.time()
-    o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
+    o._data, o._tok = demo_corpus(o.cache_dir, o.vocab, o.corpus_mb)
     settings = {k: v for k, v in vars(o).items()
-                if not k.startswith("_") and k not in ("out", "seeds", "train_only", "measure_stores")}
-    teacher_key = E.settings_key({k: settings[k] for k in ("teacher", "seq", "batch", "vocab", "teacher_iters",
-                                                           "teacher_lr", "teacher_eval_interval", "eval_batches")})
+                if not k.startswith("_")
+                and k not in ("out", "seeds", "train_only", "measure_stores", "bench", "from_json")}
+    teacher_key = settings_key({k: settings[k] for k in ("teacher", "seq", "batch", "vocab", "corpus_mb",
+                                                         "teacher_iters", "teacher_lr", "teacher_eval_interval",
+                                                         "eval_batches")})
     folder = os.path.join(o.cache_dir, "distill_seeds", teacher_key)
     os.makedirs(folder, exist_ok=True)
     # Concurrent processes (same flags) share the teacher, the stores and the students through locks.
-    teacher = E.RunCache(folder, "teacher_lock").get_or_run("teacher", 0, lambda: train_teacher(o, folder))
+    teacher = RunCache(folder, "teacher_lock").get_or_run("teacher", 0, lambda: train_teacher(o, folder))
     print(f"teacher: {teacher['params']:,} params, valid loss {teacher['valid_loss']:.4f}", flush=True)
     stores = {f"{s} k={k}": {"format_bytes_per_token": store_bytes_per_token(k, o.vocab)}
               for s in ("topk", "gumbel") for k in KS}
-    if o.measure_stores:  # write the stores and measure them on disk
-        store_cache = E.RunCache(folder, f"stores_{o.student_iters}")
+    if o.measure_stores:  # write the stores and measure them on disk (--quick: those of the smallest k)
+        store_cache = RunCache(folder, f"stores_{o.student_iters}")
         dumped = store_cache.run_all([(f"{s} k={k}", 0, lambda s=s, k=k: dump_store(o, teacher["dir"], s, k,
                                                                                       store_cache.dir))
-                                      for s in ("topk", "gumbel") for k in KS])
-        for name in stores:
-            stores[name].update(dumped[name]["0"])
+                                      for s in ("topk", "gumbel") for k in (KS[:1] if o.quick else KS)])
+        for name, runs in dumped.items():
+            stores[name].update(runs["0"])
     print("stores: " + ", ".join(f"{n} {v.get('bytes_per_token', v['format_bytes_per_token']):.1f} B/token"
                                  for n, v in stores.items()), flush=True)
-    o._cache = E.RunCache(os.path.join(folder, "students"), E.settings_key(settings))
+    o._cache = RunCache(os.path.join(folder, "students"), settings_key(settings))
     cfgs = student_configs(teacher["dir"], o.alpha)
     items = [(name, seed, lambda n=name, f=flags, s=seed: train_student(o, n, f, s, teacher["dir"]))
              for seed in o.seeds for name, flags in cfgs.items()]
@@ -323,7 +323,7 @@ def main(argv=None) -> dict:
     res["summary"] = summarise(per)
     res["findings"] = findings(res)
     res["seconds"] = time.time() - t0
-    E.write_outputs(o.out, res, markdown(res), plot)
+    H.Results(o.out).write(res, markdown, plot, record_machine=False)
     return res
 
 

@@ -9,25 +9,24 @@ the gradient reduction of each iteration (``finish_grad_sync``, overlap off):
 - formula: 2(n-1)/n * S for all-reduce and (n-1)/n * S for reduce-scatter, S the bucket bytes on the
   wire (elements x 4 for fp32, x 2 for bf16, x 6/8 for Squinch plus one flag byte per row).
 
-    python bench/dp_comm.py            # writes bench/results/dp_comm.{json,md}
+The ranks of one DP size are started once and train every reducer in turn. Byte counts do not depend on
+the machine's load.
+
+    python bench/dp_comm.py            # writes bench/results/dp_comm.{json,md}; --quick: DP = 2, a toy model
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
+import harness as H
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megatron_cai.testing.distributed import run_distributed
 
-from megatron_cai.testing.distributed import run_distributed  # noqa: E402
-
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
+MODEL = ["--squared-relu",
+         "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "32",
          "--vocab-size", "2000", "--mock-data", "--micro-batch-size", "2", "--train-iters", "2",
          "--log-interval", "100", "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--position-embedding-type", "rope", "--lr-decay-style", "cosine",
          "--num-workers", "0"]
+QUICK_MODEL = [{"2000": "256", "128": "32", "32": "16"}.get(a, a) for a in MODEL]
 
 REDUCERS = {
     "all-reduce fp32": [],
@@ -47,12 +46,11 @@ def _wchar() -> int:
     raise RuntimeError("no wchar in /proc/self/io")
 
 
-def _worker(rank, world, argv):
-    import pretrain_gpt
-    from megatron_cai.training.training import Trainer
+def _measure(argv: list[str], world: int) -> dict:
+    """Train with these flags; bytes measured and accounted around each iteration's gradient reduction."""
+    from harness.training import build_trainer
 
-    config, tokenizer = pretrain_gpt.build_run(argv, world_size=world)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    trainer = build_trainer(argv, world_size=world)
     ddp = trainer.model[0]
     measured, accounted = [], []
     original = ddp.finish_grad_sync
@@ -69,6 +67,10 @@ def _worker(rank, world, argv):
     return {"measured": measured, "accounted": accounted, "buckets": buckets}
 
 
+def _worker(rank, world, argvs):
+    return [_measure(argv, world) for argv in argvs]
+
+
 def formula(name: str, n: int, buckets: list[tuple[int, int]]) -> float:
     rs = "reduce-scatter" in name
     total = 0.0
@@ -81,23 +83,24 @@ def formula(name: str, n: int, buckets: list[tuple[int, int]]) -> float:
     return total
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dp", type=int, nargs="*", default=[2, 4, 8])
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "dp_comm"))
-    opts = p.parse_args()
+def measure_dp(n: int, model: list[str]) -> list[dict]:
+    """Every reducer at DP = n, one row each (rank 0's bytes in the last iteration)."""
+    argvs = [model + ["--global-batch-size", str(2 * n)] + flags for flags in REDUCERS.values()]
+    results = run_distributed(_worker, n, (argvs,), env={"OMP_NUM_THREADS": "1"})[0]
     rows = []
-    for n in opts.dp:
-        for name, flags in REDUCERS.items():
-            res = run_distributed(_worker, n, (MODEL + ["--global-batch-size", str(2 * n)] + flags,),
-                                  env={"OMP_NUM_THREADS": "1"})[0]
-            f = formula(name, n, res["buckets"])
-            row = {"dp": n, "reducer": name, "elements": sum(b[0] for b in res["buckets"]),
-                   "formula_bytes": f, "accounted_bytes": res["accounted"][-1],
-                   "measured_bytes": res["measured"][-1], "measured_over_formula": res["measured"][-1] / f}
-            rows.append(row)
-            print(f"DP={n} {name:24s} formula {f:12.0f}  accounted {row['accounted_bytes']:10d}  "
-                  f"measured {row['measured_bytes']:10d}  ratio {row['measured_over_formula']:.4f}", flush=True)
+    for name, res in zip(REDUCERS, results):
+        f = formula(name, n, res["buckets"])
+        rows.append({"dp": n, "reducer": name, "elements": sum(b[0] for b in res["buckets"]),
+                     "formula_bytes": f, "accounted_bytes": res["accounted"][-1],
+                     "measured_bytes": res["measured"][-1], "measured_over_formula": res["measured"][-1] / f})
+        r = rows[-1]
+        print(f"DP={n} {name:24s} formula {f:12.0f}  accounted {r['accounted_bytes']:10d}  "
+              f"measured {r['measured_bytes']:10d}  ratio {r['measured_over_formula']:.4f}", flush=True)
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Squinch rows get their measured (and accounted) bytes over bf16's and fp32's of the same collective."""
     by = {(r["dp"], r["reducer"]): r for r in rows}
     for r in rows:
         if r["reducer"].startswith("squinch"):
@@ -105,6 +108,10 @@ def main() -> None:
             r["vs_bf16_measured"] = r["measured_bytes"] / by[r["dp"], f"{kind} bf16"]["measured_bytes"]
             r["vs_fp32_measured"] = r["measured_bytes"] / by[r["dp"], f"{kind} fp32"]["measured_bytes"]
             r["vs_bf16_accounted"] = r["accounted_bytes"] / by[r["dp"], f"{kind} bf16"]["accounted_bytes"]
+    return rows
+
+
+def render(rows: list[dict]) -> str:
     lines = ["# Gradient bytes per rank per iteration (gloo, CPU)", "",
              f"Model: {rows[0]['elements']:,} gradient elements (padded buckets). Measured = bytes written to "
              "sockets by the rank during gradient reduction (/proc/self/io wchar). Formula: 2(n-1)/n S "
@@ -116,12 +123,20 @@ def main() -> None:
               if "vs_bf16_measured" in r else " | ")
         lines.append(f"| {r['dp']} | {r['reducer']} | {r['formula_bytes']:.0f} | {r['accounted_bytes']} | "
                      f"{r['measured_bytes']} | {r['measured_over_formula']:.4f} | {sq} |")
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(opts.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "dp_comm")
+    H.add(p, dp=[2, 4, 8])
+    opts = H.parse(p, argv, quick=dict(dp=[2]))
+    model = QUICK_MODEL if opts.quick else MODEL
+    out = H.Results(opts.out, {"dp": opts.dp, "model": model})
+    if opts.from_json:
+        out.rewrite(render)
+        return
+    rows = [r for n in opts.dp for r in out.row(f"dp{n}", lambda n=n: measure_dp(n, model))]
+    out.write(with_ratios(rows), render)
 
 
 if __name__ == "__main__":

@@ -12,20 +12,20 @@ Writes ``PREFIX.json``, ``PREFIX.md`` and ``PREFIX.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
+from harness import training
+from harness.data import QUICK, demo_corpus
 
 CONFIGS = {"bf16": ["--bf16"], "fp16": ["--fp16"]}
 
 
 def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
-    return ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
+    return ["--squared-relu",
+            "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
             str(opts.heads), "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
             "--train-iters", str(opts.iters), "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10),
@@ -39,16 +39,12 @@ def training_argv(opts, data: str, tok: str, seed: int) -> list[str]:
 
 
 def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:
-    import pretrain_gpt
-    from megatron_cai.training.training import Trainer
-
-    config, tokenizer = pretrain_gpt.build_run(training_argv(opts, data, tok, seed) + CONFIGS[name], world_size=1)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    trainer = training.build_trainer(training_argv(opts, data, tok, seed) + CONFIGS[name])
     start = time.time()
     state = trainer.train()
     seconds = time.time() - start
     trainer.config.logging.eval_iters = opts.final_eval_iters
-    trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
+    trainer.valid_iter = training.loader(trainer, trainer.valid_ds)
     final = trainer.evaluate()["lm loss"]
     hist = state.extra["history"]
     return {"name": name, "seed": seed, "final_valid_loss": final, "seconds": seconds,
@@ -57,7 +53,8 @@ def run_one(name: str, opts, data: str, tok: str, seed: int) -> dict:
             "last20_train_loss": statistics.mean(h["lm loss"] for h in hist[-20:])}
 
 
-def report(runs: list[dict], opts) -> str:
+def report(payload: dict) -> str:
+    runs, opts = payload["runs"], argparse.Namespace(**payload["options"])
     lines = ["# fp16 (dynamic loss scaling) vs bf16", "",
              f"`python bench/fp16_training.py` — GPT {opts.layers} layers, hidden {opts.hidden}, {opts.heads} heads, "
              f"seq {opts.seq}, batch {opts.batch}, {opts.iters} iterations (lr {opts.lr:g} cosine), on the demo "
@@ -81,12 +78,10 @@ def report(runs: list[dict], opts) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
+    runs = payload["runs"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in runs:
         ax1.plot(r["train_loss"], label=f"{r['name']} seed {r['seed']}", alpha=0.8)
@@ -100,41 +95,25 @@ def plot(runs: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--final-eval-iters", type=int, default=20)
-    p.add_argument("--seeds", type=int, nargs="+", default=[1234])
-    p.add_argument("--quick", action="store_true", help="20 iterations, a smaller model (a smoke run)")
-    p.add_argument("--cache-dir", default="/tmp/megatron_cai_bench/fp16_training")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fp16_training"))
-    opts = p.parse_args()
-    if opts.quick:
-        opts.iters, opts.layers, opts.hidden, opts.seq, opts.final_eval_iters = 20, 2, 64, 64, 4
-    from bench._demo_data import ensure_demo_data
-
-    data, tok = ensure_demo_data(opts.vocab)
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "fp16_training")
+    H.add(p, iters=200, layers=4, hidden=128, heads=4, seq=128, batch=8, lr=1e-3, vocab=4096, corpus_mb=4.0,
+          final_eval_iters=20, seeds=[1234])
+    opts = H.parse(p, argv, quick=dict(iters=4, layers=1, hidden=32, heads=2, seq=32, batch=2, final_eval_iters=1,
+                                       vocab=QUICK["vocab"], corpus_mb=QUICK["corpus_mb"]))
+    out = H.Results(opts.out)
+    if opts.from_json:
+        out.rewrite(report, plot)
+        return
+    data, tok = demo_corpus(opts.cache_dir, opts.vocab, opts.corpus_mb)
     runs = []
     for seed in opts.seeds:
         for name in CONFIGS:  # alternated per seed
-            runs.append(run_one(name, opts, data, tok, seed))
+            runs.append(out.row(f"{name}@{seed}", lambda name=name, seed=seed: run_one(name, opts, data, tok, seed)))
             print(f"seed {seed} {name}: final valid loss {runs[-1]['final_valid_loss']:.4f} "
                   f"skipped {runs[-1]['skipped']} ({runs[-1]['seconds']:.0f} s)", flush=True)
-    md = report(runs, opts)
-    print(md)
-    os.makedirs(os.path.dirname(opts.out) or ".", exist_ok=True)
-    with open(opts.out + ".json", "w") as f:
-        json.dump({"options": vars(opts), "runs": runs}, f, indent=1)
-    with open(opts.out + ".md", "w") as f:
-        f.write(md)
-    plot(runs, opts.out + ".png")
+    out.write({"options": {k: v for k, v in vars(opts).items() if k not in ("from_json", "bench")}, "runs": runs},
+              report, plot, record_machine=False)
 
 
 if __name__ == "__main__":

@@ -17,26 +17,25 @@ the reduce-scatter input FSDP2 keeps in flight for the unit reduced before it (U
 FSDP2 prefetches during this unit's backward (U). The table also gives the measured (peak - state/DP)/U.
 
     python bench/fsdp_memory.py [--quick] [--repeats 3] [--out bench/results/fsdp_memory]
+
+``--quick``: DP = 2, a 2-layer model of hidden 64, one run, the three paths in one set of ranks.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
 
-from megatron_cai.testing.distributed import run_distributed  # noqa: E402
+from megatron_cai.testing.distributed import run_distributed
 
-MODEL = ["--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
+MODEL = ["--squared-relu",
+         "--num-layers", "16", "--hidden-size", "512", "--num-attention-heads", "8", "--seq-length", "16",
          "--max-position-embeddings", "16", "--vocab-size", "2048", "--make-vocab-size-divisible-by", "8",
          "--mock-data", "--micro-batch-size", "1", "--train-iters", "3", "--log-interval", "100",
          "--eval-interval", "0", "--eval-iters", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
-QUICK_MODEL = [{"16": "4", "512": "256"}.get(a, a) for a in MODEL]
+QUICK_MODEL = [{"16": "2", "512": "64", "8": "2"}.get(a, a) for a in MODEL]
 PATHS = {"DDP": [], "distributed optimizer": ["--use-distributed-optimizer"], "FSDP2": ["--use-torch-fsdp2"]}
 
 
@@ -48,7 +47,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_during(fn) -> int:
+def peak_during(fn) -> int:
     """Peak resident bytes above the current ones while fn runs: VmHWM is reset through clear_refs and
     read afterwards. With MALLOC_MMAP_THRESHOLD_ set (main), every tensor above 64 KiB is its own mmap,
     returned to the system when freed, so resident memory follows live tensor bytes."""
@@ -72,16 +71,16 @@ def _largest_unit_bytes(trainer) -> int:
     return max(sizes)
 
 
-def _worker(rank, world, argv):
-    import pretrain_gpt
-    from megatron_cai.core.distributed.memory import memory_report
-    from megatron_cai.training.training import Trainer
+def _one(argv: list[str], world: int) -> dict:
+    from harness.training import build_trainer
 
-    config, tokenizer = pretrain_gpt.build_run(argv, world_size=world)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    from megatron_cai.core.distributed.memory import memory_report
+
+    trainer = build_trainer(argv, world_size=world)
+    config = trainer.config
     trainer.train_step()  # allocates what is allocated lazily: FSDP2's sharded grads, Adam state
     held = memory_report(trainer.model, trainer.optimizer, trainer.device)
-    transient = _peak_during(lambda: (trainer.train_step(), trainer.train_step()))
+    transient = peak_during(lambda: (trainer.train_step(), trainer.train_step()))
     out = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
            "transient": transient, "peak": held.model_state + transient}
     if config.ddp.use_torch_fsdp2:
@@ -89,13 +88,15 @@ def _worker(rank, world, argv):
     return out
 
 
-def _measure(model: list[str], dp: int, name: str, repeats: int) -> dict:
-    """One row: state bytes (max over ranks), peak = median over repeats of the max over ranks, spread =
-    max - min of that over repeats."""
-    peaks, res = [], None
-    for _ in range(repeats):
-        res = run_distributed(_worker, dp, (model + PATHS[name] + ["--global-batch-size", str(dp)],), timeout=1800)
-        peaks.append(max(r["peak"] for r in res))
+def _worker(rank, world, argvs):
+    return [_one(argv, world) for argv in argvs]
+
+
+def _row(name: str, dp: int, runs: list[list[dict]]) -> dict:
+    """One row from its runs (each: every rank's figures): state bytes (max over ranks), peak = median over
+    the runs of the max over ranks, spread = max - min of that over the runs."""
+    peaks = [max(r["peak"] for r in res) for res in runs]
+    res = runs[-1]
     row = {"path": name, "dp": dp, "peaks": peaks, "peak": statistics.median(peaks),
            "peak_spread": max(peaks) - min(peaks)}
     for k in ("params", "grads", "optimizer"):
@@ -105,30 +106,48 @@ def _measure(model: list[str], dp: int, name: str, repeats: int) -> dict:
     return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="4 layers of hidden 256 (3.7 M parameters), one repeat")
-    ap.add_argument("--dp", type=int, nargs="*", default=[1, 2, 4])
-    ap.add_argument("--repeats", type=int, default=3, help="runs per row; the peak is their median")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fsdp_memory"))
-    ap.add_argument("--replot", action="store_true", help="rewrite the table from the saved JSON")
-    a = ap.parse_args()
-    if a.replot:
-        saved = json.load(open(a.out + ".json"))
-        _write(saved["rows"], saved["model"], saved["repeats"], a.out)
+def _argv(model: list[str], dp: int, name: str) -> list[str]:
+    return model + PATHS[name] + ["--global-batch-size", str(dp)]
+
+
+def _measure(model: list[str], dp: int, name: str, repeats: int) -> dict:
+    """One row: ``repeats`` runs, each in ranks of its own (the peak is per process)."""
+    runs = [[r[0] for r in run_distributed(_worker, dp, ([_argv(model, dp, name)],), timeout=1800)]
+            for _ in range(repeats)]
+    return _row(name, dp, runs)
+
+
+def _measure_together(model: list[str], dp: int) -> list[dict]:
+    """``--quick``: every path once, one after another in the same ranks (peaks not comparable)."""
+    res = run_distributed(_worker, dp, ([_argv(model, dp, name) for name in PATHS],), timeout=1800)
+    return [_row(name, dp, [[ranks[i] for ranks in res]]) for i, name in enumerate(PATHS)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = H.parser(__doc__, "fsdp_memory")
+    H.add(ap, dp=[1, 2, 4], repeats=3)
+    a = H.parse(ap, argv, quick=dict(dp=[2], repeats=1))
+    model = QUICK_MODEL if a.quick else MODEL
+    out = H.Results(a.out, {"model": model, "repeats": a.repeats})
+    if a.from_json:
+        out.rewrite(render)
         return
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks (fixed, not adaptive)
-    model = QUICK_MODEL if a.quick else MODEL
-    repeats = 1 if a.quick else a.repeats
     rows = []
     for dp in a.dp:
+        if a.quick:
+            rows += _measure_together(model, dp)
+            continue
         for name in PATHS:
-            rows.append(_measure(model, dp, name, repeats))
+            rows.append(out.row(f"{name}|dp{dp}", lambda dp=dp, name=name: _measure(model, dp, name, a.repeats)))
             print(rows[-1], flush=True)
-    _write(rows, model, repeats, a.out)
+    rows = with_expectations(rows)
+    out.write({"model": model, "repeats": a.repeats, "rows": rows, "summary": summary_line(rows)}, render,
+              record_machine=False)
 
 
-def _write(rows: list[dict], model: list[str], repeats: int, out: str) -> None:
+def with_expectations(rows: list[dict]) -> list[dict]:
+    """FSDP2 rows get (P + G + O) / DP + W from the DDP row of the same DP, and how far their peak is from it."""
     full = {r["dp"]: r for r in rows if r["path"] == "DDP"}
     for r in rows:
         if r["path"] == "FSDP2":
@@ -139,6 +158,20 @@ def _write(rows: list[dict], model: list[str], repeats: int, out: str) -> None:
             r["peak_vs_expected"] = r["peak"] / r["expected_peak"] - 1
             r["state_vs_expected"] = (r["params"] + r["grads"] + r["optimizer"]) / state - 1
             r["above_state_in_units"] = (r["peak"] - state) / r["largest_unit"]
+    return rows
+
+
+def summary_line(rows: list[dict]) -> str:
+    mib = 1 << 20
+    fsdp = [abs(r["peak_vs_expected"]) for r in rows if "peak_vs_expected" in r]
+    unit = next((r["largest_unit"] for r in rows if "largest_unit" in r), 0)
+    return (f"FSDP2 peak within {100 * max(fsdp):.1f}% of (P+G+O)/DP + W, W = 4U = {4 * unit / mib:.1f} MiB "
+            f"(goal: 5%: {'met' if max(fsdp) <= 0.05 else 'NOT met'}).") if fsdp else ""
+
+
+def render(payload: dict) -> str:
+    rows, model, repeats = payload["rows"], payload["model"], payload["repeats"]
+    full = {r["dp"]: r for r in rows if r["path"] == "DDP"}
     mib = 1 << 20
     n_params = full[min(full)]["params"] // 4 if full else 0
     lines = ["| path | DP | params MiB | grads MiB | optimizer MiB | state MiB | peak MiB (median) | peak spread MiB "
@@ -152,35 +185,27 @@ def _write(rows: list[dict], model: list[str], repeats: int, out: str) -> None:
         lines.append(f"| {r['path']} | {r['dp']} | {r['params'] / mib:.1f} | {r['grads'] / mib:.1f} | "
                      f"{r['optimizer'] / mib:.1f} | {state / mib:.1f} | {r['peak'] / mib:.1f} | "
                      f"{r['peak_spread'] / mib:.1f} | {exp} | {dev} | {k} |")
-    fsdp = [abs(r["peak_vs_expected"]) for r in rows if "peak_vs_expected" in r]
     unit = next((r["largest_unit"] for r in rows if "largest_unit" in r), 0)
-    summary = (f"FSDP2 peak within {100 * max(fsdp):.1f}% of (P+G+O)/DP + W, W = 4U = {4 * unit / mib:.1f} MiB "
-               f"(goal: 5%: {'met' if max(fsdp) <= 0.05 else 'NOT met'}).") if fsdp else ""
+    summary = summary_line(rows)
     table = "\n".join(lines)
-    print(table)
-    print(summary)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({"model": model, "repeats": repeats, "rows": rows, "summary": summary}, f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write("# Per-rank memory: DDP, distributed optimizer, FSDP2 (bench/fsdp_memory.py)\n\n"
-                f"Model flags: `{' '.join(model)}` ({n_params / 1e6:.1f} M parameters; U = the largest FSDP unit, "
-                f"one transformer layer, {unit / mib:.2f} MiB of fp32 parameters). Bytes per rank (max over ranks; "
-                "params, grads and optimizer state are deterministic). State: what the memory report counts after "
-                "the first iteration (FSDP2 and Adam allocate lazily). Peak: that state plus the resident bytes "
-                "above it over iterations 2 and 3 (every tensor above 64 KiB its own mmap, so resident memory "
-                f"follows live tensors); median over {repeats} runs, spread = max - min.\n\n"
-                "W, the largest unit's unsharded working set in backward: its all-gathered fp32 parameters (U), "
-                "its unsharded fp32 gradients (U), the reduce-scatter input FSDP2 keeps in flight for the unit "
-                "reduced before it (U; `reduce_scatter_max_input_buffers` = 1) and the all-gather output of the "
-                "unit it prefetches (U): W = 4U. The last column is the measured (peak - (P+G+O)/DP) / U.\n\n"
-                + table + "\n\n" + summary + " W is a model of what FSDP2 keeps, not a fit: the "
-                "last column shows the measured excess, below W at DP = 1 (no collectives) and up to about "
-                "0.9U above it at DP = 4, which this bench does not attribute further.\n\n"
-                "DDP and the distributed optimizer peak about 2P above their state: their AdamW "
-                "(`core/optimizer/optimizer.py`) computes the denominator over its whole owned range at once "
-                "(`exp_avg_sq.sqrt() / ...`: two temporaries of that size) and copies the gradient; FSDP2's "
-                "`torch.optim.AdamW` (foreach=False) goes parameter by parameter.\n")
+    return ("# Per-rank memory: DDP, distributed optimizer, FSDP2 (bench/fsdp_memory.py)\n\n"
+            f"Model flags: `{' '.join(model)}` ({n_params / 1e6:.1f} M parameters; U = the largest FSDP unit, "
+            f"one transformer layer, {unit / mib:.2f} MiB of fp32 parameters). Bytes per rank (max over ranks; "
+            "params, grads and optimizer state are deterministic). State: what the memory report counts after "
+            "the first iteration (FSDP2 and Adam allocate lazily). Peak: that state plus the resident bytes "
+            "above it over iterations 2 and 3 (every tensor above 64 KiB its own mmap, so resident memory "
+            f"follows live tensors); median over {repeats} runs, spread = max - min.\n\n"
+            "W, the largest unit's unsharded working set in backward: its all-gathered fp32 parameters (U), "
+            "its unsharded fp32 gradients (U), the reduce-scatter input FSDP2 keeps in flight for the unit "
+            "reduced before it (U; `reduce_scatter_max_input_buffers` = 1) and the all-gather output of the "
+            "unit it prefetches (U): W = 4U. The last column is the measured (peak - (P+G+O)/DP) / U.\n\n"
+            + table + "\n\n" + summary + " W is a model of what FSDP2 keeps, not a fit: the "
+            "last column shows the measured excess, below W at DP = 1 (no collectives) and up to about "
+            "0.9U above it at DP = 4, which this bench does not attribute further.\n\n"
+            "DDP and the distributed optimizer peak about 2P above their state: their AdamW "
+            "(`core/optimizer/optimizer.py`) computes the denominator over its whole owned range at once "
+            "(`exp_avg_sq.sqrt() / ...`: two temporaries of that size) and copies the gradient; FSDP2's "
+            "`torch.optim.AdamW` (foreach=False) goes parameter by parameter.\n")
 
 
 if __name__ == "__main__":

@@ -15,20 +15,16 @@ rule:
 and reports the fraction of non-zero values that become zero, the fraction clipped (|h| > c) and the
 relative RMSE ||h_q - h|| / ||h||. A second table sweeps alpha for the rms rule on the ReLU^2 output and
 on a Gaussian (post-norm) GEMM input, which is where dynamic_clamp.DEFAULT_ALPHA comes from.
-Writes bench/results/qat_clamp.{json,md}.
+Writes bench/results/qat_clamp.{json,md}; ``--quick``: 256 tokens, hidden 32, ffn 128.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
+import harness as H
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_cai.core.quantization import (  # noqa: E402
+from megatron_cai.core.quantization import (
     DEFAULT_ALPHA,
     compute_clamp,
     default_alpha,
@@ -39,7 +35,6 @@ from megatron_cai.core.quantization import (  # noqa: E402
     quantization_error_stats,
 )
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SCALES = (1.0, 0.1, 0.01)
 FORMATS = ("int8", "fp8_e4m3")
 RULES = (("absmax", "tensor"), ("absmax", "row"), ("static", "tensor"), ("rms", "tensor"), ("rms", "row"),
@@ -148,22 +143,19 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "qat_clamp")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    H.add(p, seed=0)
+    args = H.parse(p, argv, quick=dict(tokens=256, hidden=32, ffn=128))
+    out = H.Results(args.out)
+    if args.from_json:
+        out.rewrite(to_markdown)
+        return
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    res = run(args)
-    md = to_markdown(res)
-    print(md)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "qat_clamp.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(RESULTS, "qat_clamp.md"), "w") as f:
-        f.write(md)
+    out.write(run(args), to_markdown, record_machine=False)
 
 
 if __name__ == "__main__":

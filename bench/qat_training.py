@@ -17,7 +17,8 @@ weights), each in its own process:
 Reports the final validation loss (a fixed set of validation batches) of each, its ratio to bf16,
 and, for the fc2 inputs (the ReLU^2 activations, where the static clamp fails), how the activation's
 RMS drifted from initialisation and what the clamp did at the end (c / RMS, values zeroed, clipped).
-Writes bench/results/qat_training.{json,md,png}.
+Writes bench/results/qat_training.{json,md,png}; ``--quick`` trains every configuration for 4 iterations
+of a toy model, in this process.
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
+from harness import training
+from harness.data import QUICK, demo_corpus
 
-RESULTS = os.path.join(ROOT, "bench", "results")
 CONFIGS = {
     "bf16": [],
     "int8 weight-rms": ["--qat", "int8", "--qat-clamp", "weight-rms"],
@@ -42,26 +43,9 @@ CONFIGS = {
 DYNAMIC = ("int8 weight-rms", "int8 rms", "fp8 weight-rms")
 
 
-def prepare_data(cache: str, vocab: int) -> tuple[str, str]:
-    """Build (once) the demo corpus, its tokenizer and the indexed dataset; return (data prefix, model)."""
-    os.makedirs(cache, exist_ok=True)
-    corpus, tok, prefix = (os.path.join(cache, n) for n in ("corpus.jsonl", "tok", "demo"))
-    steps = [
-        (corpus, ["tools/make_demo_corpus.py", "--output", corpus, "--max-mb", "3"]),
-        (tok + ".model", ["tools/train_tokenizer.py", "--input", corpus, "--vocab-size", str(vocab),
-                          "--model-prefix", tok]),
-        (prefix + "_text_document.idx", ["tools/preprocess_data.py", "--input", corpus, "--tokenizer-type",
-                                         "SentencePieceTokenizer", "--tokenizer-model", tok + ".model",
-                                         "--append-eod", "--output-prefix", prefix, "--no-progress"]),
-    ]
-    for output, cmd in steps:
-        if not os.path.exists(output):
-            subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
-    return prefix + "_text_document", tok + ".model"
-
-
 def training_argv(opts, data: str, tok: str) -> list[str]:
-    return ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
+    return ["--squared-relu",
+            "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden), "--num-attention-heads",
             str(opts.heads), "--seq-length", str(opts.seq), "--max-position-embeddings", str(opts.seq),
             "--micro-batch-size", str(opts.batch), "--global-batch-size", str(opts.batch),
             "--train-iters", str(opts.iters), "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10),
@@ -105,18 +89,14 @@ def _fc2_probe(trainer, record: dict):
 
 
 def run_one(name: str, opts, data: str, tok: str) -> dict:
-    import pretrain_gpt
-    from megatron_cai.training.training import Trainer
-
-    config, tokenizer = pretrain_gpt.build_run(training_argv(opts, data, tok) + CONFIGS[name], world_size=1)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
+    trainer = training.build_trainer(training_argv(opts, data, tok) + CONFIGS[name])
     record = {"on": False, "now": {}}
     has_probe = bool(_fc2_probe(trainer, record))
     valid, probes = [], []
     evaluate = trainer.evaluate
 
     def evaluate_and_record() -> dict:
-        trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)  # the same batches at every evaluation
+        trainer.valid_iter = training.loader(trainer, trainer.valid_ds)  # the same batches at every evaluation
         record["on"], record["now"] = has_probe, {}
         out = evaluate()
         record["on"] = False
@@ -132,7 +112,7 @@ def run_one(name: str, opts, data: str, tok: str) -> dict:
     seconds = time.time() - start
     # Final validation loss on a fixed set of batches (the same for every configuration).
     trainer.config.logging.eval_iters = opts.final_eval_iters
-    trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
+    trainer.valid_iter = training.loader(trainer, trainer.valid_ds)
     final = evaluate()["lm loss"]
     return {"name": name, "final_valid_loss": final, "valid_curve": valid, "fc2_probes": probes,
             "train_loss": [h["lm loss"] for h in state.extra["history"]], "seconds": seconds,
@@ -156,7 +136,8 @@ def _fc2_summary(run: dict) -> dict:
             "clipped_end": mean(last, "clipped"), "rel_rmse_end": mean(last, "rel_rmse")}
 
 
-def report(runs: dict[str, dict], opts) -> str:
+def report(payload: dict) -> str:
+    runs, opts = payload["runs"], argparse.Namespace(**payload["settings"])
     ref = runs["bf16"]["final_valid_loss"] if "bf16" in runs else None
     lines = ["# QAT training: bf16 vs int8 / FP8 fake-quantized GEMMs", "",
              f"`python bench/qat_training.py` — GPT {opts.layers} layers, hidden {opts.hidden}, {opts.heads} heads, "
@@ -185,12 +166,10 @@ def report(runs: dict[str, dict], opts) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
+    runs = payload["runs"]
     colors = dict(zip(CONFIGS, ("black", "tab:blue", "tab:green", "tab:red", "tab:purple")))
     ref = dict(runs["bf16"]["valid_curve"]) if "bf16" in runs else None
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -216,47 +195,31 @@ def plot(runs: dict[str, dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_results(runs: dict[str, dict], opts) -> None:
-    md = report(runs, opts)
-    print(md)
-    os.makedirs(opts.out, exist_ok=True)
-    with open(os.path.join(opts.out, "qat_training.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(opts.out, "qat_training.json"), "w") as f:
-        json.dump({"settings": {k: v for k, v in vars(opts).items() if not k.startswith("_") and k != "replot"},
-                   "runs": runs}, f, indent=1)
-    plot(runs, os.path.join(opts.out, "qat_training.png"))
+def one_process(name: str, opts, argv: list[str]) -> dict:
+    """One configuration in a process of its own (its threads, its memory), through ``--_run``."""
+    path = os.path.join(opts.cache_dir, f"run_{name.replace(' ', '_')}.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--_run", name, "--_json", path],
+                   cwd=H.ROOT, check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--iters", type=int, default=150)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--eval-interval", type=int, default=25)
-    p.add_argument("--eval-iters", type=int, default=4)
-    p.add_argument("--final-eval-iters", type=int, default=16)
+    p = H.parser(__doc__, "qat_training")
+    H.add(p, iters=150, layers=4, hidden=128, heads=4, seq=128, batch=8, lr=2e-3, vocab=2048, corpus_mb=3.0,
+          seed=1234, eval_interval=25, eval_iters=4, final_eval_iters=16)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument("--cache-dir", default="/tmp/megatron_cai_bench/qat_training")
-    p.add_argument("--out", default=RESULTS)
     p.add_argument("--_run", default=None, help=argparse.SUPPRESS)  # internal: one configuration
     p.add_argument("--_json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--replot", action="store_true",
-                   help="rewrite the table and the figure from the saved qat_training.json (no training)")
-    opts = p.parse_args(argv)
-    if opts.replot:
-        with open(os.path.join(opts.out, "qat_training.json")) as f:
-            saved = json.load(f)
-        opts = argparse.Namespace(**{**vars(opts), **saved["settings"], "out": opts.out})
-        write_results(saved["runs"], opts)
+    opts = H.parse(p, argv, quick=dict(iters=4, layers=1, hidden=32, heads=2, seq=32, batch=2, eval_interval=2,
+                                       eval_iters=1, final_eval_iters=1, vocab=QUICK["vocab"],
+                                       corpus_mb=QUICK["corpus_mb"]))
+    settings = {k: v for k, v in vars(opts).items() if not k.startswith("_") and k not in ("from_json", "bench")}
+    out = H.Results(opts.out, settings)
+    if opts.from_json:
+        out.rewrite(report, plot)
         return
-    data, tok = prepare_data(opts.cache_dir, opts.vocab)
+    data, tok = demo_corpus(opts.cache_dir, opts.vocab, opts.corpus_mb)
     if opts._run:
         import torch
 
@@ -264,19 +227,16 @@ def main(argv: list[str] | None = None) -> None:
         with open(opts._json, "w") as f:
             json.dump(run_one(opts._run, opts, data, tok), f)
         return
+    passthrough = list(argv if argv is not None else sys.argv[1:])
     runs = {}
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
     for name in opts.configs:
-        out = os.path.join(opts.cache_dir, f"run_{name.replace(' ', '_')}.json")
         t = time.time()
-        subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, "--_run", name, "--_json", out],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        with open(out) as f:
-            runs[name] = json.load(f)
+        runs[name] = out.row(name, lambda name=name: run_one(name, opts, data, tok) if opts.quick
+                             else one_process(name, opts, passthrough))
         runs[name]["fc2"] = _fc2_summary(runs[name])
         print(f"{name}: final valid loss {runs[name]['final_valid_loss']:.4f} ({time.time() - t:.0f} s)",
               flush=True)
-    write_results(runs, opts)
+    out.write({"settings": settings, "runs": runs}, report, plot, record_machine=False)
 
 
 if __name__ == "__main__":

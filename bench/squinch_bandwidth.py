@@ -20,8 +20,9 @@ Tables, in order:
 
 The machine's load average is printed before and after. When any configuration's repeats spread by
 more than --max-spread (10%) of their median, the results are NOT written (exit code 3): a table whose
-answer flips with the noise is worse than none. --quick is a toy-size smoke run of every part (never
-written to bench/results). Needs root and iproute2 (``ip netns``, ``tc``).
+answer flips with the noise is worse than none. --quick is a toy-size smoke run of the phases and DP = 2
+parts (never written to bench/results); ``--no-netns`` runs every rank on this host's loopback, unshaped
+(no root; CI runs ``--quick --no-netns``). Needs root and iproute2 (``ip netns``, ``tc``).
 
 Every finished configuration row is kept in ``bench/results/squinch_bandwidth_rows_<run-id>.json``
 (committed: keyed by part, size, rate and overlap), so a run interrupted or split over several quiet
@@ -33,173 +34,44 @@ ratio's change and exits 4 when one moved by more than --max-drift (5%).
     python bench/squinch_bandwidth.py            # hours on a quiet 2-core machine (~3 h; 4 Mbit/s dominates)
     python bench/squinch_bandwidth.py --run-id 2 --out bench/results/squinch_bandwidth_run2 \
         --compare bench/results/squinch_bandwidth.json
-    python bench/squinch_bandwidth.py --quick    # a few minutes; writes bench/.cache/squinch_bandwidth_quick.*
+    python bench/squinch_bandwidth.py --quick    # a toy model over the veth link; writes bench/.cache/quick/
+    python bench/squinch_bandwidth.py --quick --no-netns   # seconds, no root: the loopback, unshaped
+    python bench/squinch_bandwidth.py --from-cache --out DIR/partial   # the report of the rows so far
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
-          "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters", "0", "--lr", "1e-3",
-          "--vocab-size", "2000", "--seq-length", "128", "--log-interval", "1",
-          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+import harness as H
+from harness.results import dump_json
+from harness.shaped_link import (  # the link, the runs over it and their row cache
+    RowCache,
+    alternate,
+    drift_lines,
+    load,
+    paired_ratio,
+    run_job,
+    setup_link,
+    summary,
+    teardown_link,
+    use_namespaces,
+)
+from harness.shaped_link import link_name as _link_name
+from harness.shaped_link import rate_key as _rate_key
+
+ROOT = H.ROOT
 SIZES = {  # small: the model of the committed table (~0.66M gradient elements); large: ~10x
-    "small": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
-    "large": ["--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
-    "toy": ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
+    "small": ["--squared-relu", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4"],
+    "large": ["--squared-relu", "--num-layers", "3", "--hidden-size", "384", "--num-attention-heads", "6"],
+    "toy": ["--squared-relu", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2"],
 }
 REDUCERS = {"bf16": ["--grad-reduce-in-bf16"], "squinch": ["--squinch"]}
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "100000"]
-NS = (("mcaiA", "mcaiA0", "10.211.0.1"), ("mcaiB", "mcaiB0", "10.211.0.2"))
-STEP_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
-BYTES_RE = re.compile(r"grad comm bytes: ([0-9]+)")
-PHASE_RE = re.compile(r"^    ([a-z -]+?) \.+: ([0-9.]+)$", re.M)
-
-
-def load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} CPUs"
-
-
-# ----------------------------------------------------------------------------------------- the link
-def _sh(cmd: str) -> None:
-    r = subprocess.run(cmd, shell=True, capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"`{cmd}` failed: {r.stderr.strip()}")
-
-
-def teardown_link() -> None:
-    for ns, _, _ in NS:
-        subprocess.run(f"ip netns del {ns}", shell=True, capture_output=True)
-
-
-def setup_link(rate_mbit: float | None) -> None:
-    """Two namespaces joined by a veth pair; shaped to rate_mbit both ways (None: unshaped)."""
-    teardown_link()
-    (a, da, ipa), (b, db, ipb) = NS
-    for c in (f"ip netns add {a}", f"ip netns add {b}", f"ip link add {da} type veth peer name {db}",
-              f"ip link set {da} netns {a}", f"ip link set {db} netns {b}",
-              f"ip -n {a} addr add {ipa}/24 dev {da}", f"ip -n {b} addr add {ipb}/24 dev {db}",
-              f"ip -n {a} link set {da} up", f"ip -n {b} link set {db} up",
-              f"ip -n {a} link set lo up", f"ip -n {b} link set lo up"):
-        _sh(c)
-    if rate_mbit is not None:
-        for ns, dev, _ in NS:
-            _sh(f"ip netns exec {ns} tc qdisc add dev {dev} root tbf rate {rate_mbit}mbit burst 64kb latency 2000ms")
-
-
-class _Ports:
-    def __init__(self) -> None:
-        self.port = 29800
-
-    def next(self) -> int:
-        self.port += 1
-        return self.port
-
-
-PORTS = _Ports()
-
-
-def run_job(flags: list[str], per_ns: int, steps: int, warmup: int, extra_env: dict | None = None) -> dict:
-    """One pretrain_gpt run, `per_ns` ranks in each namespace. Returns the median steady step time (s),
-    the per-iteration times, the gradient bytes per step and the parsed phase lines (if any)."""
-    world, port, procs = 2 * per_ns, PORTS.next(), []
-    for rank in range(world):
-        ns, dev, _ = NS[rank // per_ns]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2], "MASTER_PORT": str(port),
-                    "GLOO_SOCKET_IFNAME": dev, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **(extra_env or {})})
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "pretrain_gpt.py", *COMMON, *flags,
-               "--train-iters", str(warmup + steps)]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    outs = [p.communicate(timeout=3600)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        bad = next(i for i, p in enumerate(procs) if p.returncode)
-        raise RuntimeError(f"rank {bad} of {' '.join(flags)} failed:\n{outs[bad][-3000:]}")
-    log = outs[-1]
-    ms = [float(x) for x in STEP_RE.findall(log)][warmup:]
-    if len(ms) < steps:
-        raise RuntimeError(f"expected {steps} steady iterations, parsed {len(ms)}:\n{log[-2000:]}")
-    phases: dict[str, list[float]] = {}
-    for block in log.split("gradient reduction phases")[1 + warmup:]:
-        for name, v in PHASE_RE.findall(block.split("\n iteration")[0]):
-            phases.setdefault(name, []).append(float(v))
-    nbytes = [int(x) for x in BYTES_RE.findall(log)]
-    return {"step_s": statistics.median(ms) / 1000.0, "steps_ms": ms, "bytes": nbytes[-1] if nbytes else 0,
-            "phases_ms": {k: statistics.median(v) for k, v in phases.items()}}
-
-
-WAIT_ENV = {"MEGATRON_CAI_SQUINCH_EARLY_STAGES": "0"}  # "before": later stages only in wait()
-
-
-def alternate(configs: dict[str, list[str]], per_ns: int, opts) -> dict:
-    """Run every configuration opts.repeats times, alternating between them; summarise each.
-    A label ending in "_wait" runs with the reducer's early stages switched off."""
-    runs: dict[str, list[dict]] = {k: [] for k in configs}
-    for _ in range(opts.repeats):
-        for label, flags in configs.items():
-            env = WAIT_ENV if label.endswith("_wait") else None
-            runs[label].append(run_job(flags, per_ns, opts.steps, opts.warmup, env))
-    return {label: _summary(rs) for label, rs in runs.items()}
-
-
-def _summary(rs: list[dict]) -> dict:
-    t = [r["step_s"] for r in rs]
-    med = statistics.median(t)
-    return {"median_s": med, "min_s": min(t), "max_s": max(t), "spread": (max(t) - min(t)) / med, "runs_s": t,
-            "bytes": rs[-1]["bytes"], "phases_ms": rs[len(rs) // 2]["phases_ms"]}
-
-
-def paired_ratio(res: dict, num: str, den: str) -> dict:
-    pairs = [a / b for a, b in zip(res[num]["runs_s"], res[den]["runs_s"])]
-    return {"ratio": res[num]["median_s"] / res[den]["median_s"], "min": min(pairs), "max": max(pairs)}
-
-
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # what a row's measurement depends on beyond its key
-
-
-class RowCache:
-    """Finished configuration rows of one run id, on disk, so that a long run can resume.
-
-    A row's key names its part, model size, link rate and overlap; its bf16 and Squinch runs alternate
-    within the row, so rows measured in different quiet windows (or with other --rates/--sizes subsets)
-    combine into one run. Rows measured with other ``ROW_SETTINGS`` are not reused."""
-
-    def __init__(self, path: str, settings: dict, fresh: bool) -> None:
-        self.path, self.settings = path, json.dumps(settings, sort_keys=True)
-        self.rows: dict = {}
-        if os.path.exists(path) and not fresh:
-            with open(path) as f:
-                saved = json.load(f)
-            if saved.get("settings") == self.settings:
-                self.rows = saved["rows"]
-                print(f"resuming: {len(self.rows)} finished row(s) from {path}", flush=True)
-
-    def get(self, key: str, compute):
-        if key not in self.rows:
-            self.rows[key] = compute()
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            with open(self.path + ".tmp", "w") as f:
-                json.dump({"settings": self.settings, "rows": self.rows}, f)
-            os.replace(self.path + ".tmp", self.path)
-        return self.rows[key]
-
-
+SETTINGS = ("rates", "dp4_rates", "sizes", "repeats", "steps", "warmup", "max_spread", "parts", "quick", "from_cache")
 ROWS: RowCache | None = None
-
-
-def _rate_key(rate: float | None) -> str:
-    return "unshaped" if rate is None else f"{rate:g}"  # 1000 and 1000.0 (from the command line) alike
 
 
 def cached(key: str, compute):
@@ -209,8 +81,8 @@ def cached(key: str, compute):
 # ---------------------------------------------------------------------------------------- the parts
 def phase_breakdown(opts, size: str) -> list[dict]:
     rows = []
-    for rate in (None, min(opts.rates)):
-        for ov in (False, True):
+    for rate in [None] + ([min(opts.rates)] if opts.rates else []):
+        for ov in opts.overlaps:
             flags = SIZES[size] + REDUCERS["squinch"] + (OVERLAP if ov else []) + ["--timing-log-level", "1"]
 
             def measure(flags=flags, rate=rate, ov=ov):
@@ -226,7 +98,7 @@ def dp2_table(opts) -> list[dict]:
     rows = []
     for size in opts.sizes:
         for rate in [None] + sorted(opts.rates, reverse=True):
-            for ov in (False, True):
+            for ov in opts.overlaps:
                 def measure(size=size, rate=rate, ov=ov):
                     setup_link(rate)
                     cfg = {k: SIZES[size] + v + (OVERLAP if ov else []) for k, v in REDUCERS.items()}
@@ -258,7 +130,7 @@ def quarter_row(opts, dp2: list[dict]) -> list[dict]:
                     setup_link(rate)
                     runs[label].append(run_job(SIZES[size] + REDUCERS[label] + OVERLAP, 1, opts.steps,
                                                opts.warmup))
-            res = {label: _summary(rs) for label, rs in runs.items()}
+            res = {label: summary(rs) for label, rs in runs.items()}
             return {"size": size, "B_mbit": b_mbit, "bf16_bytes": nbytes, "compute_s": compute_s, **res,
                     "squinch/bf16": paired_ratio(res, "squinch", "bf16")}
         row = cached(f"quarter|{size}|{b_mbit:.6g}", measure)
@@ -302,10 +174,6 @@ def rows_from_cache(rows: dict, sizes: list[str]) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ report
-def _link_name(rate) -> str:
-    return "unshaped veth" if rate is None else f"{rate:g} Mbit/s"
-
-
 def _cell(r: dict) -> str:
     return f"{1000 * r['median_s']:.1f} [{1000 * r['min_s']:.1f}-{1000 * r['max_s']:.1f}]"
 
@@ -380,28 +248,26 @@ def ratios(res: dict) -> dict[str, float]:
 
 def compare(first: dict, second: dict, limit: float) -> list[str]:
     """Lines comparing two runs' ratios; the ones that moved by more than ``limit`` start with 'DRIFT'."""
-    a, b, lines = ratios(first), ratios(second), []
-    for name in sorted(set(a) & set(b)):
-        drift = abs(b[name] / a[name] - 1)
-        lines.append(f"{'DRIFT' if drift > limit else 'ok'} {name}: {a[name]:.3f} -> {b[name]:.3f} "
-                     f"({100 * drift:.1f}%)")
-    for name in sorted(set(a) ^ set(b)):
-        lines.append(f"DRIFT {name}: in one run only")
-    return lines
+    return drift_lines(ratios(first), ratios(second), limit)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _quick(opts) -> None:
+    opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [], ["toy"], 2, 1, 1
+    opts.parts, opts.overlaps = ["phases", "dp2"], (False,)
+    opts.run_id = f"quick{opts.run_id}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_bandwidth", from_json=False)  # its --from-cache reports from the rows
     p.add_argument("--rates", type=float, nargs="*", default=[1000, 256, 64, 16, 4], help="DP = 2 links, Mbit/s")
     p.add_argument("--dp4-rates", type=float, nargs="*", default=[16, 64, 256])
     p.add_argument("--sizes", nargs="*", default=["small", "large"], choices=list(SIZES))
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20)
+    H.add(p, repeats=3, steps=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-spread", type=float, default=0.10)
     p.add_argument("--parts", nargs="*", default=["phases", "dp2", "quarter", "dp4"],
                    choices=["phases", "dp2", "quarter", "dp4"], help="a subset never writes bench/results")
-    p.add_argument("--quick", action="store_true", help="toy model, 2 links, 6 steps: checks the bench itself")
+    p.add_argument("--no-netns", action="store_true", help="every rank on this host's loopback, no shaping")
     p.add_argument("--run-id", default="1", help="finished rows are cached per run id (resume after a stop)")
     p.add_argument("--fresh", action="store_true", help="discard this run id's cached rows")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
@@ -409,33 +275,29 @@ def main() -> None:
     p.add_argument("--from-cache", action="store_true",
                    help="measure nothing: report this run id's finished rows (a run still in progress); "
                         "written to bench/results/squinch_bandwidth_partial unless --out")
-    p.add_argument("--out", default=None, help="default bench/results/squinch_bandwidth "
-                                                "(--quick: bench/.cache/squinch_bandwidth_quick)")
-    opts = p.parse_args()
-    out_given = opts.out
-    if opts.quick:
-        opts.rates, opts.dp4_rates, opts.sizes, opts.steps, opts.warmup, opts.repeats = [16], [16], ["toy"], 6, 2, 2
-        opts.out = opts.out or os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_quick")
-        opts.run_id = f"quick{opts.run_id}"
-    elif opts.repeats < 3 or opts.steps < 20:
+    p.set_defaults(overlaps=(False, True))
+    out_default = p.get_default("out")
+    opts = H.parse(p, argv, quick=_quick)
+    if not opts.quick and (opts.repeats < 3 or opts.steps < 20):
         p.error("a measurement needs --repeats >= 3 and --steps >= 20 (use --quick for a smoke run)")
-    opts.out = opts.out or os.path.join(ROOT, "bench", "results", "squinch_bandwidth")
-    res = {"load_before": load(), "settings": {k: v for k, v in vars(opts).items()
-                                               if k not in ("out", "run_id", "fresh", "compare", "max_drift")}}
     global ROWS
-    rows_dir = os.path.join(ROOT, "bench", ".cache" if opts.quick else "results")
+    use_namespaces(not opts.no_netns)
+    if opts.no_netns:  # nothing to shape
+        opts.rates, opts.dp4_rates = [], []
+    res = {"load_before": load(), "settings": {k: getattr(opts, k) for k in SETTINGS}}
+    rows_dir = os.path.dirname(os.path.abspath(opts.out)) if opts.quick else H.RESULTS
     ROWS = RowCache(os.path.join(rows_dir, f"squinch_bandwidth_rows_{opts.run_id}.json"),
                     {k: getattr(opts, k) for k in ROW_SETTINGS}, opts.fresh)
     print(res["load_before"], flush=True)
     full = set(opts.parts) == {"phases", "dp2", "quarter", "dp4"}
-    if not full and opts.out == os.path.join(ROOT, "bench", "results", "squinch_bandwidth"):
-        opts.out = os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_partial")
+    if not full and opts.out == out_default:
+        opts.out = os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")
     res.update({"phases": [], "dp2": [], "quarter": [], "dp4": []})
     if opts.from_cache:  # a report of the rows finished so far; never the committed full table
         res.update(rows_from_cache(ROWS.rows, list(SIZES)))
         res["load_before"] = "not recorded per row (--from-cache; each row was measured on a quiet machine)"
-        if out_given is None:
-            opts.out = os.path.join(ROOT, "bench", "results", "squinch_bandwidth_partial")
+        if opts.out in (out_default, os.path.join(H.BENCH, ".cache", "squinch_bandwidth_partial")):
+            opts.out = os.path.join(H.RESULTS, "squinch_bandwidth_partial")
     else:
         try:
             if "phases" in opts.parts:
@@ -449,9 +311,7 @@ def main() -> None:
         finally:
             teardown_link()
     res["load_after"] = res["load_before"] if opts.from_cache else load()
-    os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_last_raw.json"), "w") as f:
-        json.dump(res, f, indent=1)  # raw measurements, whatever happens next
+    dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_last_raw.json"), res)  # whatever happens next
     lines = report(res, opts)
     print("\n".join(lines))
     noisy = too_noisy(res, opts.max_spread)
@@ -462,23 +322,19 @@ def main() -> None:
     elif noisy:
         print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than "
               f"{100 * opts.max_spread:.0f}% over their repeats:\n  " + "\n  ".join(noisy), flush=True)
-        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
-        with open(os.path.join(ROOT, "bench", ".cache", "squinch_bandwidth_refused.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        dump_json(os.path.join(H.BENCH, ".cache", "squinch_bandwidth_refused.json"), res)
         sys.exit(3)
-    drift_lines: list[str] = []
+    drifts: list[str] = []
     if opts.compare:
         with open(opts.compare) as f:
-            drift_lines = compare(json.load(f), res, opts.max_drift)
+            drifts = compare(json.load(f), res, opts.max_drift)
         lines += ["", f"## Against {os.path.relpath(opts.compare, ROOT)} (a ratio may move by at most "
-                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drift_lines]]
-        print("\n".join(drift_lines), flush=True)
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+                  f"{100 * opts.max_drift:.0f}%)", "", *[f"- {x}" for x in drifts]]
+        print("\n".join(drifts), flush=True)
+    dump_json(opts.out + ".json", res)
     with open(opts.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    if any(x.startswith("DRIFT") for x in drift_lines):
+    if any(x.startswith("DRIFT") for x in drifts):
         sys.exit(4)
 
 

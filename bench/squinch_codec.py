@@ -16,25 +16,19 @@ Writes bench/results/squinch_codec.{json,md,png}. Sections:
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import math
 import os
 import platform
-import sys
 import time
 
+import harness as H
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from megatron_cai.core import squinch
+from megatron_cai.core.squinch import cpu_kernels
 
-from megatron_cai.core import squinch  # noqa: E402
-from megatron_cai.core.squinch import cpu_kernels  # noqa: E402
-
-RESULTS = os.path.join(ROOT, "bench", "results")
+ROOT = H.ROOT
 
 
 # ---- formats compared ----------------------------------------------------------------------------------
@@ -108,7 +102,8 @@ def _demo_corpus_bytes(max_bytes: int) -> bytes:
 
 
 def capture_real_gradients(steps: int = 10, capture_at: tuple[int, ...] = (1, 10), seed: int = 0,
-                           micro_batch: int = 8, seq_length: int = 256) -> dict[str, torch.Tensor]:
+                           micro_batch: int = 8, seq_length: int = 256, layers: int = 4,
+                           hidden: int = 256) -> dict[str, torch.Tensor]:
     """Train this repo's GPT model (4 layers, hidden 256, byte-level tokens of the demo corpus) with AdamW
     for `steps` steps on CPU and return the flat fp32 gradient (all parameters, bucket order) at the
     steps in `capture_at` (1-based), keyed "GPT grads, step k"."""
@@ -125,8 +120,9 @@ def capture_real_gradients(steps: int = 10, capture_at: tuple[int, ...] = (1, 10
     if not was_init:
         ps.initialize_model_parallel()
     try:
-        cfg = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=256,
-                        padded_vocab_size=256, seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0)
+        cfg = GPTConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=256,
+                        padded_vocab_size=256, seq_length=seq_length, hidden_dropout=0.0, attention_dropout=0.0,
+                        activation="relu2")
         model = GPTModel(cfg)
         model.initialize(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -325,14 +321,14 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
+def render(res: dict) -> str:
+    """The report, with the figure that ``plot`` draws."""
+    return markdown(res) + "\n![relative error by magnitude decile](squinch_codec.png)\n"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     datasets = list(res["errors"])
     rows = -(-len(datasets) // 3)
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3.6 * rows), sharey=True, squeeze=False)
@@ -350,20 +346,21 @@ def plot(res: dict, path: str) -> bool:
     axes[len(datasets) - 1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return True
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = H.parser(__doc__, "squinch_codec")
     ap.add_argument("--numel", type=int, default=800_000, help="elements per synthetic error dataset")
     ap.add_argument("--grad-steps", type=int, default=10, help="training steps before the last capture")
     ap.add_argument("--throughput-numel", type=int, default=1 << 24)
-    ap.add_argument("--rounds", type=int, default=30)
+    H.add(ap, rounds=30)
     ap.add_argument("--gpu-numel", type=int, default=1 << 27)
-    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    args = ap.parse_args()
-    if args.quick:
-        args.numel, args.grad_steps, args.throughput_numel, args.rounds = 80_000, 2, 1 << 20, 3
+    args = H.parse(ap, argv, quick=dict(numel=20_000, grad_steps=2, throughput_numel=1 << 16, rounds=2,
+                                        gpu_numel=1 << 20))
+    out = H.Results(args.out)
+    if args.from_json:
+        out.rewrite(render, plot)
+        return
     res = {"host": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "loadavg": [round(v, 2) for v in os.getloadavg()],
            "cpu_fast_path": cpu_kernels.available()}
@@ -372,10 +369,12 @@ def main() -> None:
     datasets = synthetic(args.numel)
     try:
         print("capturing real gradients ...", flush=True)
-        datasets.update(capture_real_gradients(steps=args.grad_steps, capture_at=(1, args.grad_steps)))
-        res["real_gradients_note"] = (f"GPT (4 layers, hidden 256, byte tokens of the demo corpus), AdamW lr 1e-3, "
-                                      f"micro-batch 8 x 256; all parameters' gradients, flat, at steps 1 and "
-                                      f"{args.grad_steps}.")
+        size = dict(layers=1, hidden=32, micro_batch=2, seq_length=32) if args.quick else {}
+        datasets.update(capture_real_gradients(steps=args.grad_steps, capture_at=(1, args.grad_steps), **size))
+        res["real_gradients_note"] = (f"GPT ({size.get('layers', 4)} layers, hidden {size.get('hidden', 256)}, byte "
+                                      "tokens of the demo corpus), AdamW lr 1e-3, micro-batch "
+                                      f"{size.get('micro_batch', 8)} x {size.get('seq_length', 256)}; all parameters' "
+                                      f"gradients, flat, at steps 1 and {args.grad_steps}.")
     except Exception as e:  # the model package may be absent or changing
         res["real_gradients_note"] = f"skipped ({type(e).__name__}: {e})"
         print(f"NOTE: real-gradient rows skipped: {e}", flush=True)
@@ -385,17 +384,9 @@ def main() -> None:
         res["errors"][data] = {name: error_stats(x, fn(x)) for name, (_, fn) in FORMATS.items()}
     print("measuring CPU throughput ...", flush=True)
     res["cpu_throughput"] = cpu_throughput(args.throughput_numel, args.rounds)
-    res["cpu_kernel_cost"] = cpu_kernel_cost(calls=30 if args.quick else 300)
+    res["cpu_kernel_cost"] = cpu_kernel_cost(n=1 << 12, calls=3) if args.quick else cpu_kernel_cost()
     res["gpu_throughput"] = gpu_throughput(args.gpu_numel)
-    os.makedirs(RESULTS, exist_ok=True)
-    md = markdown(res)
-    if plot(res, os.path.join(RESULTS, "squinch_codec.png")):
-        md += "\n![relative error by magnitude decile](squinch_codec.png)\n"
-    with open(os.path.join(RESULTS, "squinch_codec.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    with open(os.path.join(RESULTS, "squinch_codec.md"), "w") as f:
-        f.write(md)
-    print(md)
+    out.write(res, render, plot, record_machine=False)  # res["loadavg"]: the load at the start
 
 
 if __name__ == "__main__":

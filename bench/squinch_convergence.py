@@ -13,11 +13,11 @@ The validation set is fixed: the same --eval-iters x global-batch held-out seque
 fixed shuffle seed, whatever --seeds says) at every evaluation of every run. The report gives, per
 seed, the paired gap of each variant's final validation loss to bf16 at that seed, then the mean and
 standard deviation of the paired gap over seeds, and bf16's own seed-to-seed spread. Finished runs
-(in ``<out>.partial.json``, else in ``<out>.json`` when it has the same --iters) are reused, not rerun;
-each new run records when it ran, and the report lists the dates when they differ.
+(in ``<out>.rows.json`` as each one finishes, else in ``<out>.json`` when it has the same --iters) are
+reused, not rerun; each new run records when it ran, and the report lists the dates when they differ.
 
     python bench/squinch_convergence.py --seeds 1 2 3 --iters 400   # results/squinch_convergence.*
-    python bench/squinch_convergence.py --quick                       # a 20-iteration smoke run
+    python bench/squinch_convergence.py --quick     # 2 iterations of a toy model, every variant in one set of ranks
 """
 from __future__ import annotations
 
@@ -25,18 +25,20 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+import harness as H
+from harness.data import QUICK, demo_corpus
 
-from _demo_data import ensure_demo_data  # noqa: E402
-
-from megatron_cai.testing.distributed import run_distributed  # noqa: E402
+from megatron_cai.testing.distributed import run_distributed
 
 VALIDATION_SEED = 4242  # shuffle seed of the fixed validation set, independent of the training seed
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+         "--micro-batch-size", "4", "--global-batch-size", "16"]
+QUICK_MODEL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+               "--micro-batch-size", "4", "--global-batch-size", "16"]
+DEFAULT_VARIANTS = ["bf16", "squinch+EF", "squinch no-EF", "squinch hierarchical+EF", "fsdp2 squinch+EF",
+                    "fsdp2 HSDP squinch+EF"]
 VARIANTS = {
     "fp32": [],
     "bf16": ["--grad-reduce-in-bf16"],
@@ -62,18 +64,17 @@ def _fixed_validation_provider(provider, eval_samples: int):
     return build
 
 
-def _worker(rank, world, argv, eval_samples):
-    import pretrain_gpt
-    from megatron_cai.training.training import Trainer
+def _train(argv: list[str], world: int, eval_samples: int) -> dict:
+    from harness import training
 
-    config, tokenizer = pretrain_gpt.build_run(argv, world_size=world)
-    trainer = Trainer(config, _fixed_validation_provider(pretrain_gpt.train_valid_test_datasets_provider,
-                                                         eval_samples),
-                      pretrain_gpt.forward_step, tokenizer)
+    import pretrain_gpt
+
+    trainer = training.build_trainer(argv, world, _fixed_validation_provider(
+        pretrain_gpt.train_valid_test_datasets_provider, eval_samples))
     evaluate = trainer.evaluate
 
     def evaluate_from_start():  # the same sequences at every evaluation
-        trainer.valid_iter = trainer._loader(trainer.valid_ds, 0)
+        trainer.valid_iter = training.loader(trainer, trainer.valid_ds)
         return evaluate()
 
     trainer.evaluate = evaluate_from_start
@@ -84,6 +85,10 @@ def _worker(rank, world, argv, eval_samples):
     return {"train": [h["lm loss"] for h in state.extra["history"] if "lm loss" in h],
             "validation": state.extra.get("validation", []), "seconds": time.time() - t0,
             "bytes_per_iter": state.extra["history"][-1]["grad comm bytes"], "inter_node_bytes_per_iter": inter}
+
+
+def _worker(rank, world, argvs, eval_samples):
+    return [_train(argv, world, eval_samples) for argv in argvs]
 
 
 def _final(results: dict, name: str, seed: int) -> float | None:
@@ -194,71 +199,83 @@ def _plot(results: dict, variants: list[str], seeds: list[int], out: str) -> Non
     fig.savefig(out + ".png", dpi=110)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=400)
-    p.add_argument("--eval-interval", type=int, default=50)
+def render(payload: dict) -> str:
+    """The report of a results file. Files written before the payload named its variants ran the defaults."""
+    variants = payload.get("variants", DEFAULT_VARIANTS)
+    opts = argparse.Namespace(iters=payload["iters"], eval_iters=payload["validation_sequences"] // 16)
+    lines = _summary(payload["runs"], variants, payload["seeds"], opts)
+    return "\n".join(lines) + f"\n\n![validation loss]({payload.get('name', 'squinch_convergence')}.png)\n"
+
+
+def plot(payload: dict, path: str) -> None:
+    _plot(payload["runs"], payload.get("variants", DEFAULT_VARIANTS), payload["seeds"], path[: -len(".png")])
+
+
+def _quick(o: argparse.Namespace) -> None:
+    o.iters, o.eval_interval, o.eval_iters, o.seeds = 2, 2, 4, o.seeds[:1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_convergence")
+    H.add(p, iters=400, eval_interval=50, seeds=[1, 2, 3])
     p.add_argument("--eval-iters", type=int, default=8, help="validation set = eval-iters x 16 sequences (>= 4)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    p.add_argument("--variants", nargs="*", default=["bf16", "squinch+EF", "squinch no-EF",
-                                                     "squinch hierarchical+EF", "fsdp2 squinch+EF",
-                                                     "fsdp2 HSDP squinch+EF"],
-                   choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--runs", nargs="*", default=None, metavar="VARIANT@SEED",
                    help="run only these, in this order (e.g. to split the work over two processes with "
-                        "different --out, then merge their .partial.json files)")
-    p.add_argument("--quick", action="store_true", help="20 iterations, one seed: a smoke run")
-    p.add_argument("--replot", action="store_true", help="redraw table and figure from the saved JSON")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "squinch_convergence"))
-    opts = p.parse_args()
+                        "different --out, then merge their rows files)")
+    opts = H.parse(p, argv, quick=_quick)
     if opts.eval_iters < 4:
         p.error("--eval-iters must be >= 4 (a validation set of at least 64 sequences)")
-    if opts.quick:
-        opts.iters, opts.eval_interval, opts.seeds, opts.eval_iters = 20, 10, opts.seeds[:1], 4
     if "bf16" not in opts.variants:
         opts.variants = ["bf16"] + opts.variants
-    partial = opts.out + ".partial.json"
-    results = json.load(open(partial)) if os.path.exists(partial) else {}
-    if not results and os.path.exists(opts.out + ".json"):  # reuse finished runs of the same length
-        previous = json.load(open(opts.out + ".json"))
+    model = QUICK_MODEL if opts.quick else MODEL
+    out = H.Results(opts.out, {"iters": opts.iters, "eval_interval": opts.eval_interval,
+                               "eval_iters": opts.eval_iters, "model": model})
+    if opts.from_json:
+        out.rewrite(render, plot)
+        return
+    results = {}
+    if os.path.exists(opts.out + ".json"):  # reuse finished runs of the same length
+        with open(opts.out + ".json") as f:
+            previous = json.load(f)
         if previous.get("iters") == opts.iters:
             results = previous["runs"]
-    if opts.replot:
-        results = json.load(open(opts.out + ".json"))["runs"]
-    else:
-        data, tok = ensure_demo_data()
-        order = [(n, s) for s in opts.seeds for n in opts.variants]  # seed-major: complete paired gaps first
-        if opts.runs is not None:
-            order = [(k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])) for k in opts.runs]
-        for name, seed in order:
-            key = f"{name}@{seed}"
-            if key in results and results[key].get("iters") == opts.iters:
-                continue
-            base = ["--data-path", data, "--tokenizer-model", tok, "--num-layers", "2", "--hidden-size", "128",
-                    "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4",
-                    "--global-batch-size", "16", "--train-iters", str(opts.iters), "--lr", "2e-3",
-                    "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
-                    "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
-                    "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
-                    "--eval-iters", str(opts.eval_iters), "--seed", str(seed),
-                    "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
-            print(f"== {key}", flush=True)
-            r = run_distributed(_worker, 4, (base + VARIANTS[name], opts.eval_iters * 16),
-                                env={"OMP_NUM_THREADS": "1"}, timeout=6 * 3600)[-1]
-            r["iters"] = opts.iters
-            r["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-            results[key] = r
-            json.dump(results, open(partial, "w"))
-            print(f"   final validation loss {r['validation'][-1]['lm loss']:.5f} in {r['seconds']:.0f} s",
-                  flush=True)
-    lines = _summary(results, opts.variants, opts.seeds, opts)
-    with open(opts.out + ".json", "w") as f:
-        json.dump({"iters": opts.iters, "seeds": opts.seeds, "validation_sequences": opts.eval_iters * 16,
-                   "validation_seed": VALIDATION_SEED, "runs": results}, f, indent=1)
-    with open(opts.out + ".md", "w") as f:
-        f.write("\n".join(lines) + f"\n\n![validation loss]({os.path.basename(opts.out)}.png)\n")
-    _plot(results, opts.variants, opts.seeds, opts.out)
-    print("\n".join(lines))
+    size = dict(vocab=QUICK["vocab"], max_mb=QUICK["corpus_mb"]) if opts.quick else {}
+    data, tok = demo_corpus(opts.cache_dir, **size)
+    order = [(n, s) for s in opts.seeds for n in opts.variants]  # seed-major: complete paired gaps first
+    if opts.runs is not None:
+        order = [(k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])) for k in opts.runs]
+    order = [(n, s) for n, s in order if results.get(f"{n}@{s}", {}).get("iters") != opts.iters]
+
+    def argv_of(name: str, seed: int) -> list[str]:
+        return ["--data-path", data, "--tokenizer-model", tok, *model, "--train-iters", str(opts.iters),
+                "--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", str(max(opts.iters // 50, 1)),
+                "--weight-decay", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--log-interval", "1000000", "--eval-interval", str(opts.eval_interval),
+                "--eval-iters", str(opts.eval_iters), "--seed", str(seed),
+                "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
+                "--squared-relu", *VARIANTS[name]]
+
+    def run(pairs: list[tuple[str, int]]) -> list[dict]:
+        argvs = [argv_of(n, s) for n, s in pairs]
+        runs = run_distributed(_worker, 4, (argvs, opts.eval_iters * 16), env={"OMP_NUM_THREADS": "1"},
+                               timeout=6 * 3600)[-1]
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        return [{**r, "iters": opts.iters, "run_at": stamp} for r in runs]
+
+    if opts.quick and order:  # every variant in one set of ranks
+        results.update({f"{n}@{s}": r for (n, s), r in zip(order, run(order))})
+    for name, seed in order:
+        key = f"{name}@{seed}"
+        if key in results:
+            continue
+        print(f"== {key}", flush=True)
+        results[key] = out.row(key, lambda name=name, seed=seed: run([(name, seed)])[0])
+        print(f"   final validation loss {results[key]['validation'][-1]['lm loss']:.5f} in "
+              f"{results[key]['seconds']:.0f} s", flush=True)
+    out.write({"iters": opts.iters, "seeds": opts.seeds, "validation_sequences": opts.eval_iters * 16,
+               "validation_seed": VALIDATION_SEED, "variants": opts.variants,
+               "name": os.path.basename(opts.out), "runs": results}, render, plot, record_machine=False)
 
 
 if __name__ == "__main__":

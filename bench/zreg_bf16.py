@@ -25,12 +25,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _evidence as E  # noqa: E402
+import harness as H
+from harness import training as T
+from harness.data import QUICK, demo_corpus
+from harness.runcache import RunCache, settings_key
 
 BASELINE = "bf16 Z-Reg off"
 
@@ -51,7 +51,7 @@ class QKVCapture:
         from megatron_cai.core.transformer.self_attention import SelfAttention
 
         self.on, self.items = False, []
-        for mod in E.core_model(trainer).modules():
+        for mod in T.core_model(trainer).modules():
             if isinstance(mod, SelfAttention):
                 original = mod._core_attention
 
@@ -95,7 +95,7 @@ def train_one(opts, name: str, seed: int) -> dict:
 
     flags, bf16 = opts._configs[name]
     t0 = time.time()
-    tr = E.build_trainer(E.small_gpt_argv(
+    tr = T.build_trainer(T.small_gpt_argv(
         layers=opts.layers, hidden=opts.hidden, heads=opts.heads, seq=opts.seq, batch=opts.batch, iters=opts.iters,
         lr=opts.lr, seed=seed, data=opts._data, tok=opts._tok, cache=opts.cache_dir, bf16=bf16,
         valid_batches=max(opts.eval_iters, opts.final_eval_iters)) + flags)
@@ -104,19 +104,19 @@ def train_one(opts, name: str, seed: int) -> dict:
 
     def evaluate() -> None:
         box = {}
-        items = cap.run(lambda: box.setdefault("loss", E.fixed_valid_loss(tr, opts.eval_iters)))
+        items = cap.run(lambda: box.setdefault("loss", T.fixed_valid_loss(tr, opts.eval_iters)))
         curve.append({"iteration": tr.state.iteration, "valid_loss": box["loss"], **lse_stats(items)})
 
     evaluate()
     while tr.state.iteration < opts.iters:
-        hist = E.train_chunk(tr, min(opts.eval_interval, opts.iters - tr.state.iteration))
+        hist = T.train_chunk(tr, min(opts.eval_interval, opts.iters - tr.state.iteration))
         train_loss += [h["lm loss"] for h in hist]
         evaluate()
-    final = E.fixed_valid_loss(tr, opts.final_eval_iters)
-    torch.save({k: v.detach().clone() for k, v in E.core_model(tr).state_dict().items()},
+    final = T.fixed_valid_loss(tr, opts.final_eval_iters)
+    torch.save({k: v.detach().clone() for k, v in T.core_model(tr).state_dict().items()},
                os.path.join(opts._cache.dir, f"model_{name.replace(' ', '_')}_seed{seed}.pt"))
     return {"final_valid_loss": final, "curve": curve, "train_loss": train_loss,
-            "loss_spikes": E.count_spikes(train_loss), "peak_lse_max": max(c["lse_max"] for c in curve),
+            "loss_spikes": H.count_spikes(train_loss), "peak_lse_max": max(c["lse_max"] for c in curve),
             "end_lse_mean": curve[-1]["lse_mean"], "seconds": time.time() - t0}
 
 
@@ -165,14 +165,14 @@ def mechanism(opts, name: str, seeds: list[int]) -> dict:
     rows = {m: [] for m in ("lse", *METRICS)}
     sweep = []
     for seed in seeds:
-        tr = E.build_trainer(E.small_gpt_argv(
+        tr = T.build_trainer(T.small_gpt_argv(
             layers=opts.layers, hidden=opts.hidden, heads=opts.heads, seq=opts.seq, batch=opts.batch,
             iters=opts.iters, lr=opts.lr, seed=seed, data=opts._data, tok=opts._tok, cache=opts.cache_dir,
             bf16=False, valid_batches=max(opts.eval_iters, opts.final_eval_iters)) + flags)
         state = torch.load(os.path.join(opts._cache.dir, f"model_{name.replace(' ', '_')}_seed{seed}.pt"))
-        E.core_model(tr).load_state_dict(state)
+        T.core_model(tr).load_state_dict(state)
         cap = QKVCapture(tr)
-        items = cap.run(lambda t=tr: E.fixed_valid_loss(t, opts.mech_batches))  # fp32: no autocast
+        items = cap.run(lambda t=tr: T.fixed_valid_loss(t, opts.mech_batches))  # fp32: no autocast
         with torch.no_grad():
             for _, q, k, v in items:
                 for m, val in row_errors(q.float(), k.float(), v.float()).items():
@@ -220,14 +220,14 @@ def _corr(x, y) -> float:
 def summarise(per: dict) -> dict:
     out = {}
     for name, per_seed in per.items():
-        row = {"valid_loss": E.seed_summary(per_seed, "final_valid_loss"),
-               "end_lse_mean": E.seed_summary(per_seed, "end_lse_mean"),
-               "peak_lse_max": E.seed_summary(per_seed, "peak_lse_max"),
+        row = {"valid_loss": H.seed_summary(per_seed, "final_valid_loss"),
+               "end_lse_mean": H.seed_summary(per_seed, "end_lse_mean"),
+               "peak_lse_max": H.seed_summary(per_seed, "peak_lse_max"),
                "loss_spikes": sum(r["loss_spikes"] for r in per_seed.values())}
         if name != BASELINE:
-            row["paired_gap"] = E.paired_gap(per_seed, per[BASELINE], "final_valid_loss")
+            row["paired_gap"] = H.paired_gap(per_seed, per[BASELINE], "final_valid_loss")
             row["gap_over_spread"] = (row["paired_gap"]["diff_mean"] / max(row["valid_loss"]["std"],
-                                      E.seed_summary(per[BASELINE], "final_valid_loss")["std"], 1e-12))
+                                      H.seed_summary(per[BASELINE], "final_valid_loss")["std"], 1e-12))
         out[name] = row
     return out
 
@@ -313,11 +313,11 @@ def markdown(res: dict) -> str:
     for name, r in res["summary"].items():
         g = r.get("paired_gap")
         lines.append(
-            f"| {name} | {E.fmt_pm(r['valid_loss']['mean'], r['valid_loss']['std'])} | "
+            f"| {name} | {H.fmt_pm(r['valid_loss']['mean'], r['valid_loss']['std'])} | "
             + (f"{g['diff_mean']:+.4f} ± {g['diff_std']:.4f} | {g['rel_pct_mean']:+.2f} ± {g['rel_pct_std']:.2f} | "
                f"{r['gap_over_spread']:+.1f}" if g else "- | - | -")
-            + f" | {E.fmt_pm(r['end_lse_mean']['mean'], r['end_lse_mean']['std'], 2)} | "
-              f"{E.fmt_pm(r['peak_lse_max']['mean'], r['peak_lse_max']['std'], 2)} | {r['loss_spikes']} |")
+            + f" | {H.fmt_pm(r['end_lse_mean']['mean'], r['end_lse_mean']['std'], 2)} | "
+              f"{H.fmt_pm(r['peak_lse_max']['mean'], r['peak_lse_max']['std'], 2)} | {r['loss_spikes']} |")
     lines += ["", "## Finding", "", *[f"- {f}" for f in res["findings"]], ""]
     return "\n".join(lines)
 
@@ -365,47 +365,40 @@ def plot(res: dict, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ main
+def _quick(o: argparse.Namespace) -> None:
+    o.layers, o.hidden, o.heads, o.seq, o.batch = 1, 32, 2, 32, 2
+    o.iters, o.eval_interval, o.eval_iters, o.final_eval_iters, o.mech_batches = 6, 3, 1, 1, 1
+    o.vocab, o.corpus_mb = QUICK["vocab"], QUICK["corpus_mb"]
+    o.seeds = o.seeds[:2]
+
+
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="every configuration at toy size (a smoke test)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p = H.parser(__doc__, "zreg_bf16")
+    H.add(p, seeds=[1, 2, 3])
     p.add_argument("--zreg", type=float, nargs=2, default=[1e-3, 1e-2], help="the two Z-Reg coefficients")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=80)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-interval", type=int, default=20)
-    p.add_argument("--eval-iters", type=int, default=2)
-    p.add_argument("--final-eval-iters", type=int, default=6)
+    H.add(p, layers=2, hidden=32, heads=2, seq=64, batch=4, vocab=2048, corpus_mb=3.0, iters=80, lr=3e-3,
+          eval_interval=20, eval_iters=2, final_eval_iters=6)
     p.add_argument("--mech-batches", type=int, default=2, help="validation batches of the mechanism measurement")
     p.add_argument("--bin-width", type=int, default=1, help="lse bin width")
     p.add_argument("--sweep-scales", type=float, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--cache-dir", default=E.DEFAULT_CACHE)
     p.add_argument("--train-only", action="store_true", help="train (into the cache) and write no results")
-    p.add_argument("--out", default=os.path.join(E.ROOT, "bench", "results", "zreg_bf16"))
-    o = p.parse_args(argv)
-    if o.quick:
-        o.layers, o.hidden, o.heads, o.seq, o.batch = 1, 32, 2, 32, 2
-        o.iters, o.eval_interval, o.eval_iters, o.final_eval_iters, o.mech_batches = 6, 3, 1, 1, 1
-        o.seeds = o.seeds[:2] if len(o.seeds) > 1 else o.seeds
-    return o
+    return H.parse(p, argv, quick=_quick)
 
 
 def main(argv=None) -> dict:
     import torch
 
     o = parse(argv)
+    if o.from_json:
+        H.Results(o.out).rewrite(markdown, plot)
+        return {}
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     t0 = time.time()
-    o._data, o._tok = E.demo_data(o.cache_dir, o.vocab)
+    o._data, o._tok = demo_corpus(o.cache_dir, o.vocab, o.corpus_mb)
     o._configs = configs(o.zreg)
     settings = {k: v for k, v in vars(o).items()
-                if not k.startswith("_") and k not in ("out", "seeds", "train_only")}
-    o._cache = E.RunCache(os.path.join(o.cache_dir, "zreg_bf16"), E.settings_key(settings))
+                if not k.startswith("_") and k not in ("out", "seeds", "train_only", "bench", "from_json")}
+    o._cache = RunCache(os.path.join(o.cache_dir, "zreg_bf16"), settings_key(settings))
     # Several processes may run this at once (same flags): they share the runs through the cache's locks.
     items = [(name, seed, lambda n=name, s=seed: train_one(o, n, s)) for seed in o.seeds for name in o._configs]
     per = o._cache.run_all(items, lambda n, s, r: print(
@@ -418,7 +411,7 @@ def main(argv=None) -> dict:
     res["summary"] = summarise(per)
     res["findings"] = findings(res)
     res["seconds"] = time.time() - t0
-    E.write_outputs(o.out, res, markdown(res), plot)
+    H.Results(o.out).write(res, markdown, plot, record_machine=False)
     return res
 
 

@@ -1,43 +1,37 @@
 """Acceptance 6: a small GPT trained on the demo tree corpus with Attention Z-Reg on vs off (CPU).
 
-    python bench/zreg_tree_training.py [--iters 500] [--zreg 1e-3 1e-2] [--workdir /tmp/megatron_cai_tree_bench]
+    python bench/zreg_tree_training.py [--iters 500] [--zreg 1e-3 1e-2] [--cache-dir DIR]
 
-The corpus is the real pipeline (``bench/tree_corpus.py``: stdlib sources as module header ->
+The corpus is the real pipeline (``harness.data.demo_trees``: stdlib sources as module header ->
 top-level definitions -> methods trees, split into header-sharing trees of about ``--max-tree-kb``
 so that most of them fit a row, sentencepiece, ``preprocess_data.py --tree``); training goes
 through ``pretrain_gpt.py``'s forward step and the Trainer (``--data-format tree``, packed trees with
 visibility intervals, RoPE on tree depth). Runs, side by side with identical data order:
 
-- ``off`` (seed 1) and ``off-seedN`` (``--seeds``; the seed sets the initialisation and the data
-  order): the run-to-run noise of the loss;
-- ``zreg=w`` (seed 1) for each ``--zreg`` w: Z-Reg on.
+- ``off`` (the first of ``--seeds``) and ``off-seedN`` (the others; the seed sets the initialisation and
+  the data order): the run-to-run noise of the loss;
+- ``zreg=w`` (the first seed) for each ``--zreg`` w: Z-Reg on.
 
 The per-layer ``attention lse mean / max`` are read back from each run's TensorBoard files (the
 logging path users see). The table reports the final training loss (mean of the last 20%),
 the validation loss, the Z-Reg-vs-off gap next to the seed noise, and the lse statistics at the end
-and their peak over training. Writes bench/results/zreg_tree_training.{json,md,png}.
+and their peak over training. Each run is a process of its own (``--quick``: in this process).
+Writes bench/results/zreg_tree_training.{json,md,png}.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as H
+from harness.data import QUICK, demo_trees
 
-from tree_corpus import build_demo_tree_data  # noqa: E402
-
-from megatron_cai.testing.distributed import run_distributed  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from megatron_cai.testing.distributed import run_distributed
 
 
 def model_args(args, data: dict) -> list[str]:
-    return ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    return ["--squared-relu", "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
             "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
             "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "cpu",
             "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.mbs),
@@ -46,19 +40,16 @@ def model_args(args, data: dict) -> list[str]:
             "--data-path", data["prefix"], "--data-format", "tree", "--split", "95,5,0",
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data["tokenizer"],
             "--log-interval", str(args.log_interval), "--eval-interval", str(args.iters),
-            "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.workdir, "cache"),
+            "--eval-iters", "8", "--no-exit-signal-handler", "--data-cache-path", os.path.join(args.cache_dir, "index"),
             "--position-embedding-type", "rope", "--num-workers", "0"]
 
 
 def _run(rank, world_size, argv, tb_dir):
     import torch
-
-    import pretrain_gpt
-    from megatron_cai.training.training import Trainer
+    from harness.training import build_trainer
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    config, tok = pretrain_gpt.build_run(argv + ["--tensorboard-dir", tb_dir], world_size=1)
-    trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tok)
+    trainer = build_trainer(argv + ["--tensorboard-dir", tb_dir])
     t0 = time.time()
     state = trainer.train()
     seconds = time.time() - t0
@@ -93,12 +84,10 @@ def summarize(name: str, run: dict, tail: float = 0.2) -> dict:
             "seconds": run["seconds"]}
 
 
-def plot(runs: dict, path: str, smooth: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
+    runs, smooth = payload["curves"], max(1, payload["config"]["iters"] // 20)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, run in runs.items():
         loss = run["loss"]
@@ -122,34 +111,37 @@ def plot(runs: dict, path: str, smooth: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=500)
+    ap = H.parser(__doc__, "zreg_tree_training")
+    H.add(ap, iters=500, seeds=[1, 2, 3], seq=512)
     ap.add_argument("--max-mb", type=float, default=6.0, help="demo corpus size (stdlib sources)")
-    ap.add_argument("--seeds", type=int, default=3, help="Z-Reg-off runs with different seeds (the noise)")
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--mbs", type=int, default=4)
+    ap.add_argument("--mbs", type=int, default=4, help="micro (= global) batch size")
     ap.add_argument("--zreg", type=float, nargs="+", default=[1e-3, 1e-2])
     ap.add_argument("--log-interval", type=int, default=5)
-    ap.add_argument("--workdir", default="/tmp/megatron_cai_tree_bench")
     ap.add_argument("--max-tree-kb", type=float, default=1.5,
                     help="demo corpus: split modules into header-sharing trees of about this size")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "zreg_tree_training"))
-    args = ap.parse_args(argv)
-    data = build_demo_tree_data(os.path.join(args.workdir, f"{args.max_mb:g}mb_split{args.max_tree_kb:g}kb"),
-                                max_mb=args.max_mb, max_tree_kb=args.max_tree_kb)
+    args = H.parse(ap, argv, quick=dict(iters=4, seeds=[1], seq=64, mbs=2, zreg=[1e-3], log_interval=2,
+                                        max_mb=QUICK["corpus_mb"], max_tree_kb=0.5))
+    out = H.Results(args.out)
+    if args.from_json:
+        out.rewrite(render, plot)
+        return 0
+    vocab = QUICK["vocab"] if args.quick else 2048
+    data = demo_trees(args.cache_dir, max_mb=args.max_mb, vocab=vocab, max_tree_kb=args.max_tree_kb)
     base = model_args(args, data)
-    plan = {"off": base + ["--seed", "1"]}
-    for seed in range(2, args.seeds + 1):
+    first, *others = args.seeds
+    plan = {"off": base + ["--seed", str(first)]}
+    for seed in others:
         plan[f"off-seed{seed}"] = base + ["--seed", str(seed)]
     for w in args.zreg:
-        plan[f"zreg={w:g}"] = base + ["--seed", "1", "--attention-zreg-coeff", str(w)]
+        plan[f"zreg={w:g}"] = base + ["--seed", str(first), "--attention-zreg-coeff", str(w)]
     runs = {}
     for name, argv_run in plan.items():
-        tb = os.path.join(args.workdir, "tb", name)
+        tb = os.path.join(args.cache_dir, "tb", name)
         if os.path.isdir(tb):
             for f in os.listdir(tb):
                 os.remove(os.path.join(tb, f))
-        runs[name] = run_distributed(_run, 1, (argv_run, tb), timeout=36000)[0]
+        runs[name] = (_run(0, 1, argv_run, tb) if args.quick
+                      else run_distributed(_run, 1, (argv_run, tb), timeout=36000)[0])
         runs[name]["lse"] = read_lse(tb)
         print(f"{name}: final loss {summarize(name, runs[name])['final_loss']:.4f} in {runs[name]['seconds']:.0f} s",
               flush=True)
@@ -157,23 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     offs = [r for r in rows if r["run"].startswith("off")]
     noise = max(r["final_loss"] for r in offs) - min(r["final_loss"] for r in offs)
     vnoise = max(r["valid_loss"] for r in offs) - min(r["valid_loss"] for r in offs)
-    md = render(rows, noise, vnoise, args, runs["off"]["summary"])
-    print(md)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as fh:
-        json.dump({"config": vars(args), "data_summary": runs["off"]["summary"], "rows": rows,
-                   "seed_noise_train": noise, "seed_noise_valid": vnoise,
-                   "curves": {n: {"loss": r["loss"], "lse": r["lse"]} for n, r in runs.items()}}, fh, indent=1)
-    with open(args.out + ".md", "w") as fh:
-        fh.write(md)
-    plot(runs, args.out + ".png", smooth=max(1, args.iters // 20))
+    config = {k: v for k, v in vars(args).items() if k not in ("bench", "from_json")}
+    out.write({"config": config, "data_summary": runs["off"]["summary"], "rows": rows,
+               "seed_noise_train": noise, "seed_noise_valid": vnoise,
+               "curves": {n: {"loss": r["loss"], "lse": r["lse"]} for n, r in runs.items()}}, render, plot,
+              record_machine=False)
     return 0
 
 
-def render(rows: list[dict], noise: float, vnoise: float, args, data_summary: str) -> str:
+def render(payload: dict) -> str:
+    rows, noise, vnoise = payload["rows"], payload["seed_noise_train"], payload["seed_noise_valid"]
+    args, data_summary = payload["config"], payload["data_summary"]
     off = rows[0]
     lines = ["# Attention Z-Reg on the demo tree corpus (CPU)", "",
-             f"GPT 4 x 128 (4 heads), seq {args.seq}, batch {args.mbs}, {args.iters} iterations, lr 1e-3 cosine, "
+             f"GPT 4 x 128 (4 heads), seq {args['seq']}, batch {args['mbs']}, {args['iters']} iterations, "
+             "lr 1e-3 cosine, "
              f"fp32, `--data-format tree` (packed trees, visibility intervals, RoPE on depth), attention backend "
              f"`cpu` (block-skipping). Data: {data_summary}. Final loss = mean of the last 20% of iterations; "
              f"valid = 8 batches of the held-out 5%. lse statistics from TensorBoard (`attention-lse/layerN-*`); "

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 NPROC=${NPROC:-8}
 TP=${TP:-2}
 PP=${PP:-2}
-DATA=${DATA_DIR:-data}
+DATA=${DATA_DIR:-data/quickstart}
 if [ -s "$DATA/demo_text_document.idx" ]; then
   DATA_ARGS=(--data-path "$DATA/demo_text_document" --tokenizer-model "$DATA/tok.model")
 else
@@ -24,7 +24,7 @@ torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
   "${DATA_ARGS[@]}" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel \
   --use-distributed-optimizer --overlap-grad-reduce \
-  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --position-embedding-type rope \
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --position-embedding-type rope --squared-relu \
   --micro-batch-size 4 --global-batch-size 32 --train-iters 50 \
   --lr 1e-3 --lr-warmup-iters 5 --lr-decay-style cosine --hidden-dropout 0 --attention-dropout 0 \
   --log-interval 5 --eval-interval 25 --eval-iters 2 --num-workers 0 \

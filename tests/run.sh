@@ -11,5 +11,10 @@ pip install -q -e ".[test]"
 # megatron-core 0.19.2, the reference the Megatron-LM compatibility tests compare against (it declares
 # Python >= 3.12 and would pull CUDA packages; the tests need only its pure-Python parts).
 pip install --no-deps --ignore-requires-python megatron-core==0.19.2
+# The GPU validation machine's Triton, for the ahead-of-time kernel check (docs/gpu.md): a folder that
+# shadows the venv's Triton on PYTHONPATH, built once and kept (git-ignored).
+TRITON_36=.ci/triton-3.6.0
+[ -d "$TRITON_36/triton" ] || pip install -q --no-deps --target "$TRITON_36" triton==3.6.0
+export MEGATRON_CAI_TRITON_36="$PWD/$TRITON_36"
 # pytest exits 5 when it collects no tests; `set -e` turns that into a failure too.
 exec python -m pytest -m "not slow" -q -p no:cacheprovider "$@"

@@ -26,8 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", default=None,
                    help="comma-separated targets (default: sm_80,sm_86,sm_89,sm_90 and sm_100 if known)")
-    p.add_argument("--subset", choices=("full", "ci"), default="full",
-                   help="ci: bf16/fp32 at head dims 64/128, plain and tree layouts, all Squinch kernels")
+    p.add_argument("--subset", choices=("full", "hopper", "ci"), default="full",
+                   help="ci: the bf16 d128 attention kernels and the fused Squinch encoder and decoder; hopper: "
+                        "bf16 at head dims 64/128 (window or not), fp32 d128, every fp32/bf16 Squinch kernel")
     p.add_argument("--only", default=None,
                    help="comma-separated substrings of case labels to keep, e.g. 'float32 d128,bfloat16 d64 "
                         "plain window' (iterating on table rows; the acceptance run takes every case)")

@@ -44,8 +44,7 @@ from megatron_cai.training.checkpoint import (  # noqa: E402
     reshard_checkpoint,
     torch_to_dist,
 )
-from megatron_cai.training.errors import run_cli  # noqa: E402
-from megatron_cai.training.known_errors import KNOWN_ERRORS  # noqa: E402
+from megatron_cai.training.errors import KNOWN_ERRORS, run_cli  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,9 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_cai.core import device as device_mod  # noqa: E402
 from megatron_cai.inference.branches import decode_branches  # noqa: E402
-from megatron_cai.inference.generation import checkpoint_tokenizer, generate, load_model  # noqa: E402
+from megatron_cai.inference.generation import (  # noqa: E402
+    checkpoint_tokenizer,
+    generate,
+    generation_length,
+    load_model,
+)
 from megatron_cai.training.checkpoint import CheckpointError, ConversionError  # noqa: E402
-from megatron_cai.training.startup_checks import generation_length  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

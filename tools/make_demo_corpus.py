@@ -19,6 +19,11 @@ Files that do not parse become single-node trees. ``--max-tree-kb K`` splits a m
 exceeds K KB into several trees that repeat the header over consecutive groups of top-level
 definitions (a class too large is split the same way over groups of its methods; a node whose own
 text exceeds the budget stays whole), so that trees fit training rows.
+
+``--max-doc-kb K`` (plain documents) cuts each file into consecutive documents of at most about K KB at
+top-level statement boundaries, and a class larger than K between its statements (a function larger than
+K stays whole; the documents of a file concatenate back to it), so that a training row of packed
+documents holds several of them.
 """
 from __future__ import annotations
 
@@ -127,15 +132,45 @@ def split_tree(tree: dict, max_bytes: int | None) -> list[dict]:
     return [{**tree, "children": g} for g in groups]
 
 
-def file_records(root: str, relpath: str, tree: bool = False, max_tree_kb: float | None = None) -> Iterator[dict]:
-    """The JSONL records of one source file: one ``{"text", "path"}`` document, or with ``tree`` one
-    ``{"text", "children", "path"}`` tree, or several with ``max_tree_kb`` (see the module docstring)."""
+def split_documents(text: str, max_bytes: int | None) -> list[str]:
+    """``text`` cut at top-level statement boundaries (and between the statements of a class larger than
+    ``max_bytes``) into consecutive pieces of <= max_bytes each; a statement larger than that is one piece.
+    ``"".join`` of the pieces is ``text``. A file that does not parse is one piece."""
+    if max_bytes is None or len(text.encode()) <= max_bytes:
+        return [text]
+    try:
+        module = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return [text]
+    lines = text.splitlines(keepends=True)
+    cuts = {_span(n)[0] for n in module.body}
+    for node in module.body:  # a class too large for one document is cut between its statements too
+        a, b = _span(node)
+        if isinstance(node, ast.ClassDef) and len("".join(lines[a:b]).encode()) > max_bytes:
+            cuts |= {_span(n)[0] for n in node.body[1:]}
+    starts = sorted(cuts - {0})
+    blocks = ["".join(lines[a:b]) for a, b in zip([0, *starts], [*starts, len(lines)])]
+    pieces: list[str] = []
+    for block in blocks:
+        if pieces and len((pieces[-1] + block).encode()) <= max_bytes:
+            pieces[-1] += block
+        else:
+            pieces.append(block)
+    return pieces
+
+
+def file_records(root: str, relpath: str, tree: bool = False, max_tree_kb: float | None = None,
+                 max_doc_kb: float | None = None) -> Iterator[dict]:
+    """The JSONL records of one source file: one ``{"text", "path"}`` document (several with
+    ``max_doc_kb``), or with ``tree`` one ``{"text", "children", "path"}`` tree, or several with
+    ``max_tree_kb`` (see the module docstring)."""
     with open(os.path.join(root, relpath), encoding="utf-8") as f:
         text = f.read()
     if not text.strip():
         return
     if not tree:
-        yield {"text": text, "path": relpath}
+        for piece in split_documents(text, None if max_doc_kb is None else int(max_doc_kb * 1024)):
+            yield {"text": piece, "path": relpath}
         return
     limit = None if max_tree_kb is None else int(max_tree_kb * 1024)
     for part in split_tree(code_tree(text), limit):
@@ -143,7 +178,7 @@ def file_records(root: str, relpath: str, tree: bool = False, max_tree_kb: float
 
 
 def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: str | None = None,
-                tree: bool = False, max_tree_kb: float | None = None) -> dict:
+                tree: bool = False, max_tree_kb: float | None = None, max_doc_kb: float | None = None) -> dict:
     """Write the corpus to ``output``; returns ``{"files", "bytes", "skipped"}``."""
     root = root or stdlib_dir()
     if not os.path.isdir(root):
@@ -157,7 +192,7 @@ def make_corpus(output: str, max_mb: float = 4.0, max_file_kb: int = 256, root: 
             if written >= budget:
                 break
             try:
-                records = list(file_records(root, rel, tree, max_tree_kb))
+                records = list(file_records(root, rel, tree, max_tree_kb, max_doc_kb))
             except (UnicodeDecodeError, OSError):
                 skipped += 1
                 continue
@@ -180,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tree-kb", type=float, default=None,
                         help="--tree: split larger modules into trees that repeat the header over groups of "
                              "top-level definitions")
+    parser.add_argument("--max-doc-kb", type=float, default=None,
+                        help="cut each file into documents of about this size at top-level statement boundaries")
     args = parser.parse_args(argv)
-    stats = make_corpus(args.output, args.max_mb, args.max_file_kb, tree=args.tree, max_tree_kb=args.max_tree_kb)
+    if args.max_doc_kb is not None and args.tree:
+        parser.error("--max-doc-kb cuts plain documents; with --tree use --max-tree-kb")
+    stats = make_corpus(args.output, args.max_mb, args.max_file_kb, tree=args.tree, max_tree_kb=args.max_tree_kb,
+                        max_doc_kb=args.max_doc_kb)
     print(f"wrote {args.output}: {stats['files']} files, {stats['bytes'] / 1e6:.2f} MB from {stats['root']} "
           f"(Python {sys.version.split()[0]}; {stats['skipped']} unreadable files skipped)")
     return 0

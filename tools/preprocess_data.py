@@ -130,17 +130,74 @@ def iter_chunks(path: str) -> Iterator[list[tuple[int, bytes]]]:
         yield chunk
 
 
+def sentence_splitter(lang: str, keep_newlines: bool):
+    """nltk's punkt sentence splitter for ``lang`` (Megatron-LM's: with ``keep_newlines``, newlines after a
+    sentence stay in it). Nothing is downloaded: nltk and its punkt data must be installed."""
+    try:
+        import nltk
+        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
+    except ImportError:
+        raise ValueError("--split-sentences needs nltk, which is not installed (pip install nltk; then its punkt "
+                         "data: python -m nltk.downloader punkt); nothing is downloaded here") from None
+    try:
+        splitter = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
+    except (LookupError, OSError):
+        raise ValueError(f"--split-sentences --lang {lang}: nltk's punkt data (tokenizers/punkt/{lang}.pickle) is not "
+                         f"installed (python -m nltk.downloader punkt); nothing is downloaded here") from None
+    if not keep_newlines:
+        return splitter
+
+    class KeepNewlines(PunktLanguageVars):  # Megatron-LM's CustomLanguageVars: \s* (not \s+) after the ending
+        _period_context_fmt = r"""
+            \S*                          # some word material
+            %(SentEndChars)s             # a potential sentence ending
+            \s*
+            (?=(?P<after_tok>
+                %(NonWord)s              # either other punctuation
+                |
+                (?P<next_tok>\S+)
+            ))"""
+
+    return PunktSentenceTokenizer(train_text=splitter._params, lang_vars=KeepNewlines())
+
+
+def split_sentences(splitter, text: str, max_len: int = 1_000_000) -> list[str]:
+    """``text``'s sentences, split in chunks of ``max_len`` characters as Megatron-LM's tool does."""
+    return [s for i in range(0, len(text), max_len) for s in splitter.tokenize(text[i:i + max_len])]
+
+
+def partition_order(inputs: list[str], partitions: int, sequential: bool) -> Iterator[bytes]:
+    """The lines of ``inputs`` in the order Megatron-LM's tool writes them with --partitions: partition 0's lines,
+    then partition 1's, ...; a partition holds every N-th line (round robin), or with ``sequential``
+    (--keep-sequential-samples) a contiguous block of ceil(lines / N)."""
+    import gzip
+
+    def lines() -> Iterator[bytes]:
+        for path in inputs:
+            with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+                yield from f
+
+    if sequential:
+        yield from lines()  # contiguous blocks, concatenated in order
+        return
+    for p in range(partitions):
+        for i, line in enumerate(lines()):
+            if i % partitions == p:
+                yield line
+
+
 class Encoder:
     """Parses and tokenizes lines (one instance per worker process)."""
 
     def __init__(self, keys: Sequence[str], tokenizer_kwargs: dict, append_eod: bool, dtype: type,
-                 tree: bool = False) -> None:
+                 tree: bool = False, sentences: tuple[str, bool] | None = None) -> None:
         self.keys = list(keys)
         self.tokenizer = build_tokenizer(**tokenizer_kwargs)
         self.append_eod = append_eod
         self.eod = self.tokenizer.eod if append_eod else None
         self.dtype = dtype
         self.tree = tree
+        self.splitter = sentence_splitter(*sentences) if sentences else None
 
     def encode_tree_line(self, raw: bytes) -> dict[str, tuple] | None:
         """``{key: (token array, TreeNodes)}`` of one tree line (EOD ending every leaf); ``None`` if blank."""
@@ -163,14 +220,17 @@ class Encoder:
             return None
         out = {}
         for key, text in fields.items():
+            pieces = [text] if self.splitter is None else split_sentences(self.splitter, text)
             try:
-                ids = self.tokenizer.tokenize(text)
+                sentences = [ids for ids in (self.tokenizer.tokenize(piece) for piece in pieces) if ids]
             except ValueError as e:
                 raise BadLine(f"key {key!r}: {e}") from None
-            if ids and self.append_eod:
-                ids.append(self.eod)
-            check_ids_in_vocabulary(ids, self.tokenizer.vocab_size, f"key {key!r}")
-            out[key] = np.asarray(ids, dtype=self.dtype)
+            if sentences and self.append_eod:
+                sentences[-1].append(self.eod)
+            for ids in sentences:
+                check_ids_in_vocabulary(ids, self.tokenizer.vocab_size, f"key {key!r}")
+            arrays = [np.asarray(ids, dtype=self.dtype) for ids in sentences]
+            out[key] = arrays if self.splitter is not None else (arrays[0] if arrays else np.asarray([], self.dtype))
         return out
 
     def encode_chunk(self, chunk: list[tuple[int, bytes]]) -> list[tuple[int, int, str, object]]:
@@ -238,16 +298,17 @@ class PreprocessStats:
         return "\n".join(rows)
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """``<output_prefix>_<key>_document`` (Megatron's naming)."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, level: str = "document") -> str:
+    """``<output_prefix>_<key>_document`` (``_sentence`` with --split-sentences; Megatron's naming)."""
+    return f"{output_prefix}_{key}_{level}"
 
 
 def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
                vocab_size: int | None = None, json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                workers: int = 1, log_interval: int = 1000, skip_bad_lines: bool = False,
                progress: bool | None = None, log=None, tree: bool = False,
-               tokenizer_options: dict | None = None) -> PreprocessStats:
+               tokenizer_options: dict | None = None, sentences: tuple[str, bool] | None = None,
+               source_name: str | None = None) -> PreprocessStats:
     """Tokenize ``input_path`` into ``<output_prefix>_<key>_document.{bin,idx}`` for every key.
 
     ``tree``: each line is one tree (see the module docstring); ``json_keys`` is the one node text key
@@ -268,6 +329,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
         raise ValueError(f"--json-keys must be distinct and non-empty, got {list(json_keys)}")
     if tree and len(json_keys) != 1:
         raise ValueError(f"--tree takes one --json-keys key (the nodes' text), got {list(json_keys)}")
+    if sentences is not None:
+        sentence_splitter(*sentences)  # nltk and its punkt data, or one error naming what is missing
     tokenizer_kwargs = {"tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model,
                         "vocab_size": vocab_size, **(tokenizer_options or {})}
     tokenizer = build_tokenizer(**tokenizer_kwargs)
@@ -282,7 +345,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
     builders: dict[str, IndexedDatasetBuilder] = {}
     sidecars: dict[str, TreeSidecarBuilder] = {}
     for key in json_keys:
-        prefix = output_prefix_for(output_prefix, key)
+        prefix = output_prefix_for(output_prefix, key, "sentence" if sentences else "document")
         builders[key] = IndexedDatasetBuilder(get_bin_path(prefix), dtype)
         stats.outputs[key] = prefix
         stats.documents[key] = stats.tokens[key] = stats.empty_documents[key] = 0
@@ -297,7 +360,8 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                disable=(not progress) if progress is not None else None, dynamic_ncols=True)
     t0 = time.time()
     next_log = log_interval
-    init_args = (list(json_keys), tokenizer_kwargs, append_eod, dtype, tree)
+    init_args = (list(json_keys), tokenizer_kwargs, append_eod, dtype, tree, sentences)
+    name = source_name or input_path
 
     def handle(results: list[tuple[int, int, str, object]]) -> None:
         nonlocal next_log
@@ -305,10 +369,10 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
             stats.lines += 1
             stats.bytes += nbytes
             if kind == "vocab":  # a tokenizer/vocabulary mismatch: fatal even with --skip-bad-lines
-                raise PreprocessError(f"{input_path}:{line_no}: {payload}")
+                raise PreprocessError(f"{name}:{line_no}: {payload}")
             if kind == "bad":
                 if not skip_bad_lines:
-                    raise PreprocessError(f"{input_path}:{line_no}: {payload}")
+                    raise PreprocessError(f"{name}:{line_no}: {payload}")
                 stats.bad_lines += 1
                 if len(stats.first_bad_lines) < MAX_BAD_LINES_SHOWN:
                     stats.first_bad_lines.append((line_no, str(payload)))
@@ -324,10 +388,11 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                     if tree:
                         sidecars[key].add_tree(nodes)
                         stats.nodes[key] += len(nodes.parents)
-                    builders[key].add_item(ids)
+                    for piece in (ids if isinstance(ids, list) else [ids]):  # sentences, or the document
+                        builders[key].add_item(piece)
                     builders[key].end_document()
                     stats.documents[key] += 1
-                    stats.tokens[key] += len(ids)
+                    stats.tokens[key] += sum(len(piece) for piece in (ids if isinstance(ids, list) else [ids]))
         bar.update(sum(r[1] for r in results))
         elapsed = max(time.time() - t0, 1e-9)
         bar.set_postfix_str(f"{stats.lines / elapsed:.0f} docs/s", refresh=False)
@@ -377,13 +442,19 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="JSONL file, one JSON object per line")
+    group.add_argument("--input", required=True,
+                       help="JSONL file, one JSON object per line (a glob of files, .gz too, with --partitions > 1)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     group.add_argument("--tree", action="store_true",
                        help="each line is a tree of {text, children, bidirectional, loss} nodes; also writes "
                             "<prefix>.tree (the node structure)")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="one sequence per sentence (nltk's punkt; <prefix>_<key>_sentence.bin/.idx); needs nltk "
+                            "and its punkt data installed (nothing is downloaded)")
+    group.add_argument("--keep-newlines", action="store_true", help="--split-sentences: keep newlines in sentences")
+    group.add_argument("--lang", default="english", help="--split-sentences: punkt's language")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", default=None,
@@ -396,29 +467,66 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="TikTokenizer: ids reserved for special tokens")
     group.add_argument("--tiktoken-special-tokens", nargs="+", default=None, help="TikTokenizer: special tokens")
     group.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    for flag, kind, default in _MEGATRON_TOKENIZER_OPTIONS:
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help="Megatron-LM's; only its default is taken here")
+        else:
+            group.add_argument(flag, type=kind, default=default, nargs="+" if kind is list else None,
+                               help="Megatron-LM's; only its default is taken here")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="writes <output-prefix>_<key>_document.bin/.idx")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="Megatron-LM's input partitions: the documents come in its merged order (round robin, "
+                            "or contiguous blocks with --keep-sequential-samples), one output, no partition files")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="--partitions: contiguous blocks of lines, so the input order is kept")
     group.add_argument("--log-interval", type=int, default=1000,
                        help="log progress every N documents when no progress bar is shown")
+    group.add_argument("--max-documents", type=int, default=100_000,
+                       help="Megatron-LM's, with --find-optimal-num-workers only (refused here): no effect")
+    group.add_argument("--find-optimal-num-workers", action="store_true",
+                       help="refused: time runs with different --workers instead")
+    group.add_argument("--workers-to-check", nargs="+", type=int, default=[16, 32, 64], help="see the line above")
     group.add_argument("--skip-bad-lines", action="store_true",
                        help="skip malformed lines (reported with line numbers) instead of stopping")
     group.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     return parser.parse_args(argv)
 
 
+# Megatron-LM's other tokenizer flags (its _add_tokenizer_args): accepted at their defaults, refused otherwise
+_MEGATRON_TOKENIZER_OPTIONS = [
+    ("--vocab-extra-ids", int, 0), ("--tokenizer-hf-no-use-fast", bool, False),
+    ("--tokenizer-hf-no-include-special-tokens", bool, False), ("--null-tokenizer-eod-id", int, None),
+    ("--null-tokenizer-pad-id", int, -1), ("--tokenizer-special-tokens", list, None),
+    ("--tokenizer-sentencepiece-legacy", bool, False), ("--tokenizer-metadata", str, None),
+    ("--chat-template", str, None), ("--padded-vocab-size", int, None), ("--trust-remote-code", bool, False)]
+
+
+def _refused_options(args: argparse.Namespace) -> list[str]:
+    """The Megatron-LM flags given with a value other than the one this tool implements (one line each)."""
+    out = []
+    for flag, _, default in _MEGATRON_TOKENIZER_OPTIONS:
+        value = vars(args)[flag[2:].replace("-", "_")]
+        if value != default and flag != "--trust-remote-code":  # no remote code is ever run: nothing to trust
+            out.append(f"{flag} {value}: only its default ({default}) is implemented here")
+    if args.find_optimal_num_workers:
+        out.append("--find-optimal-num-workers: not implemented here; time runs with different --workers")
+    if args.partitions < 1:
+        out.append(f"--partitions {args.partitions}: must be >= 1")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args(argv)
+    refused = _refused_options(args)
+    if refused:
+        print("preprocess_data.py: error: " + "; ".join(refused), file=sys.stderr)
+        return 1
     try:
-        stats = preprocess(args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
-                           args.vocab_size, args.json_keys, args.append_eod, args.workers, args.log_interval,
-                           args.skip_bad_lines, progress=False if args.no_progress else None, tree=args.tree,
-                           tokenizer_options={"vocab_file": args.vocab_file, "merge_file": args.merge_file,
-                                              "tiktoken_pattern": args.tiktoken_pattern,
-                                              "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
-                                              "tiktoken_special_tokens": args.tiktoken_special_tokens})
+        stats = _run(args)
     except PreprocessError as e:
         hint = "" if "vocabulary" in str(e) else "; use --skip-bad-lines to skip such lines"
         print(f"preprocess_data.py: error: {e}\n  (no output written{hint})", file=sys.stderr)
@@ -428,6 +536,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(stats.summary(args.input))
     return 0
+
+
+def _run(args: argparse.Namespace) -> PreprocessStats:
+    options = {"vocab_file": args.vocab_file, "merge_file": args.merge_file, "tiktoken_pattern": args.tiktoken_pattern,
+               "tiktoken_num_special_tokens": args.tiktoken_num_special_tokens,
+               "tiktoken_special_tokens": args.tiktoken_special_tokens}
+    sentences = (args.lang, args.keep_newlines) if args.split_sentences else None
+
+    def run(path: str, name: str | None = None) -> PreprocessStats:
+        return preprocess(path, args.output_prefix, args.tokenizer_type, args.tokenizer_model, args.vocab_size,
+                          args.json_keys, args.append_eod, args.workers, args.log_interval, args.skip_bad_lines,
+                          progress=False if args.no_progress else None, tree=args.tree, tokenizer_options=options,
+                          sentences=sentences, source_name=name)
+
+    if args.partitions == 1:
+        return run(args.input)
+    import glob
+    import tempfile
+
+    inputs = glob.glob(args.input)  # as Megatron-LM's tool, in the file system's order
+    if not inputs:
+        raise FileNotFoundError(f"--input {args.input}: no file matches")
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.NamedTemporaryFile("wb", dir=out_dir, suffix=".partition_order.jsonl", delete=False) as f:
+        for line in partition_order(inputs, args.partitions, args.keep_sequential_samples):
+            f.write(line if line.endswith(b"\n") else line + b"\n")
+    try:
+        how = "contiguous blocks" if args.keep_sequential_samples else "round robin"
+        return run(f.name, f"{args.input} (in the order of {args.partitions} partitions, {how}; line)")
+    finally:
+        os.remove(f.name)
 
 
 if __name__ == "__main__":

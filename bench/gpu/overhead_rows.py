@@ -49,7 +49,7 @@ def optimizer_row(argv: list[str], model: str, device, rounds: int = 5, reps: in
     t = step_overhead.optimizer_times(argv, rounds, reps, sync=lambda: dev.synchronize(device))
     med = {k: v["median"] * 1e3 for k, v in t["seconds"].items()}
     return {"row": "optimizer step: fused AdamW vs unfused", "model": model, "step_ms": med["fused"],
-            "unfused_ms": med["unfused"], "speedup": t["speedup"], "elements": t["elements"]}
+            "unfused_ms": med["unfused"], "speedup": t["ratio"], "elements": t["elements"]}
 
 
 def _with(argv: list[str], values: dict[str, str]) -> list[str]:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     model = step_overhead.TOY if args.dry_run else step_overhead.QUICKSTART
-    base = step_overhead.flags(model, 10) + ([] if args.dry_run else ["--bf16"])
+    base = step_overhead.flags(model, 10, device=device.type) + ([] if args.dry_run else ["--bf16"])
     rows = [host_read_row(base, "toy" if args.dry_run else "quickstart"),
             optimizer_row(base, "toy" if args.dry_run else "quickstart", device, rounds=2 if args.dry_run else 5,
                           reps=2 if args.dry_run else 10)]

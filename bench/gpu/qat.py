@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from common import Budget, environment, markdown_table, parser, pick_device, time_fn, write_results
+from common import Budget, StepResults, environment, parser, pick_device, time_fn
 
 from megatron_cai.core.quantization import gemm_backends as gb
 from megatron_cai.core.quantization.dynamic_clamp import compute_clamp
@@ -62,30 +62,32 @@ def check_te(m: int, k: int, n: int, device: torch.device, reps: int) -> dict:
             "bf16_time_ratio": tb["median_s"] / t["median_s"]}
 
 
+COLUMNS = ["path", "shape", "fwd_rel_err", "dx_rel_err", "dw_rel_err", "fwd_ms", "bf16_linear_ms", "bf16_time_ratio",
+           "error"]
+
+
 def main(argv=None) -> int:
     args = parser(__doc__.split("\n\n")[0], "gpu_qat", 40).parse_args(argv)
     device = pick_device(args.dry_run)
     budget = Budget(args.budget_s)
     m, k, n = (64, 128, 96) if args.dry_run else (8192, 4096, 4096)
     reps = 1 if args.dry_run else 10
-    rows = []
+    res = StepResults(args.out, "Real-GEMM QAT paths (int8 / FP8 / Transformer Engine)", COLUMNS,
+                      dry_run=args.dry_run, environment=environment(device))
+    bad = False
     for fmt in ("int8", "fp8_e4m3"):
         if not gb.real_gemm_available(fmt, device, require_gpu=not args.dry_run):
-            rows.append({"path": f"quantized_linear {fmt}", "error": f"no real {fmt} GEMM on {device}"})
-            continue
-        if budget.allows(fmt, 1.0 if args.dry_run else 8.0):
-            rows.append(check_format(fmt, m, k, n, device, reps))
+            res.add({"path": f"quantized_linear {fmt}", "error": f"no real {fmt} GEMM on {device}"})
+        elif not budget.allows(1.0 if args.dry_run else 8.0):
+            res.skip(fmt)
+        else:
+            row = res.add(check_format(fmt, m, k, n, device, reps))
+            bad = bad or row["fwd_rel_err"] > 0.05
     if not gb.transformer_engine_available():
-        rows.append({"path": "transformer_engine fp8 Linear", "error": "Transformer Engine not installed"})
-    elif device.type == "cuda" and budget.allows("transformer_engine", 8.0):
-        rows.append(check_te(m, k, n, device, reps))
-    payload = {"environment": environment(device), "dry_run": args.dry_run, "rows": rows,
-               "skipped": budget.skipped}
-    table = markdown_table(rows, ["path", "shape", "fwd_rel_err", "dx_rel_err", "dw_rel_err", "fwd_ms",
-                                  "bf16_linear_ms", "bf16_time_ratio", "error"])
-    write_results(args.out, "Real-GEMM QAT paths (int8 / FP8 / Transformer Engine)", payload, table)
-    bad = [r for r in rows if "fwd_rel_err" in r and r["fwd_rel_err"] > 0.05]
-    return 1 if bad else 0
+        res.add({"path": "transformer_engine fp8 Linear", "error": "Transformer Engine not installed"})
+    elif device.type == "cuda" and budget.allows(8.0):
+        res.add(check_te(m, k, n, device, reps))
+    return res.finish(not bad)
 
 
 if __name__ == "__main__":

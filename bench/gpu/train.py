@@ -1,100 +1,244 @@
-"""Training throughput on the GPU: a ~350M-parameter GPT (24 layers, hidden 1024, 16 heads, seq 2048),
-bf16 autocast, AdamW, for each attention backend. Reports tokens/s and MFU = model FLOPs per token x
-tokens/s / the GPU's peak dense bf16 FLOP/s (6 x parameters + 6 x layers x seq x hidden per token for
-causal attention, forward + backward).
+"""GPT training throughput on the GPU through what users run: pretrain_gpt.py's own Trainer (its flags,
+data path from a Megatron .bin/.idx corpus, our AdamW, Squinch reducer, log line), bf16, sequence 2048,
+for a ~350M and a ~1.3B GPT (head dim 128): plain causal (SDPA), packed documents with
+--reset-attention-mask (our Triton visibility kernel) and packed documents with Z-Reg. The peer is a plain
+PyTorch loop of the same model: torch.optim.AdamW(fused=True), SDPA, torch.compile per transformer layer
+(and the same loop eager), on plain causal rows; our rows are reported as ratios to the compiled peer.
+
+Step time is the median over the timed iterations (after warm-up; each iteration ends with the Trainer's
+one host sync). MFU = model FLOPs (megatron-core's formula, causal attention included, as in the
+Trainer's --log-throughput) per second over the measured bf16 matmul rate (gpu_env.json) and over the
+datasheet peak. A counter on Triton's launch entry point and on ``attend`` / SDPA proves which attention
+kernel each row ran.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
+import os
+import shutil
+import statistics
+import tempfile
 import time
 
+import numpy as np
 import torch
-from common import Budget, environment, markdown_table, parser, pick_device, write_results
+from common import (
+    Budget,
+    KernelCounter,
+    StepResults,
+    ceilings,
+    count_calls,
+    environment,
+    parser,
+    pick_device,
+)
 
+import pretrain_gpt
 from megatron_cai.core import device as dev
 from megatron_cai.core import parallel_state as ps
-from megatron_cai.core.models.gpt.config import GPTConfig
-from megatron_cai.core.models.gpt.model import GPTModel
+from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron_cai.core.models.gpt.model import build_model_chunks
+from megatron_cai.core.transformer import attention as attention_mod
+from megatron_cai.training.logging import gpt_flops_per_iteration
+from megatron_cai.training.training import Trainer
 
-# Peak dense bf16 tensor-core FLOP/s by device-name fragment (first match).
-PEAK_BF16 = {"H200": 989.4e12, "H100 PCIe": 756e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12,
-             "A10": 125e12, "4090": 165e12}
+VOCAB = 32000  # NullTokenizer ids; EOD = VOCAB
+MODELS = {
+    "350M": ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "8",
+             "--ffn-hidden-size", "2816"],
+    "1.3B": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+             "--ffn-hidden-size", "5632"],
+    "toy": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--ffn-hidden-size", "128"],
+}
+# (row name, model, kind, extra flags), most decisive first; the 1.3B rows last.
+ROWS = [
+    ("ours: plain causal (SDPA)", "350M", "ours", []),
+    ("peer: AdamW(fused) + SDPA + torch.compile", "350M", "peer-compiled", []),
+    ("ours: packed docs (Triton visibility kernel)", "350M", "ours", ["--reset-attention-mask"]),
+    ("ours: packed docs + Z-Reg", "350M", "ours", ["--reset-attention-mask", "--attention-zreg-coeff", "1e-4"]),
+    ("peer: eager", "350M", "peer-eager", []),
+    ("ours: plain causal (SDPA)", "1.3B", "ours", []),
+    ("ours: packed docs (Triton visibility kernel)", "1.3B", "ours", ["--reset-attention-mask"]),
+    ("peer: AdamW(fused) + SDPA + torch.compile", "1.3B", "peer-compiled", []),
+]
+COLUMNS = ["row", "model", "params_M", "tokens_per_s", "vs_peer", "step_ms", "spread_ms", "TFLOPs", "MFU_measured",
+           "MFU_datasheet", "peak_mem_GiB", "attention", "error"]
 
 
-def peak_flops(name: str, override_tflops: float | None) -> float | None:
-    if override_tflops:
-        return override_tflops * 1e12
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+def build_corpus(prefix: str, tokens: int, seed: int = 0) -> None:
+    """A Megatron .bin/.idx corpus of random documents (64 to 1024 tokens, EOD-terminated)."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    written = 0
+    while written < tokens:
+        n = int(rng.integers(64, 1024))
+        builder.add_document(np.append(rng.integers(0, VOCAB, n), VOCAB))
+        written += n + 1
+    builder.finalize(prefix + ".idx")
 
 
-def run_backend(backend: str, cfg: GPTConfig, device: torch.device, steps: int, warmup: int, mbs: int,
-                use_bf16: bool) -> dict:
-    model = GPTModel(GPTConfig(**{**cfg.to_dict(), "attention_backend": backend})).to(device)
-    model.initialize(1234)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if
-                            device.type == "cuda" else {}))
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length + 1), generator=g).to(device)
-    pos = torch.arange(cfg.seq_length, device=device).expand(mbs, -1)
-    losses, t_start = [], None
-    for step in range(steps):
-        if step == warmup:
+def base_flags(model: str, seq: int, mbs: int, iters: int, data: str, dry_run: bool) -> list[str]:
+    flags = MODELS[model] + [
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", str(mbs),
+        "--global-batch-size", str(mbs), "--train-iters", str(iters), "--log-interval", str(iters),
+        "--eval-iters", "0", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--data-path", data, "--split", "1,0,0",
+        "--data-cache-path", os.path.dirname(data), "--position-embedding-type", "rope", "--normalization",
+        "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--squinch", "--seed", "1234"]
+    # the CPU dry run: fp32 (the interpreter's bf16 dot is wrong) and our kernel forced (CPU's default is
+    # the blocked torch path); on CUDA the default backend is our Triton kernel
+    return flags + (["--attention-backend", "triton"] if dry_run else ["--bf16"])
+
+
+def run_ours(argv: list[str], warmup: int, device: torch.device) -> dict:
+    """Train through pretrain_gpt's Trainer; per-iteration times (each ends with the loop's host sync)."""
+    config, tokenizer = pretrain_gpt.build_run(argv, world_size=1)
+    out = io.StringIO()
+    counter, calls = KernelCounter(), {}
+    with contextlib.redirect_stdout(out):
+        trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step,
+                          tokenizer)
+        stamps = []
+        step = trainer.train_step
+
+        def timed_step():
+            result = step()
             dev.synchronize(device)
-            t_start = time.perf_counter()
-        with dev.autocast(device, use_bf16):
-            loss = model(tokens[:, :-1], pos, labels=tokens[:, 1:]).float().mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    dev.synchronize(device)
-    seconds = time.perf_counter() - t_start
+            stamps.append(time.perf_counter())
+            return result
+
+        trainer.train_step = timed_step
+        with counter.active(), count_calls(attention_mod, "attend", calls), \
+                count_calls(torch.nn.functional, "scaled_dot_product_attention", calls):
+            dev.synchronize(device)
+            stamps.append(time.perf_counter())
+            state = trainer.train()
+    n_params = sum(p.numel() for m in trainer.model for p in m.module.parameters())
+    history = state.extra["history"]
+    lines = [ln for ln in out.getvalue().splitlines() if " iteration " in ln]
+    del trainer
+    steps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
+    return {"config": config, "n_params": n_params, "steps": steps, "loss": [h["lm loss"] for h in history],
+            "log_line": lines[-1].strip() if lines else None, "kernels": counter.counts, "calls": calls}
+
+
+def run_peer(argv: list[str], warmup: int, device: torch.device, compiled: bool, dry_run: bool) -> dict:
+    """The same model in a plain loop: fused AdamW, bf16 autocast, SDPA (no visibility), optional compile."""
+    config, _ = pretrain_gpt.build_run(argv, world_size=1)
+    cfg, run = config.model, config.training
+    ps.initialize_model_parallel()
+    model = build_model_chunks(cfg, run.seed)[0].to(device)
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        for layer in model.decoder.layers.values():
+            layer.compile(backend="eager" if dry_run else "inductor")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                            **({"fused": True} if device.type == "cuda" else {}))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (run.micro_batch_size, cfg.seq_length + 1), generator=g).to(device)
+    pos = torch.arange(cfg.seq_length, device=device).expand(run.micro_batch_size, -1)
+    stamps, losses, calls = [], [], {}
+    with count_calls(torch.nn.functional, "scaled_dot_product_attention", calls):
+        dev.synchronize(device)
+        stamps.append(time.perf_counter())
+        for _ in range(run.train_iters):
+            with dev.autocast(device, run.bf16):
+                loss = model(tokens[:, :-1], pos, labels=tokens[:, 1:]).float().mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())  # one host sync per iteration, as the Trainer's
+            stamps.append(time.perf_counter())
     n_params = sum(p.numel() for p in model.parameters())
-    return {"backend": backend, "params_M": n_params / 1e6, "steps_timed": steps - warmup,
-            "tokens_per_s": (steps - warmup) * mbs * cfg.seq_length / seconds,
-            "first_loss": losses[0].item(), "last_loss": losses[-1].item(),
-            "peak_mem_GiB": dev.max_memory_allocated(device) / 2**30, "n_params": n_params}
+    del model, opt
+    steps = [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1:])]
+    out = {"config": config, "n_params": n_params, "steps": steps, "loss": losses, "log_line": None,
+           "kernels": {}, "calls": calls}
+    if compiled:  # how much of the model Dynamo compiled (graph breaks fall back to eager)
+        out["compile"] = {"unique_graphs": counters["stats"].get("unique_graphs", 0),
+                          "graph_breaks": sum(counters["graph_break"].values())}
+    return out
+
+
+def describe_attention(r: dict, packed: bool) -> str:
+    k, c = r["kernels"], r["calls"]
+    parts = [f"attend x{c['attend']}"] if c.get("attend") else []
+    parts += [f"SDPA x{c['scaled_dot_product_attention']}"] if c.get("scaled_dot_product_attention") else []
+    parts += [f"{name} x{n}" for name, n in sorted(k.items()) if "kernel" in name and not name.startswith("_en")
+              and not name.startswith("_de")]
+    return ", ".join(parts) or ("none counted" if packed else "compiled (not counted)")
 
 
 def main(argv=None) -> int:
-    p = parser(__doc__.split("\n\n")[0], "gpu_train", 160)
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s (default: by GPU name)")
-    args = p.parse_args(argv)
+    args = parser(__doc__.split("\n\n")[0], "gpu_train", 150).parse_args(argv)
     device = pick_device(args.dry_run)
     budget = Budget(args.budget_s)
-    ps.initialize_model_parallel()
-    if args.dry_run:
-        cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=128, seq_length=64,
-                        hidden_dropout=0.0, attention_dropout=0.0)
-        steps, warmup, mbs, backends = 3, 1, 1, ["triton", "blocked"]
-    else:
-        cfg = GPTConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=32768,
-                        seq_length=2048, hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
-                        activation="swiglu", ffn_hidden_size=2816, add_bias_linear=False)
-        steps, warmup, mbs, backends = 50, 5, 4, ["triton", "flex", "eager"]
-    peak = None if args.dry_run else peak_flops(dev.device_name(device), args.peak_tflops)
-    rows = []
-    for backend in backends:
-        if not budget.allows(backend, 5.0 if args.dry_run else 40.0):
-            continue
-        try:
-            r = run_backend(backend, cfg, device, steps, warmup, mbs, use_bf16=not args.dry_run)
-        except Exception as e:  # recorded per backend (e.g. out of memory for eager)
-            rows.append({"backend": backend, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            continue
-        flops_per_token = 6 * r["n_params"] + 6 * cfg.num_layers * cfg.seq_length * cfg.hidden_size
-        r["TFLOPs_per_s"] = flops_per_token * r["tokens_per_s"] / 1e12
-        r["MFU"] = flops_per_token * r["tokens_per_s"] / peak if peak else None
-        rows.append(r)
-        dev.synchronize(device)
-    payload = {"environment": environment(device), "dry_run": args.dry_run, "config": cfg.to_dict(),
-               "micro_batch": mbs, "steps": steps, "warmup_steps": warmup, "peak_flops": peak, "rows": rows,
-               "skipped": budget.skipped}
-    table = markdown_table(rows, ["backend", "params_M", "tokens_per_s", "TFLOPs_per_s", "MFU", "first_loss",
-                                  "last_loss", "peak_mem_GiB", "error"])
-    write_results(args.out, "GPT training throughput per attention backend", payload, table)
-    ours = [r for r in rows if r["backend"] == "triton"]
-    return 0 if ours and "error" not in ours[0] else 1
+    seq, mbs, iters, warmup = (64, 2, 2, 1) if args.dry_run else (2048, 4, 10, 3)
+    res = StepResults(args.out, "GPT training throughput: our Trainer vs a plain PyTorch loop", COLUMNS,
+                      dry_run=args.dry_run, environment=environment(device), seq_length=seq, micro_batch=mbs,
+                      iterations=iters, warmup_iterations=warmup,
+                      goal="ours >= 0.9 of the compiled peer's tokens/s on plain causal; MFU reported per row")
+    ceil = ceilings(args.out, device, args.dry_run)
+    res.set(ceilings=ceil)
+    tmp = tempfile.mkdtemp(prefix="megatron_cai_gpu_train_")
+    ok = True
+    try:
+        data = os.path.join(tmp, "corpus")
+        build_corpus(data, 2 * (iters + 2) * mbs * (seq + 1))
+        peers: dict[str, float] = {}
+        for name, model, kind, extra in ROWS:
+            if args.dry_run and model != "350M":  # the toy run proves each kind of row once
+                continue
+            sizes = "toy" if args.dry_run else model
+            need = 5.0 if args.dry_run else (40.0 if model == "1.3B" or kind == "peer-compiled" else 20.0)
+            if not budget.allows(need):
+                res.skip(f"{name} {model}")
+                continue
+            argv_row = base_flags(sizes, seq, mbs, iters, data, args.dry_run) + extra
+            row = {"row": name, "model": model, "kind": kind, "flags": " ".join(extra)}
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            try:
+                r = (run_ours(argv_row, warmup, device) if kind == "ours"
+                     else run_peer(argv_row, warmup, device, kind == "peer-compiled", args.dry_run))
+            except Exception as e:  # recorded per row (out of memory, a compile failure, ...)
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                ok = ok and kind != "ours"
+                res.add(row)
+                continue
+            finally:
+                gc.collect()
+                dev.empty_cache(device)
+            step = statistics.median(r["steps"])
+            flops = gpt_flops_per_iteration(r["config"].model, mbs)
+            row.update(params_M=r["n_params"] / 1e6, step_ms=step * 1e3,
+                       spread_ms=(max(r["steps"]) - min(r["steps"])) * 1e3, tokens_per_s=mbs * seq / step,
+                       TFLOPs=flops / step / 1e12, MFU_measured=flops / step / 1e12 / ceil["bf16_matmul_TFLOPs"],
+                       first_loss=r["loss"][0], last_loss=r["loss"][-1],
+                       peak_mem_GiB=dev.max_memory_allocated(device) / 2**30, log_line=r["log_line"],
+                       kernel_launches=r["kernels"], calls=r["calls"], compile=r.get("compile"),
+                       attention=describe_attention(r, "--reset-attention-mask" in extra))
+            if ceil.get("datasheet_bf16_TFLOPs"):
+                row["MFU_datasheet"] = row["TFLOPs"] / ceil["datasheet_bf16_TFLOPs"]
+            if kind == "peer-compiled":
+                peers[model] = row["tokens_per_s"]
+                for other in res.payload["rows"]:  # ours measured before the peer of their model
+                    if other.get("model") == model and other.get("tokens_per_s") and other["kind"] != kind:
+                        other["vs_peer"] = other["tokens_per_s"] / peers[model]
+            if model in peers:
+                row["vs_peer"] = row["tokens_per_s"] / peers[model]
+            if r["log_line"]:
+                print("  " + r["log_line"], flush=True)
+            res.add(row)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res.finish(ok)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,26 @@ def max_memory_allocated(device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
+def memory_stats(device: torch.device) -> dict[str, int]:
+    """Megatron-LM's --log-memory-to-tensorboard figures: CUDA's caching-allocator statistics (reserved,
+    allocated and peak allocated bytes, live allocations); on CPU the process's resident bytes for the first
+    two, its high-water mark for the peak, and 0 allocations (CPU has no allocator counters)."""
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        return {"reserved": s.get("reserved_bytes.all.current", 0),
+                "allocated": s.get("allocated_bytes.all.current", 0),
+                "peak": s.get("allocated_bytes.all.peak", 0), "count": s.get("allocation.all.current", 0)}
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:  # not Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"reserved": rss, "allocated": rss, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "count": 0}
+
+
 def cuda_available() -> bool:
     """Whether a CUDA device can be used by this process."""
     return torch.cuda.is_available()

@@ -107,15 +107,22 @@ INTERPRETER_TILES = Tiles(16, 16, 4, 1)
 #   sm_86/sm_89 (32 B) and at 16 x 32 on sm_80 (64 B): sm_86+ take 16 x 16 (33,792 B, ~64 registers).
 #   d64 dK/dV at 32 x 32 spilled 32 B with a window on sm_80 with 1 stage; 2 stages do not.
 # - d256 may spill (not a failure) but must fit: the 64 x 32 rows need ~131 KB, so sm_86/sm_89 take 32 x 32.
+# - Hopper (sm_90+, first in the 16-bit d64 / d128 rows): the generic d128 rows put 8 warps on a 64-row
+#   tile (warpsPerCTA=[8,1]: both warpgroups compute the same S and dP) and dK/dV has 1 stage (no
+#   cp.async). fwd / dQ take 128-row tiles on 8 warps (3 / 2 stages), dK/dV 2 stages. With triton 3.6.0
+#   and 3.9.0 (bench/results/compile_kernels*.md): d128 dK/dV at 64 x 64 w8 s2 spilled 16-64 B (with
+#   or without a window, depending on the version) and at 128 x 64 32-72 B with a window; 32 x 64 on
+#   8 warps does not spill. d64 dQ at 128 x 64 on 4 warps spilled 56 B with a window; 8 warps do not.
 _T = Tiles
 ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple, ...]] = {
     # ---- bf16 / fp16 inputs
-    ("fwd", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
-    ("dq", "16bit", 64): ((56_000, _T(64, 64, 4, 2)),),
-    ("dkdv", "16bit", 64): ((44_000, _T(64, 32, 8, 1)),),  # 40,960 B; 64x64 w8 spilled 36 B on sm_89
-    ("fwd", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
-    ("dq", "16bit", 128): ((100_000, _T(64, 64, 8, 2)),),
-    ("dkdv", "16bit", 128): ((80_000, _T(64, 64, 8, 1)),),
+    ("fwd", "16bit", 64): ((52_000, _T(128, 64, 8, 3), 90), (56_000, _T(64, 64, 4, 2))),
+    ("dq", "16bit", 64): ((68_000, _T(128, 64, 8, 2), 90), (56_000, _T(64, 64, 4, 2))),
+    ("dkdv", "16bit", 64): ((60_000, _T(64, 64, 4, 2), 90),
+                            (44_000, _T(64, 32, 8, 1))),  # 40,960 B; 64x64 w8 spilled 36 B on sm_89
+    ("fwd", "16bit", 128): ((100_000, _T(128, 64, 8, 3), 90), (100_000, _T(64, 64, 8, 2))),
+    ("dq", "16bit", 128): ((133_000, _T(128, 64, 8, 2), 90), (100_000, _T(64, 64, 8, 2))),
+    ("dkdv", "16bit", 128): ((56_000, _T(32, 64, 8, 2), 90), (80_000, _T(64, 64, 8, 1))),
     ("fwd", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
     ("dq", "16bit", 256): ((136_000, _T(64, 32, 8, 2)), (72_000, _T(32, 32, 4, 2))),
     ("dkdv", "16bit", 256): ((136_000, _T(32, 64, 8, 1)), (72_000, _T(32, 32, 4, 1))),
@@ -125,11 +132,22 @@ ATTENTION_TABLE: dict[tuple[str, str, int], tuple[tuple, ...]] = {
     ("dkdv", "fp32", 64): ((60_000, _T(32, 32, 8, 2)),),  # s1 spilled 32 B with a window on sm_80
     ("fwd", "fp32", 128): ((76_000, _T(32, 32, 8, 1)),),  # s2 spilled 768 B on sm_86/sm_89
     ("dq", "fp32", 128): ((76_000, _T(32, 32, 8, 2)),),  # s1 spilled
-    ("dkdv", "fp32", 128): ((40_000, _T(16, 16, 8, 1), 86), (76_000, _T(32, 32, 8, 1))),
+    # 16 x 16 on 8 warps spilled 28-36 B on sm_90 once the (batch, head) bases became int64; 4 warps do not
+    ("dkdv", "fp32", 128): ((40_000, _T(16, 16, 4, 1), 86), (76_000, _T(32, 32, 8, 1))),
     ("fwd", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
     ("dq", "fp32", 256): ((100_000, _T(16, 32, 4, 1)),),
     ("dkdv", "fp32", 256): ((101_376, _T(16, 32, 4, 1)),),  # 100,352 B compiled
 }
+
+
+# The backward's preprocess (delta = rowsum(dO * O) in fp32): query rows per program and warps (no shared
+# memory, no loop); BLOCK_N is unused.
+DELTA_TILES = Tiles(64, 1, 4, 1)
+
+
+def delta_tiles(target: Target | None) -> Tiles:
+    """The preprocess kernel's rows and warps on `target` (None: the CPU interpreter)."""
+    return INTERPRETER_TILES if target is None else DELTA_TILES
 
 
 def dtype_kind(dtype: torch.dtype) -> str:
@@ -194,10 +212,12 @@ class CodecLaunch:
     num_stages: int
 
 
-# The encoder with error feedback and stochastic rounding spilled 8 B at 4 warps (80 registers); 8 warps
-# hold half the elements per thread (40 registers, no spill). Payloads do not depend on these numbers.
+# Full blocks take an unmasked path (16-byte loads and residual stores, 4 elements per thread) and only a
+# row's last program is masked, so each program compiles both: 128 blocks on 8 warps then spilled 16 B at
+# 40 registers on sm_86/sm_89 (bf16 residual); 64 blocks on 4 warps (the same 4 elements per thread) use
+# 40-56 registers and never spill. Payloads do not depend on these numbers.
 SQUINCH_TABLE: dict[str, CodecLaunch] = {
-    "encode": CodecLaunch(blocks=128, num_warps=8, num_stages=3),
+    "encode": CodecLaunch(blocks=64, num_warps=4, num_stages=3),
     "decode": CodecLaunch(blocks=128, num_warps=4, num_stages=3),
 }
 SQUINCH_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,15 +1,19 @@
-"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+"""Process groups for tensor (TP), context (CP), data (DP) and pipeline (PP) parallelism.
 
-Ranks are laid out as in Megatron: TP ranks are adjacent, then DP, then PP::
+Ranks are laid out in Megatron's order: TP ranks are adjacent, then CP, then DP, then PP::
 
-    global_rank = tp_rank + TP * (dp_rank + DP * pp_rank)
+    global_rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank))
 
-Each DP group is further split into an intra-node group (DP peers on the same node) and an inter-node
-group (DP peers with the same position inside their node), for hierarchical gradient reduction.
-With a world size of one nothing is created and every getter answers for a single process.
+Gradients are reduced over DP x CP (the ``with_context_parallel=True`` group, ordered by
+``cp_rank + CP * dp_rank``): CP ranks hold the same weights and see different tokens of one sequence.
+That group is further split into an intra-node group (its ranks on the same node, so a node holds whole
+CP groups) and an inter-node group (its ranks with the same position inside their node), for
+hierarchical gradient reduction. With a world size of one nothing is created and every getter answers
+for a single process.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -26,6 +30,7 @@ class _State:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     vpp: int | None = None
     vpp_rank: int | None = None
     ranks_per_node: int = 1
@@ -39,15 +44,16 @@ _STATE: _State | None = None
 def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = None,
                  num_attention_heads: int | None = None, num_query_groups: int | None = None,
                  global_batch_size: int | None = None, micro_batch_size: int | None = None,
-                 vpp_layers: int | None = None) -> int:
-    """Validate a TP x PP x DP layout; return DP. Raises one ParallelLayoutError listing every problem."""
+                 vpp_layers: int | None = None, cp: int = 1) -> int:
+    """Validate a TP x CP x DP x PP layout; return DP. Raises one ParallelLayoutError listing every problem."""
     problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
-    elif world_size % (tp * pp) != 0:
-        problems.append(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-                        f"pipeline-model-parallel-size {pp} = {tp * pp}")
-    dp = max(world_size // max(tp * pp, 1), 1)
+    if tp < 1 or pp < 1 or cp < 1:
+        problems.append(f"tensor ({tp}), context ({cp}) and pipeline ({pp}) parallel sizes must be >= 1")
+    elif world_size % (tp * cp * pp) != 0:
+        what = f"tensor-model-parallel-size {tp} x " + (f"context-parallel-size {cp} x " if cp > 1 else "")
+        problems.append(f"world size {world_size} is not divisible by {what}pipeline-model-parallel-size {pp} = "
+                        f"{tp * cp * pp}")
+    dp = max(world_size // max(tp * cp * pp, 1), 1)
     if num_layers is not None and num_layers % pp != 0:
         problems.append(f"num-layers {num_layers} is not divisible by pipeline-model-parallel-size {pp}")
     if vpp_layers is not None and num_layers is not None and pp > 0 and num_layers % pp == 0:
@@ -66,57 +72,78 @@ def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = Non
             problems.append(f"global-batch-size {global_batch_size} is not divisible by micro-batch-size "
                             f"{micro_batch_size} x data-parallel size {dp} = {micro_batch_size * dp}")
     if problems:
+        cp_text = f", CP={cp}" if cp > 1 else ""
         raise ParallelLayoutError(
-            f"impossible parallel layout for world size {world_size} (TP={tp}, PP={pp}, DP={dp}): "
+            f"impossible parallel layout for world size {world_size} (TP={tp}{cp_text}, PP={pp}, DP={dp}): "
             + "; ".join(problems))
     return dp
 
 
+_GROUP_TIMEOUT: datetime.timedelta | None = None  # --distributed-timeout-minutes, for every group made here
+
+
+def new_group(ranks=None, **kwargs):
+    """``dist.new_group`` with the run's collective timeout (``--distributed-timeout-minutes``, given to
+    :func:`initialize_model_parallel`): every process group of the package is made here, so a rank that
+    stops answering fails every collective waiting on it after that long (a structure test checks it)."""
+    if _GROUP_TIMEOUT is not None:
+        kwargs.setdefault("timeout", _GROUP_TIMEOUT)
+    return dist.new_group(ranks, **kwargs)
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              ranks_per_node: int | None = None) -> None:
-    """Create all process groups. Every rank must call this with the same arguments."""
-    global _STATE
+                              ranks_per_node: int | None = None, context_parallel_size: int = 1,
+                              timeout: datetime.timedelta | None = None) -> None:
+    """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
+    the same arguments."""
+    global _STATE, _GROUP_TIMEOUT
+    _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    dp = check_layout(world, tp, pp)
-    state = _State(world_size=world, rank=rank, tp=tp, pp=pp, dp=dp,
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
+    dp = check_layout(world, tp, pp, cp=cp)
+    state = _State(world_size=world, rank=rank, tp=tp, pp=pp, dp=dp, cp=cp,
                    vpp=virtual_pipeline_model_parallel_size,
                    vpp_rank=0 if virtual_pipeline_model_parallel_size else None)
     rpn = ranks_per_node or world
-    if rpn % tp != 0 or ((tp * dp) % rpn != 0 and rpn % (tp * dp) != 0):
-        # A node must hold whole TP groups and a whole number of DP peers (or whole DP groups).
+    tcp, dcp = tp * cp, dp * cp
+    if rpn % tcp != 0 or ((tcp * dp) % rpn != 0 and rpn % (tcp * dp) != 0):
+        # A node must hold whole TP x CP groups and a whole number of DP peers (or whole DP groups).
         if ranks_per_node is not None and world > 1:
+            cp_text = f" x context-parallel-size {cp}" if cp > 1 else ""
             raise ParallelLayoutError(
-                f"ranks per node {rpn} must be a multiple of tensor-model-parallel-size {tp} and divide, or be "
-                f"a multiple of, TP x DP = {tp * dp}, so that each node holds whole TP groups")
+                f"ranks per node {rpn} must be a multiple of tensor-model-parallel-size {tp}{cp_text} and divide, "
+                f"or be a multiple of, TP x CP x DP = {tcp * dp}, so that each node holds whole TP (and CP) groups")
         rpn = world
     state.ranks_per_node = rpn
 
-    def grank(t, d, p):
-        return t + tp * (d + dp * p)
+    def grank(t, c, d, p):
+        return t + tp * (c + cp * (d + dp * p))
 
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
     layouts = {
-        "tp": [[grank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[grank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[grank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-        "mp": [[grank(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)],
-        "embd": [sorted({grank(t, d, 0), grank(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
+        "tp": [[grank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "cp": [[grank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "dp": [[grank(t, c, d, p) for d in D] for p in P for c in C for t in T],
+        "dp_cp": [[grank(t, c, d, p) for d in D for c in C] for p in P for t in T],
+        "pp": [[grank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        "mp": [[grank(t, c, d, p) for p in P for t in T] for d in D for c in C],
+        "embd": [sorted({grank(t, c, d, 0), grank(t, c, d, pp - 1)}) for d in D for c in C for t in T],
     }
-    dp_per_node = max(min(rpn // tp, dp), 1)
+    per_node = max(min(rpn // tp, dcp), 1)  # members of a DP x CP group on one node (whole CP groups)
     intra, inter = [], []
-    for group in layouts["dp"]:
-        for n in range(dp // dp_per_node):
-            intra.append(group[n * dp_per_node:(n + 1) * dp_per_node])
-        for i in range(dp_per_node):
-            inter.append(group[i::dp_per_node])
+    for group in layouts["dp_cp"]:
+        for n in range(dcp // per_node):
+            intra.append(group[n * per_node:(n + 1) * per_node])
+        for i in range(per_node):
+            inter.append(group[i::per_node])
     layouts["dp_intra"] = intra
     layouts["dp_inter"] = inter
 
     for name, groups in layouts.items():
         for ranks in groups:
-            pg = dist.new_group(ranks) if world > 1 else None
+            pg = new_group(ranks) if world > 1 else None
             if rank in ranks:
                 state.groups[name] = pg
                 state.ranks[name] = ranks
@@ -155,8 +182,13 @@ def get_pipeline_model_parallel_group():
     return _group("pp")
 
 
-def get_data_parallel_group():
-    return _group("dp")
+def get_data_parallel_group(with_context_parallel: bool = False):
+    """The DP group; with ``with_context_parallel`` the DP x CP group over which gradients are reduced."""
+    return _group("dp_cp" if with_context_parallel else "dp")
+
+
+def get_context_parallel_group():
+    return _group("cp")
 
 
 def get_model_parallel_group():
@@ -168,6 +200,7 @@ def get_embedding_group():
 
 
 def get_data_parallel_intra_node_group():
+    """The DP x CP group's ranks on this node (whole CP groups): hierarchical reduction's first stage."""
     return _group("dp_intra")
 
 
@@ -184,8 +217,14 @@ def get_pipeline_model_parallel_world_size() -> int:
     return _s().pp if _STATE else 1
 
 
-def get_data_parallel_world_size() -> int:
-    return _s().dp if _STATE else 1
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    if not _STATE:
+        return 1
+    return _s().dp * _s().cp if with_context_parallel else _s().dp
+
+
+def get_context_parallel_world_size() -> int:
+    return _s().cp if _STATE else 1
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -196,8 +235,12 @@ def get_pipeline_model_parallel_rank() -> int:
     return _ranks("pp").index(_s().rank) if _STATE else 0
 
 
-def get_data_parallel_rank() -> int:
-    return _ranks("dp").index(_s().rank) if _STATE else 0
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _ranks("dp_cp" if with_context_parallel else "dp").index(_s().rank) if _STATE else 0
+
+
+def get_context_parallel_rank() -> int:
+    return _ranks("cp").index(_s().rank) if _STATE else 0
 
 
 def get_data_parallel_intra_node_world_size() -> int:
@@ -208,8 +251,12 @@ def get_data_parallel_inter_node_world_size() -> int:
     return len(_ranks("dp_inter")) if _STATE else 1
 
 
-def get_data_parallel_global_ranks() -> list[int]:
-    return list(_ranks("dp"))
+def get_data_parallel_global_ranks(with_context_parallel: bool = False) -> list[int]:
+    return list(_ranks("dp_cp" if with_context_parallel else "dp"))
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(_ranks("cp"))
 
 
 def get_embedding_global_ranks() -> list[int]:

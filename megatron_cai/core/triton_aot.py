@@ -50,6 +50,8 @@ class KernelRecord:
     smem_limit: int = 0
     declared_smem: int | None = None
     compile_s: float = 0.0
+    wide_loads: int | None = None  # 16-byte global loads / stores in the PTX (vectorised accesses)
+    wide_stores: int | None = None
     variants: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -181,6 +183,15 @@ def ptxas_stats(ptx: str, capability: int, fp_fusion: bool) -> tuple[int, int]:
     return regs, spills
 
 
+_WIDE_RE = re.compile(r"\b(ld|st)\.global[\w.:]*\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\b")
+
+
+def wide_accesses(ptx: str) -> tuple[int, int]:
+    """(16-byte global loads, 16-byte global stores) in a kernel's PTX."""
+    ops = [m.group(1) for m in _WIDE_RE.finditer(ptx)]
+    return ops.count("ld"), ops.count("st")
+
+
 # --------------------------------------------------------------------------------- launcher cases
 def _intervals(layout: str, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[1, seq] start/limit of a plain causal row, a packed-document row, or a tree row."""
@@ -224,8 +235,10 @@ def attention_cases(dtypes=kc.ATTENTION_DTYPES, head_dims=kc.ATTENTION_HEAD_DIMS
 
 
 def squinch_cases(dtypes=kc.SQUINCH_INPUT_DTYPES, residuals=kc.SQUINCH_RESIDUALS, stochastic=(False, True),
-                  misaligned=(0, 1)) -> Iterator[tuple[str, int | None, Callable[[], None]]]:
-    """Encode (input dtype x residual x stochastic) and decode (accumulate), aligned and misaligned."""
+                  misaligned=(0, 1), wire_rows=(False, True)) -> Iterator[tuple[str, int | None, Callable[[], None]]]:
+    """Encode (input dtype x residual x stochastic) and decode (accumulate), aligned and misaligned; the
+    collectives' wire-row variants (encode writing every row's flag byte, decode reading them) for the
+    fp32 / bf16 gradients and fp32 / no residual that the reducers use."""
     from megatron_cai.core.squinch import format as fmt
     from megatron_cai.core.squinch import triton_kernels as tk
 
@@ -234,23 +247,38 @@ def squinch_cases(dtypes=kc.SQUINCH_INPUT_DTYPES, residuals=kc.SQUINCH_RESIDUALS
         for dtype in dtypes:
             for res in residuals:
                 for stoch in stochastic:
-                    label = f"encode {str(dtype)[6:]} res={str(res)[6:] if res else 'none'}" \
-                            f"{' stochastic' if stoch else ''}{' misaligned' if misalign else ''}"
+                    for rows in wire_rows:
+                        if rows and (dtype == torch.float16 or res == torch.bfloat16 or misalign):
+                            continue
+                        label = f"encode {str(dtype)[6:]} res={str(res)[6:] if res else 'none'}" \
+                                f"{' stochastic' if stoch else ''}{' rows' if rows else ''}" \
+                                f"{' misaligned' if misalign else ''}"
 
-                    def run(dtype=dtype, res=res, stoch=stoch, o=misalign):
-                        x = torch.zeros(n + o, dtype=dtype)[o:]
-                        r = None if res is None else torch.zeros(n + o, dtype=res)[o:]
-                        out = torch.zeros(fmt.payload_nbytes(n) + o, dtype=torch.uint8)[o:]
-                        tk.encode_into(x, r, out, stoch, torch.zeros(1, dtype=torch.int64) if stoch else None)
+                        def run(dtype=dtype, res=res, stoch=stoch, o=misalign, rows=rows):
+                            x = torch.zeros(n + o, dtype=dtype)[o:]
+                            r = None if res is None else torch.zeros(n + o, dtype=res)[o:]
+                            seed = torch.zeros(1, dtype=torch.int64) if stoch else None
+                            if rows:  # two wire rows of n / 2 elements: payload | flag | padding
+                                p = fmt.payload_nbytes(n // 2)
+                                wire = torch.zeros(2, p + 16, dtype=torch.uint8)
+                                tk.encode_rows_into(x, r, wire[:, :p], stoch, seed, wire[:, p:])
+                            else:
+                                out = torch.zeros(fmt.payload_nbytes(n) + o, dtype=torch.uint8)[o:]
+                                tk.encode_into(x, r, out, stoch, seed)
 
-                    yield label, None, run
-        for acc in (False, True):
-            def run(acc=acc, o=misalign):
+                        yield label, None, run
+        for acc, flags in ((False, False), (True, False), (False, True)):
+            if flags and (misalign or not any(wire_rows)):
+                continue
+
+            def run(acc=acc, o=misalign, flags=flags):
                 nbytes = fmt.payload_nbytes(n)
-                payloads = torch.zeros(3 * nbytes + o, dtype=torch.uint8)[o:].view(3, nbytes)
-                tk.decode_into(payloads, n, torch.zeros(n + o)[o:], acc)
+                payloads = torch.zeros(3 * (nbytes + 16) + o, dtype=torch.uint8)[o:].view(3, nbytes + 16)
+                tk.decode_into(payloads[:, :nbytes], n, torch.zeros(n + o)[o:], acc,
+                               payloads[:, nbytes] if flags else None)
 
-            yield f"decode{' accumulate' if acc else ''}{' misaligned' if misalign else ''}", None, run
+            yield (f"decode{' accumulate' if acc else ''}{' rows' if flags else ''}"
+                   f"{' misaligned' if misalign else ''}"), None, run
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -261,6 +289,10 @@ def _config_of(kernel) -> tuple[str, str, int | None, int | None]:
     consts = {names[path[0]]: val for path, val in src.constants.items() if len(path) == 1}
     sig = {k: v for k, v in src.signature.items() if v != "constexpr"}
     name = meta.name
+    if name == "_bwd_delta_kernel":  # the backward's preprocess: rows per program, no table row
+        dtype = sig["O"].lstrip("*")
+        return name, f"{dtype} d{consts['HEAD_DIM']} {consts['BLOCK_M']} rows w{meta.num_warps}", \
+            consts["HEAD_DIM"], None
     if "HEAD_DIM" in consts:
         dtype = sig["Q"].lstrip("*")
         tiles = kc.Tiles(consts["BLOCK_M"], consts["BLOCK_N"], meta.num_warps, meta.num_stages)
@@ -291,6 +323,7 @@ def check_target(target: kc.Target, cases, log: Callable[[str], None] = print,
             rec = records[key] = KernelRecord(name, config, target.name, head_dim, smem_limit=target.smem_limit,
                                               declared_smem=declared, compile_s=round(seconds, 2))
             rec.shared_bytes = int(kernel.metadata.shared)
+            rec.wide_loads, rec.wide_stores = wide_accesses(kernel.asm["ptx"])
             try:
                 rec.registers, rec.spill_bytes = ptxas_stats(kernel.asm["ptx"], target.capability,
                                                              bool(kernel.metadata.enable_fp_fusion))
@@ -319,18 +352,25 @@ def check_target(target: kc.Target, cases, log: Callable[[str], None] = print,
 def all_cases(subset: str = "full"):
     """Every launcher case ("full"), or the CI subset ("ci"): the three attention kernels at bf16, head
     dim 128 (the largest kernels that must not spill, and the sm_86/sm_89 shared-memory defect), and the
-    fused encoder with error feedback and stochastic rounding plus decode-accumulate. The full set runs
-    in tools/compile_kernels.py (results in bench/results/compile_kernels.md)."""
+    fused encoder with error feedback and stochastic rounding plus decode-accumulate; or "hopper", what
+    training on the validation machine compiles (bf16 at head dims 64 / 128 with and without a window,
+    fp32 at 128, every Squinch kernel for fp32 / bf16 gradients), which CI checks for sm_90 with its
+    Triton (3.6.0). The full set runs in tools/compile_kernels.py (bench/results/compile_kernels.md)."""
     if subset == "full":
         yield from attention_cases()
         yield from squinch_cases()
+    elif subset == "hopper":
+        yield from attention_cases(dtypes=(torch.bfloat16,), head_dims=(64, 128), layouts=("plain",), zregs=(0.0,))
+        yield from attention_cases(dtypes=(torch.float32,), head_dims=(128,), layouts=("plain",), windows=(None,),
+                                   zregs=(0.0,))
+        yield from squinch_cases(dtypes=(torch.float32, torch.bfloat16), misaligned=(0,))
     elif subset == "ci":
         yield from attention_cases(dtypes=(torch.bfloat16,), head_dims=(128,), layouts=("plain",), windows=(None,),
                                    zregs=(0.0,))
         yield from squinch_cases(dtypes=(torch.float32,), residuals=(torch.float32,), stochastic=(True,),
-                                 misaligned=(0,))
+                                 misaligned=(0,), wire_rows=(True,))
     else:
-        raise ValueError(f"subset must be 'full' or 'ci', got {subset!r}")
+        raise ValueError(f"subset must be 'full', 'hopper' or 'ci', got {subset!r}")
 
 
 def filter_cases(cases, only: str | None):
@@ -376,12 +416,13 @@ def unexercised_candidates(records: list[KernelRecord]) -> list[str]:
 
 
 def to_markdown(records: list[KernelRecord]) -> str:
-    head = "| kernel | config | target | registers | spill B | shared B | limit B | compile s | status |"
-    lines = [head, "|" + "---|" * 9]
+    head = ("| kernel | config | target | registers | spill B | shared B | limit B | 16-B ld / st | compile s "
+            "| status |")
+    lines = [head, "|" + "---|" * 10]
     for r in records:
         status = "; ".join(r.problems()) or "ok"
         lines.append(f"| {r.kernel} | {r.config} | {r.target} | {r.registers} | {r.spill_bytes} | {r.shared_bytes} "
-                     f"| {r.smem_limit} | {r.compile_s} | {status} |")
+                     f"| {r.smem_limit} | {r.wide_loads} / {r.wide_stores} | {r.compile_s} | {status} |")
     return "\n".join(lines)
 
 

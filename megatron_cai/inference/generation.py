@@ -20,7 +20,7 @@ from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer.self_attention import KVCache
-from ..training.checkpoint import CanonicalCheckpoint, load_canonical
+from ..training.checkpoint import CanonicalCheckpoint, load_any_canonical
 
 
 @dataclass
@@ -131,6 +131,22 @@ def _supports_cache(config: GPTConfig) -> bool:
 
 
 # --------------------------------------------------------------------------------------- generate
+def generation_length(prompt_tokens: int, max_new_tokens: int, trained_context: int,
+                      max_position_embeddings: int | None, learned_positions: bool) -> tuple[str | None, str | None]:
+    """(error, warning) for generating ``max_new_tokens`` after a prompt of ``prompt_tokens`` tokens."""
+    if max_new_tokens < 0:
+        return f"--max-new-tokens must be >= 0, got {max_new_tokens}", None
+    total = prompt_tokens + max_new_tokens
+    if learned_positions and max_position_embeddings is not None and total > max_position_embeddings:
+        return (f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} = {total} tokens exceeds "
+                f"the {max_position_embeddings} learned positions of this model"), None
+    if total > trained_context:
+        return None, (f"the prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} = {total} tokens goes "
+                      f"past the trained context of {trained_context} tokens (the run's --seq-length): positions "
+                      f"beyond it were never trained, expect degraded text")
+    return None, None
+
+
 @torch.no_grad()
 def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int, *,
              tokenizer=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -210,8 +226,9 @@ def model_from_canonical(ck: CanonicalCheckpoint, device: str | torch.device = "
 
 def load_model(root: str, step: int | None = None, device: str | torch.device = "cpu"
                ) -> tuple[GPTModel, CanonicalCheckpoint]:
-    """Load a checkpoint of any TP/PP layout as one single-process model (weights only)."""
-    ck = load_canonical(root, step, load_optimizer=False)
+    """Load a checkpoint of either format and any layout as one single-process model (weights only), its
+    files checked against their content hashes first."""
+    ck = load_any_canonical(root, step, load_optimizer=False)
     return model_from_canonical(ck, device), ck
 
 

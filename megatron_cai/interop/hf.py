@@ -27,8 +27,9 @@ import tempfile
 
 import torch
 
-from ..core.models.gpt.config import GPTConfig
+from ..core.models.gpt.config import LEGACY_ACTIVATIONS, GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
+from ..core.transformer.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     CanonicalCheckpoint,
@@ -51,8 +52,7 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
     """Why ``arch`` cannot represent ``config`` exactly (empty: it can)."""
     c, why = config, []
     need = {"llama": {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding_type": "rope"},
-            "gpt2": {"normalization": "LayerNorm", "activation": "gelu",
-                     "position_embedding_type": "learned_absolute"},
+            "gpt2": {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute"},
             "nemotron": {"normalization": "LayerNorm", "activation": "relu2", "position_embedding_type": "rope"},
             "megatron_cai": {}}
     if arch not in need:
@@ -60,6 +60,8 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
     for field_name, value in need[arch].items():
         if getattr(c, field_name) != value:
             why.append(f"{arch} needs {field_name}={value}, the model has {getattr(c, field_name)}")
+    if arch == "gpt2" and c.activation not in ("gelu_tanh", "gelu_erf"):
+        why.append(f"gpt2 needs a GeLU activation, the model has {c.activation}")
     if arch == "gpt2" and c.kv_channels * c.num_attention_heads != c.hidden_size:
         why.append("gpt2 needs kv_channels x num_attention_heads = hidden_size")
     if arch != "megatron_cai" and c.window_size is not None:
@@ -71,6 +73,10 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} rotates whole heads (the model has --rotary-percent {c.rotary_percent})")
     if c.qk_layernorm:
         why.append(f"{arch} has no query/key layernorm (the model has --qk-layernorm)")
+    if c.add_qkv_bias and not c.add_bias_linear:
+        why.append(f"{arch} has no query/key/value-only biases (the model has --add-qkv-bias)")
+    if c.rope_scaling and arch != "llama":
+        why.append(f"{arch} has no Llama 3 RoPE scaling (the model has --use-rope-scaling)")
     if c.apply_layernorm_1p:
         why.append(f"{arch} stores plain norm weights (the model has --apply-layernorm-1p)")
     return why
@@ -180,6 +186,10 @@ def hf_config(config: GPTConfig, arch: str, special: dict | None = None):
               "bos_token_id": special.get("bos_token_id"), "eos_token_id": special.get("eos_token_id"),
               "pad_token_id": special.get("pad_token_id")}
     rope = {"rope_type": "default", "rope_theta": float(c.rotary_base)}
+    if c.rope_scaling:  # megatron-core's constants (rope.py)
+        rope = {"rope_type": "llama3", "rope_theta": float(c.rotary_base), "factor": float(c.rope_scaling_factor),
+                "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR, "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+                "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
     if arch == "llama":
         from transformers import LlamaConfig
 
@@ -193,7 +203,8 @@ def hf_config(config: GPTConfig, arch: str, special: dict | None = None):
         from transformers import GPT2Config
 
         cfg = GPT2Config(n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
-                         n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size, activation_function="gelu_new",
+                         n_head=c.num_attention_heads, n_inner=c.ffn_hidden_size,
+                         activation_function="gelu_new" if c.activation == "gelu_tanh" else "gelu",
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=c.layernorm_epsilon,
                          **common)
     elif arch == "nemotron":
@@ -226,11 +237,23 @@ def config_from_hf(cfg: dict) -> GPTConfig:
     """Our GPTConfig from a Hugging Face config.json (Llama, GPT-2, Nemotron or an export of ours)."""
     mt = cfg.get("model_type")
 
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+
     def rope_theta() -> float:
-        rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
-            raise ConversionError(f"RoPE scaling {rp.get('rope_type', rp.get('type'))!r} is not supported")
+        if rope_type not in ("default", None, "llama3"):
+            raise ConversionError(f"RoPE scaling {rope_type!r} is not supported")
+        if rope_type == "llama3":
+            fixed = (LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT)
+            given = (rp.get("low_freq_factor"), rp.get("high_freq_factor"), rp.get("original_max_position_embeddings"))
+            if tuple(map(float, given)) != tuple(map(float, fixed)):
+                raise ConversionError(f"llama3 RoPE scaling with (low_freq_factor, high_freq_factor, "
+                                      f"original_max_position_embeddings) = {given}: only megatron-core's {fixed} is "
+                                      f"supported")
         return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+    def rope_scaling() -> dict:
+        return {"rope_scaling": True, "rope_scaling_factor": float(rp["factor"])} if rope_type == "llama3" else {}
 
     def bias(att: str, mlp: str) -> bool:
         if bool(cfg.get(att, False)) != bool(cfg.get(mlp, cfg.get(att, False))):
@@ -257,10 +280,11 @@ def config_from_hf(cfg: dict) -> GPTConfig:
                          normalization="RMSNorm" if mt == "llama" else "LayerNorm",
                          layernorm_epsilon=cfg.get("rms_norm_eps" if mt == "llama" else "norm_eps", 1e-5),
                          activation="swiglu" if mt == "llama" else "relu2",
-                         add_bias_linear=bias("attention_bias", "mlp_bias"), **common)
+                         add_bias_linear=bias("attention_bias", "mlp_bias"), **rope_scaling(), **common)
     if mt == "gpt2":
-        if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ConversionError(f"GPT-2 activation {cfg['activation_function']!r} is not the tanh GeLU")
+        gelu = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu_erf"}
+        if cfg.get("activation_function", "gelu_new") not in gelu:
+            raise ConversionError(f"GPT-2 activation {cfg['activation_function']!r} is not a GeLU")
         if cfg.get("scale_attn_by_inverse_layer_idx") or not cfg.get("scale_attn_weights", True):
             raise ConversionError("GPT-2 attention scaling other than 1/sqrt(head_dim) is not supported")
         h, heads = cfg["n_embd"], cfg["n_head"]
@@ -268,13 +292,16 @@ def config_from_hf(cfg: dict) -> GPTConfig:
                          ffn_hidden_size=cfg.get("n_inner") or 4 * h, seq_length=cfg["n_positions"],
                          max_position_embeddings=cfg["n_positions"], position_embedding_type="learned_absolute",
                          normalization="LayerNorm", layernorm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
-                         activation="gelu", add_bias_linear=True, **common)
+                         activation=gelu[cfg.get("activation_function", "gelu_new")], add_bias_linear=True,
+                         **common)
     if mt == "megatron_cai":
         keys = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                 "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "layernorm_epsilon", "activation", "add_bias_linear", "window_size")
-        return GPTConfig(seq_length=cfg["max_position_embeddings"], **{k: cfg[k] for k in keys if k in cfg},
-                         **common)
+        kw = {k: cfg[k] for k in keys if k in cfg}
+        if "activation" in kw:  # exports made before erf GeLU existed called the tanh GeLU "gelu"
+            kw["activation"] = LEGACY_ACTIVATIONS.get(kw["activation"], kw["activation"])
+        return GPTConfig(seq_length=cfg["max_position_embeddings"], **kw, **common)
     raise ConversionError(f"model_type {mt!r} is not supported for import (llama, gpt2, nemotron, megatron_cai)")
 
 
@@ -463,18 +490,30 @@ def import_from_hf(hf_dir: str, save: str, *, tp: int = 1, pp: int = 1, vp_layer
 
 
 def pretrain_flags(c: GPTConfig) -> list[str]:
-    """The pretrain_gpt.py architecture flags that match ``c`` (what --load checks)."""
+    """The pretrain_gpt.py flags that rebuild ``c``'s function: every architecture field (what --load checks) and
+    the other options that change the outputs (norm epsilon, RoPE base, window)."""
+    activation = {"gelu_erf": "gelu", "gelu_tanh": "gelu_tanh"}.get(c.activation, c.activation)
     flags = ["--num-layers", str(c.num_layers), "--hidden-size", str(c.hidden_size), "--ffn-hidden-size",
              str(c.ffn_hidden_size), "--num-attention-heads", str(c.num_attention_heads), "--kv-channels",
              str(c.kv_channels), "--max-position-embeddings", str(c.max_position_embeddings),
              "--position-embedding-type", c.position_embedding_type, "--normalization", c.normalization,
-             "--norm-epsilon", str(c.layernorm_epsilon), "--activation", c.activation]
+             "--norm-epsilon", repr(c.layernorm_epsilon), "--activation", activation]
     if c.num_query_groups != c.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(c.num_query_groups)]
     if c.position_embedding_type == "rope":
-        flags += ["--rotary-base", str(c.rotary_base)]
+        flags += ["--rotary-base", repr(c.rotary_base), "--rotary-percent", repr(c.rotary_percent)]
+    if c.rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
+    if c.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if c.apply_layernorm_1p:
+        flags.append("--apply-layernorm-1p")
     if c.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
     if not c.add_bias_linear:
         flags.append("--disable-bias-linear")
+    if c.add_qkv_bias and not c.add_bias_linear:
+        flags.append("--add-qkv-bias")
+    if c.window_size is not None:
+        flags += ["--window-size", str(c.window_size)]
     return flags

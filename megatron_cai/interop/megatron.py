@@ -93,7 +93,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     codebase cannot represent exactly are refused, each by its Megatron-LM flag."""
     why = []
     refuse = {"num_experts": "--num-experts (MoE)", "multi_latent_attention": "--multi-latent-attention",
-              "rotary_interleaved": "--rotary-interleaved", "use_rope_scaling": "--use-rope-scaling",
+              "rotary_interleaved": "--rotary-interleaved",
               "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
               "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
               "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
@@ -110,18 +110,12 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     if pe == "rope" and _get(args, "seq_len_interpolation_factor"):
         why.append("--rotary-seq-len-interpolation-factor is not supported")
     bias = bool(_get(args, "add_bias_linear", True))
-    if bool(_get(args, "add_qkv_bias", bias)) != bias:
-        why.append("--add-qkv-bias without --add-bias-linear: this codebase has one bias switch")
     if _get(args, "swiglu"):
         activation = "swiglu"
     elif _get(args, "squared_relu"):
         activation = "relu2"
-    else:
-        # megatron-core's MLP runs F.gelu (erf) unless the bias-GeLU fusion is on, which is the tanh GeLU
-        activation = "gelu"
-        if not (bias and _get(args, "bias_gelu_fusion", True)):
-            why.append("GeLU without the bias-GeLU fusion (--no-bias-gelu-fusion or --disable-bias-linear) is "
-                       "the erf GeLU; this codebase implements the tanh GeLU only")
+    else:  # megatron-core's MLP runs F.gelu (erf) unless the bias-GeLU fusion is on, which is the tanh GeLU
+        activation = "gelu_tanh" if bias and _get(args, "bias_gelu_fusion", True) else "gelu_erf"
     norm = _get(args, "normalization", "LayerNorm")
     if norm not in ("LayerNorm", "RMSNorm"):
         why.append(f"--normalization {norm} is not supported")
@@ -141,7 +135,11 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
         rotary_base=float(_get(args, "rotary_base", 10000) or 10000),
         rotary_percent=float(_get(args, "rotary_percent", 1.0) or 1.0),
         qk_layernorm=bool(_get(args, "qk_layernorm", False)),
-        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False)), normalization=norm,
+        rope_scaling=bool(_get(args, "use_rope_scaling", False)),
+        rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0) or 8.0),
+        add_qkv_bias=bool(_get(args, "add_qkv_bias", bias)) and not bias,
+        apply_layernorm_1p=bool(_get(args, "apply_layernorm_1p", False) or _get(args, "layernorm_zero_centered_gamma")),
+        normalization=norm,
         layernorm_epsilon=float(_get(args, "layernorm_epsilon", _get(args, "norm_epsilon", 1e-5))),
         activation=activation,
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
@@ -156,9 +154,9 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
     """The ``args`` a Megatron-LM checkpoint of ``config`` carries: what ``--use-checkpoint-args`` and
     Megatron-LM's ``check_checkpoint_args`` read (model shape, layout, vocabulary padding, counters)."""
     c = config
-    if c.activation == "gelu" and not c.add_bias_linear:
-        raise ConversionError("a GeLU model without biases has no Megatron-LM equivalent: megatron-core runs the "
-                              "tanh GeLU only in its bias-GeLU fusion")
+    if c.activation == "gelu_tanh" and not c.add_bias_linear:
+        raise ConversionError("a tanh-GeLU model without biases has no Megatron-LM equivalent: megatron-core runs "
+                              "the tanh GeLU only in its bias-GeLU fusion")
     if c.window_size is not None:
         raise ConversionError(f"sliding-window attention (window_size={c.window_size}) is not written to Megatron-LM")
     return argparse.Namespace(
@@ -171,9 +169,12 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         use_rotary_position_embeddings=c.position_embedding_type == "rope", rotary_base=int(c.rotary_base)
         if float(c.rotary_base).is_integer() else c.rotary_base, rotary_percent=c.rotary_percent,
         rotary_interleaved=False, normalization=c.normalization, layernorm_epsilon=c.layernorm_epsilon,
-        apply_layernorm_1p=c.apply_layernorm_1p, qk_layernorm=c.qk_layernorm, swiglu=c.activation == "swiglu",
-        squared_relu=c.activation == "relu2", bias_gelu_fusion=c.activation == "gelu", bias_swiglu_fusion=True,
-        add_bias_linear=c.add_bias_linear, add_qkv_bias=c.add_bias_linear,
+        norm_epsilon=c.layernorm_epsilon,
+        apply_layernorm_1p=c.apply_layernorm_1p, layernorm_zero_centered_gamma=c.apply_layernorm_1p,
+        qk_layernorm=c.qk_layernorm, swiglu=c.activation == "swiglu",
+        squared_relu=c.activation == "relu2", bias_gelu_fusion=c.activation == "gelu_tanh", bias_swiglu_fusion=True,
+        add_bias_linear=c.add_bias_linear, add_qkv_bias=c.qkv_bias, use_rope_scaling=c.rope_scaling,
+        rope_scaling_factor=c.rope_scaling_factor,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         apply_query_key_layer_scaling=False, hidden_dropout=c.hidden_dropout, attention_dropout=c.attention_dropout,
         init_method_std=c.init_method_std, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible,
@@ -531,7 +532,8 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
         f"at (TP, PP) = ({target.tp}, {target.pp}); vocabulary {config.vocab_size} (Megatron's padded rows); "
         f"optimizer state not carried. Continue with\n   pretrain_gpt.py --load {save} --no-load-optim "
-        f"--no-load-rng {' '.join(args['pretrain_flags'])} --vocab-size {config.vocab_size} ...")
+        f"--no-load-rng {' '.join(args['pretrain_flags'])} --vocab-size {config.vocab_size} "
+        f"--make-vocab-size-divisible-by {divisible} ...")
     return out
 
 
@@ -576,7 +578,8 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
                   "num_floating_point_operations_so_far": 0}
         write_torch_dist(tmp, c, to_megatron_state_dict(c, model, 1, spec)[0], common, spec)
         return _publish(tmp, final, save, ck.iteration, log,
-                        f"a Megatron-LM torch_dist checkpoint ({spec} spec, padded vocabulary {padded})", spec)
+                        f"a Megatron-LM torch_dist checkpoint ({spec} spec, padded vocabulary {padded})",
+                        megatron_load_flags(c, spec, ckpt_format))
     ranks = to_megatron_state_dict(c, model, tp, spec)
     tied = not c.untie_embeddings_and_output_weights
     for t in range(tp):
@@ -602,16 +605,38 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
             os.makedirs(rdir, exist_ok=True)
             save_torch(payload, os.path.join(rdir, "model_optim_rng.pt"))
     return _publish(tmp, final, save, ck.iteration, log,
-                    f"a Megatron-LM torch checkpoint ({spec} spec, TP={tp}, PP={pp}, padded vocabulary {padded})", spec)
+                    f"a Megatron-LM torch checkpoint ({spec} spec, TP={tp}, PP={pp}, padded vocabulary {padded})",
+                    megatron_load_flags(c, spec, ckpt_format))
 
 
-def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, spec: str) -> str:
+def megatron_load_flags(config: GPTConfig, spec: str, ckpt_format: str) -> list[str]:
+    """What Megatron-LM's ``pretrain_gpt.py`` needs besides ``--load DIR --use-checkpoint-args`` to rebuild this
+    model: the options that its ``load_args_from_checkpoint`` does not restore from the checkpoint's args
+    (megatron-core 0.19.2 restores the sizes, positions, RoPE base and percent, biases, SwiGLU / squared ReLU,
+    untied embeddings, the norm type and dropouts), and the format and layer implementation."""
+    c = config
+    flags = ["--no-load-optim", "--no-load-rng", "--use-checkpoint-args", "--ckpt-format", ckpt_format]
+    if spec == "local":
+        flags += ["--transformer-impl", "local"]
+    if c.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if c.apply_layernorm_1p:  # 0.19.2 restores args.apply_layernorm_1p, no longer the flag's destination
+        flags.append("--apply-layernorm-1p")
+    if c.layernorm_epsilon != 1e-5:
+        flags += ["--norm-epsilon", repr(c.layernorm_epsilon)]
+    if c.activation in ("gelu_erf", "relu2") and c.add_bias_linear:  # (without biases the fusion is turned off)
+        flags.append("--no-bias-gelu-fusion")  # its fused kernel is the tanh GeLU, and refuses squared ReLU
+    if c.rope_scaling:
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
+    return flags
+
+
+def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, flags: list[str]) -> str:
     if os.path.exists(final):  # only with --overwrite (tools/convert_checkpoint.py checks --save)
         shutil.rmtree(final)
     os.replace(tmp, final)
     write_text(os.path.join(save, TRACKER), str(iteration), fsync=True)
-    impl = " --transformer-impl local" if spec == "local" else ""
-    log(f" wrote iteration {iteration} as {what} to {final}; continue in Megatron-LM with --load {save} "
-        f"--no-load-optim --no-load-rng --use-checkpoint-args{impl}")
+    log(f" wrote iteration {iteration} as {what} to {final}; continue in Megatron-LM with\n"
+        f"   pretrain_gpt.py --load {save} {' '.join(flags)} ...")
     return final
 

@@ -8,17 +8,13 @@ it (``training/config.py``, ``core/models/gpt/config.py``, ``core/distributed/co
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import re
 
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
-from ..core.num_microbatches_calculator import NumMicroBatchesCalculator, parse_rampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
-from ..core.optimizer.grad_scaler import LossScaleConfig, build_grad_scaler
 from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
-from . import divergence, startup_checks
+from . import divergence
 from .config import (
     ArgumentError,
     CheckpointConfig,
@@ -29,8 +25,19 @@ from .config import (
     TokenizerConfig,
     TrainConfig,
     TrainingConfig,
+    flag_range_problems,
 )
-from .megatron_compat import CompatError, add_compat_arguments, attention_backend_for, check_compat
+from .flags.megatron_compat import add_compat_arguments, attention_backend_for
+from .flags.megatron_features import (
+    add_megatron_features,
+    add_megatron_numerics,
+    batch_schedule,
+    check_megatron_numerics,
+    loss_scale_config,
+    step_schedule_global_batch,
+)
+from .flags.report import FlagProblems, parse_collecting
+from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.
@@ -58,23 +65,32 @@ def _model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-position-embedding", action="store_true", help="same as --position-embedding-type none")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="fraction of each head's dims rotated by RoPE")
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1 and 4, "
+                        "original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="the factor of --use-rope-scaling")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (same as --activation swiglu)")
-    g.add_argument("--activation", choices=["relu2", "swiglu", "gelu"], default="relu2",
-                   help="MLP activation; relu2 (squared ReLU) is the default (Megatron-LM, which has no such flag, "
-                        "uses erf GeLU unless --swiglu / --squared-relu; erf GeLU is not implemented here)")
+    g.add_argument("--activation", choices=["gelu", "gelu_tanh", "relu2", "swiglu"], default=None,
+                   help="MLP activation (a flag of ours); without it, Megatron-LM's: GeLU (erf) unless --swiglu, "
+                        "--squared-relu or --openai-gelu (tanh GeLU)")
     g.add_argument("--squared-relu", action="store_true", help="same as --activation relu2")
-    g.add_argument("--openai-gelu", action="store_true", help="same as --activation gelu (tanh approximation)")
+    g.add_argument("--openai-gelu", action="store_true", help="same as --activation gelu_tanh (tanh approximation)")
     g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys per head (--normalization)")
     g.add_argument("--apply-layernorm-1p", action="store_true",
                    help="zero-centred norm weights: the norms scale by (1 + weight), weight initialised to 0")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projections even with --disable-bias-linear (Qwen2)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="embedding and output rows, instead of the vocabulary rounded up to a multiple of "
+                        "--make-vocab-size-divisible-by x TP")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="core attention kernel. Megatron-LM's names: auto, flash and fused (the device's fused "
                         "flash-style kernel: Triton on CUDA, the blocked kernel on CPU), unfused and local (the "
@@ -99,6 +115,10 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (layout TP, CP, DP, PP as Megatron-LM's; "
+                        "gradients reduce over DP x CP); attention moves and computes only the key/value "
+                        "chunks some query can see (docs/context-parallel.md)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
@@ -113,7 +133,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl on CUDA, gloo on CPU (Megatron-LM: nccl; NCCL cannot run on CPU)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="every process group's collective timeout (fractions allowed); a rank that stops "
+                        "answering makes the others exit after this long")
     g.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
                         "set it to simulate nodes on one machine")
@@ -240,20 +262,33 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints in a background thread while training goes on; the tracker moves "
                         "once every rank's write has finished and verified (megatron_cai/training/"
                         "checkpoint/async_save.py)")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let this run save iterations that --save already holds (another run's, or those after "
+                        "--ckpt-step): they are moved aside to iter_N.superseded-<time>, never deleted, and the "
+                        "tracker moves only once the new save is complete")
+    g.add_argument("--allow-tokenizer-change", action="store_true",
+                   help="resume although the tokenizer's content differs from the one the checkpoint was saved "
+                        "with (by default an error; --finetune allows it too)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--eval-interval", type=int, default=None, help="default: no periodic evaluation")
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation iteration (default: the global batch)")
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="taken when it equals --micro-batch-size (evaluation runs the training micro-batch here)")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     # gradient-reduction phase timers (core/distributed/comm_timing.py)
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
                    help="1: per-phase time of the Squinch gradient reduction every --log-interval; "
-                        "2: also per bucket")
+                        "2: also per bucket, and the backward timeline (when each bucket is handed to the reducer; "
+                        "the step-time model's input, bench/squinch_scale.py)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
-                   help="write TensorBoard scalars at log iterations divisible by this")
+                   help="write Megatron's TensorBoard scalars (this iteration's values) at iterations divisible "
+                        "by this")
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
     g.add_argument("--log-throughput", action="store_true", help="log model TFLOP/s per GPU (Megatron's formula)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
@@ -263,6 +298,12 @@ def _logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
                    action="store_false", default=True)
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="the L2 norm of all parameters (each distinct element once) in the log line and TensorBoard")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="the number of zero gradient elements in the log line and TensorBoard")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="Megatron's mem-* tags: CUDA allocator statistics (on CPU: the process's resident bytes)")
     g.add_argument("--wandb-project", default=None, help="log to Weights & Biases (pip install wandb)")
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
@@ -282,112 +323,28 @@ def _logging(p: argparse.ArgumentParser) -> None:
                    help="by default SIGTERM/SIGUSR1 save a checkpoint and exit cleanly")
 
 
-def _megatron_numerics(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's fp16 loss scaling, batch-size ramp-up, tokenizers and LR-schedule flags (its names and
-    defaults); extends the choices of --tokenizer-type and --lr-decay-style defined above."""
-    from ..core.optimizer.config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES
-    from .tokenizer import TOKENIZER_TYPES
-
-    for action in p._actions:
-        if action.dest == "tokenizer_type":
-            action.choices = list(dict.fromkeys([*action.choices, *TOKENIZER_TYPES]))
-        elif action.dest == "lr_decay_style":
-            action.choices = list(dict.fromkeys([*action.choices, *LR_DECAY_STYLES]))
-    g = p.add_argument_group("Megatron-LM numerics: fp16, batch ramp-up, tokenizers, LR schedules")
-    g.add_argument("--fp16", action="store_true",
-                   help="fp16 autocast with loss scaling; fp32 master weights and grads")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="static loss scale (a positive power of 2 helps convergence); default: dynamic scaling")
-    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="initial dynamic loss scale")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
-    g.add_argument("--loss-scale-window", type=float, default=1000,
-                   help="clean iterations before the dynamic loss scale doubles")
-    g.add_argument("--hysteresis", type=int, default=2, help="overflows before the dynamic loss scale halves")
-    g.add_argument("--rampup-batch-size", nargs="*", type=int, default=None,
-                   help="START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES "
-                        "samples (Megatron's num-microbatches calculator)")
-    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
-                   help="shrink the global batch to a multiple of micro batch x DP when it is not one")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--tiktoken-pattern", default=None, help="TikTokenizer: v1 or v2 (the pre-tokenizer regex)")
-    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
-                   help="TikTokenizer: ids reserved for special tokens below the BPE ranks")
-    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
-                   help="TikTokenizer: special tokens (default <unk> <s> </s>)")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup")
-    g.add_argument("--lr-warmup-samples", type=int, default=0, help="warmup length with --train-samples")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="decay length with --train-samples (default: --train-samples)")
-    g.add_argument("--lr-wsd-decay-style", choices=LR_WSD_DECAY_STYLES, default="exponential",
-                   help="WSD: the shape of the final anneal")
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None, help="WSD anneal length with --train-samples")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="WSD anneal length with --train-iters")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="a separate peak learning rate for the input embedding and output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="a separate minimum learning rate for the input embedding and output layer")
-
-
-def _check_megatron_numerics(args: argparse.Namespace, layout: _Layout) -> None:
-    """Cross-flag checks of the ``_megatron_numerics`` flags (Megatron's rules)."""
-    if args.fp16 and args.bf16:
-        raise ArgumentError("set at most one of --fp16 and --bf16")
-    if args.attention_zreg_coeff and (args.fp16 or args.rampup_batch_size is not None):
-        raise ArgumentError("--attention-zreg-coeff injects a gradient that follows neither the fp16 loss scale nor "
-                            "a changing micro-batch count: not with --fp16 or --rampup-batch-size")
-    sample_flags = {"--lr-decay-samples": args.lr_decay_samples is not None,
-                    "--lr-warmup-samples": args.lr_warmup_samples != 0,
-                    "--lr-wsd-decay-samples": args.lr_wsd_decay_samples is not None}
-    # --rampup-batch-size counts consumed samples either way, so it is taken with --train-iters too (Megatron-LM
-    # refuses that combination, yet its own GPT-3 175B example script uses it)
-    if args.train_samples is None:
-        for flag, is_set in sample_flags.items():
-            if is_set:
-                raise ArgumentError(f"{flag} needs sample-based training (--train-samples), as in Megatron-LM")
-    elif args.lr_wsd_decay_iters is not None:
-        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters; use --lr-wsd-decay-samples")
-
-
-def _loss_scale_config(args: argparse.Namespace) -> LossScaleConfig | None:
-    """The --fp16 loss scaler's settings (None without --fp16)."""
-    if not args.fp16:
-        return None
-    cfg = LossScaleConfig(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                          min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
-                          hysteresis=args.hysteresis)
-    try:
-        build_grad_scaler(cfg)  # its own checks, with the flag names
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-    return cfg
-
-
-def _batch_rampup(args: argparse.Namespace, global_batch_size: int, micro_batch_size: int,
-                  data_parallel_size: int) -> NumMicroBatchesCalculator:
-    """The --rampup-batch-size calculator; every batch size of the ramp checked against micro batch x DP."""
-    try:
-        calc = NumMicroBatchesCalculator(global_batch_size, micro_batch_size, data_parallel_size,
-                                         parse_rampup(args.rampup_batch_size), args.decrease_batch_size_if_needed)
-        calc.check_ramp()
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-    return calc
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, _megatron_numerics,
-                divergence.add_arguments):
+    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
+                add_megatron_features, divergence.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The parsed flags, as given (nothing derived, nothing validated: see :func:`build_config`)."""
-    return build_parser().parse_args(argv)
+    """The parsed flags, as given (nothing derived, nothing validated: see :func:`build_config`).
+
+    Unknown flags and values a flag cannot take raise one :class:`FlagProblemsError` that lists them all,
+    together with the refused and conflicting flags among the rest (never argparse's usage dump)."""
+    import sys
+
+    args, problems = parse_collecting(build_parser(), sys.argv[1:] if argv is None else list(argv))
+    if problems:
+        resolve_megatron_flags(args, problems)  # the refused and conflicting flags too, in the same report
+        problems.raise_if_any()
+    return args
 
 
 def parse_config(argv: list[str] | None = None, world_size: int | None = None,
@@ -402,107 +359,30 @@ def parse_config(argv: list[str] | None = None, world_size: int | None = None,
 
 
 # ------------------------------------------------------------------------------------------ builder
-def normalize_split(value: str) -> str:
-    """``--split`` as Megatron reads it (the numbers in the string, in order), e.g. "'99,1,0'" -> "99,1,0"."""
-    numbers = re.findall(r"[.0-9]+", value)
-    leftover = re.sub(r"[.0-9]+", "", value)
-    if not numbers or len(numbers) > 3 or set(leftover) - set(",/ '\""):
-        raise ArgumentError(f"--split {value!r}: expected up to 3 comma-separated weights, e.g. 99,1,0")
-    return ",".join(numbers)
-
-
-def resolve_megatron_flags(flags: argparse.Namespace) -> argparse.Namespace:
-    """A copy of the parsed flags with Megatron-LM's aliases and value rules applied (``flags`` is not
-    modified; applying it twice gives the same result). Refused flags raise ArgumentError naming the
-    flag; the no-op flags given are listed in ``megatron_no_op_flags`` (see training/megatron_compat.py)."""
-    args = argparse.Namespace(**vars(flags))
-    try:
-        args.megatron_no_op_flags = check_compat(args)
-    except CompatError as e:
-        raise ArgumentError(str(e)) from None
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
-    if args.no_position_embedding and args.position_embedding_type == "learned_absolute":
-        args.position_embedding_type = "none"
-    chosen = [f for f, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
-                              ("--openai-gelu", args.openai_gelu)) if on]
-    if len(chosen) > 1:
-        raise ArgumentError(f"{' and '.join(chosen)}: choose one MLP activation")
-    if args.squared_relu:
-        args.activation = "relu2"
-    if args.openai_gelu:
-        args.activation = "gelu"
-    if args.recompute_activations:
-        args.recompute_granularity = "selective"
-    if args.recompute_granularity == "selective" and args.recompute_method is not None:
-        raise ArgumentError("--recompute-method applies to --recompute-granularity full, not selective")
-    if args.recompute_method is not None and args.recompute_granularity is None:
-        raise ArgumentError("--recompute-method needs --recompute-granularity full")
-    if args.recompute_granularity == "full":
-        if args.recompute_method is None:
-            args.recompute_method = "uniform"
-        if args.recompute_num_layers is None:
-            args.recompute_num_layers = 1 if args.recompute_method == "uniform" else args.num_layers
-        if args.recompute_num_layers < 0 or (args.recompute_method == "uniform" and args.recompute_num_layers < 1):
-            raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers}: must be >= 1 "
-                                f"(uniform) or >= 0 (block)")
-    if not 0.0 < args.rotary_percent <= 1.0:
-        raise ArgumentError(f"--rotary-percent {args.rotary_percent}: must be in (0, 1]")
-    if args.split is not None:
-        args.split = normalize_split(args.split)
-    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
-    if any(p is not None for p in per_split):
-        if args.data_path is not None:
-            raise ArgumentError("--data-path and --train-data-path/--valid-data-path/--test-data-path are "
-                                "exclusive (Megatron-LM's rule)")
-        if args.train_data_path is None:
-            raise ArgumentError("--valid-data-path / --test-data-path need --train-data-path")
-    elif args.data_path is not None and args.split is None:
-        args.split = "969,30,1"  # Megatron-LM's legacy default when --data-path comes without --split
-    if args.ckpt_format not in ("torch", "torch_dist"):
-        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: refused: the formats here are torch and torch_dist "
-                            f"(torch.distributed.checkpoint, Megatron-LM's default)")
-    if args.fp8_format is not None:
-        if args.qat == "int8":
-            raise ArgumentError(f"--fp8-format {args.fp8_format} (FP8 training) conflicts with --qat int8")
-        args.qat = "fp8"
-    elif args.qat == "fp8":
-        args.fp8_format = "hybrid"
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM's rule)")
-    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
-        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be < --profile-step-end "
-                            f"{args.profile_step_end}")
-    if args.apply_layernorm_1p and args.qat_clamp == "weight-rms":
-        raise ArgumentError("--apply-layernorm-1p with --qat-clamp weight-rms is not supported (the RMS "
-                            "prediction reads the norm weights as gamma); use --qat-clamp rms")
-    if args.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ArgumentError("--wandb-project needs the wandb package, which is not installed: "
-                            "pip install wandb (or pip install -e '.[wandb]')")
-    if args.manual_gc_interval < 0:
-        raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
-    return args
-
-
 class _Layout:
     """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
 
     def __init__(self, args: argparse.Namespace, world_size: int) -> None:
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         if world_size < 1:
             raise ArgumentError(f"the world size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        dp_guess = max(world_size // max(tp * pp, 1), 1)
-        self.global_batch_size = args.global_batch_size or args.micro_batch_size * dp_guess
+        dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
+        self.global_batch_size = (args.global_batch_size or step_schedule_global_batch(args)
+                                  or args.micro_batch_size * dp_guess)
         try:
             self.data_parallel_size = check_layout(
                 world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                 num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
-                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage)
+                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, cp=cp)
         except ParallelLayoutError as e:
             raise ArgumentError(str(e)) from None
         self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
+        eval_gbs = args.eval_global_batch_size
+        if eval_gbs is not None and (eval_gbs < 1 or eval_gbs % (args.micro_batch_size * self.data_parallel_size)):
+            raise ArgumentError(f"--eval-global-batch-size {eval_gbs} is not a positive multiple of micro batch x DP "
+                                f"= {args.micro_batch_size * self.data_parallel_size}")
         self.vpp = None
         if args.num_layers_per_virtual_pipeline_stage is not None:
             if pp < 2:
@@ -522,9 +402,10 @@ class _Layout:
             if self.train_iters == 0:
                 raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
                                     f"(--global-batch-size {self.global_batch_size}): nothing to train")
-        self.microbatches = _batch_rampup(args, self.global_batch_size, args.micro_batch_size,
+        self.microbatches = batch_schedule(args, self.global_batch_size, args.micro_batch_size,
                                           self.data_parallel_size)
-        if self.microbatches.rampup is not None and args.train_samples is not None:
+        ramp = self.microbatches.rampup is not None or self.microbatches.step_schedule is not None
+        if ramp and args.train_samples is not None:
             self.train_iters = self.microbatches.train_iters(args.train_samples)
 
 
@@ -549,7 +430,8 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         vocab_size=vocab_size,
-        padded_vocab_size=vocab_size_with_padding(vocab_size, args.make_vocab_size_divisible_by, tp),
+        padded_vocab_size=args.padded_vocab_size or vocab_size_with_padding(vocab_size,
+                                                                            args.make_vocab_size_divisible_by, tp),
         ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=layout.num_query_groups,
         kv_channels=args.kv_channels,
@@ -558,13 +440,16 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         qk_layernorm=args.qk_layernorm,
         apply_layernorm_1p=args.apply_layernorm_1p,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
-        activation="swiglu" if args.swiglu else args.activation,  # --squared-relu / --openai-gelu resolved
+        activation=args.activation,  # resolved: --activation, --swiglu, --squared-relu, --openai-gelu or GeLU
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -586,6 +471,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         world_size=layout.world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         data_parallel_size=layout.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -607,8 +493,9 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         seed=args.seed,
         bf16=args.bf16,
         fp16=args.fp16,
-        loss_scale=_loss_scale_config(args),
+        loss_scale=loss_scale_config(args),
         rampup_batch_size=layout.microbatches.rampup,
+        step_batch_size_schedule=layout.microbatches.step_schedule,
         decrease_batch_size_if_needed=args.decrease_batch_size_if_needed,
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
@@ -679,6 +566,7 @@ def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerCon
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         decoupled_lr=args.decoupled_lr,
         decoupled_min_lr=args.decoupled_min_lr,
+        use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
     )
 
 
@@ -736,6 +624,8 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         ckpt_format=args.ckpt_format,
         async_save=args.async_save,
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
+        overwrite_checkpoints=args.overwrite_checkpoints,
+        allow_tokenizer_change=args.allow_tokenizer_change,
     )
 
 
@@ -745,6 +635,7 @@ def _logging_config(args: argparse.Namespace) -> LoggingConfig:
         tensorboard_dir=args.tensorboard_dir,
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters,
+        eval_global_batch_size=args.eval_global_batch_size,
         timing_log_level=args.timing_log_level,
         tensorboard_log_interval=args.tensorboard_log_interval,
         tensorboard_queue_size=args.tensorboard_queue_size,
@@ -753,6 +644,9 @@ def _logging_config(args: argparse.Namespace) -> LoggingConfig:
         log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
         log_world_size_to_tensorboard=args.log_world_size_to_tensorboard,
         log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard,
+        log_params_norm=args.log_params_norm,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        log_memory_to_tensorboard=args.log_memory_to_tensorboard,
         wandb_project=args.wandb_project,
         wandb_exp_name=args.wandb_exp_name,
         wandb_save_dir=args.wandb_save_dir,
@@ -762,6 +656,8 @@ def _logging_config(args: argparse.Namespace) -> LoggingConfig:
         profile_step_end=args.profile_step_end,
         profile_ranks=list(args.profile_ranks),
         megatron_no_op_flags=list(args.megatron_no_op_flags),
+        megatron_notes=list(args.megatron_notes),
+        logging_level=args.logging_level,
     )
 
 
@@ -784,11 +680,19 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     tokenizer's vocabulary (default ``--vocab-size``). Raises :class:`ArgumentError` naming the flag.
     """
     flags = args
-    args = resolve_megatron_flags(flags)
-    layout = _Layout(args, world_size)
+    problems = FlagProblems()
+    for message in flag_range_problems(flags):
+        problems.invalid(message)
+    problems.raise_if_any()  # values out of range first: the checks below would trip over them
+    args = resolve_megatron_flags(flags, problems)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
-    _check_flags(args, vocab)
-    _check_megatron_numerics(args, layout)
+    check_flags(args, vocab, problems)
+    check_megatron_numerics(args, problems)
+    try:
+        layout = _Layout(args, world_size)
+    except ArgumentError as e:
+        problems.record(e)
+    problems.raise_if_any()  # every problem found so far, in one report
     try:
         config = TrainConfig(
             model=_model_config(args, layout, vocab),
@@ -814,47 +718,3 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
 def rebuild_for_world_size(config: TrainConfig, world_size: int) -> TrainConfig:
     """The same flags built for another world size (e.g. when the launcher's differs from a guess)."""
     return build_config(argparse.Namespace(**config.flags), world_size, vocab_size=config.model.vocab_size)
-
-
-def _check_flags(args: argparse.Namespace, vocab_size: int | None) -> None:
-    """Cross-flag checks that no single component config can make."""
-    tp = args.tensor_model_parallel_size
-    if args.sequence_parallel and tp > 1 and args.seq_length % tp != 0:
-        raise ArgumentError(f"--sequence-parallel needs --seq-length {args.seq_length} divisible by TP {tp}")
-    problem = startup_checks.position_limit(args.seq_length, args.max_position_embeddings)
-    if problem:  # as Megatron: checked at start-up for every position embedding type
-        raise ArgumentError(problem)
-    if args.squinch_hierarchical and not args.squinch:
-        raise ArgumentError("--squinch-hierarchical needs --squinch")
-    if args.data_path is None and args.train_data_path is None and not args.mock_data:
-        raise ArgumentError("set --data-path (or --train-data-path) with preprocessed prefixes, or --mock-data")
-    if args.mock_data and args.vocab_size is None and args.tokenizer_model is None:
-        raise ArgumentError("--mock-data needs --vocab-size (or a --tokenizer-model)")
-    if vocab_size is None:
-        raise ArgumentError("the vocabulary size is unknown: pass the tokenizer's (build_config(..., vocab_size=)) "
-                            "or set --vocab-size")
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR")
-    if args.use_torch_fsdp2 and args.decoupled_lr is not None:
-        raise ArgumentError("--decoupled-lr with --use-torch-fsdp2 is not supported yet")
-    if args.use_torch_fsdp2 and args.fp16:
-        raise ArgumentError("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
-                            "use --bf16")
-    if args.use_torch_fsdp2 and args.save and args.ckpt_format != "torch_dist":
-        raise ArgumentError("--use-torch-fsdp2 saves only --ckpt-format torch_dist: FSDP2 parameters are DTensor "
-                            f"shards; the per-rank torch format is refused (got --ckpt-format {args.ckpt_format})")
-    if args.use_torch_fsdp2 and args.load and args.ckpt_format != "torch_dist" and not args.auto_detect_ckpt_format:
-        raise ArgumentError("--use-torch-fsdp2 loads only torch_dist checkpoints: pass --ckpt-format torch_dist (or "
-                            "--auto-detect-ckpt-format)")
-    if args.transformer_impl == "transformer_engine":
-        from ..core.quantization.gemm_backends import transformer_engine_available
-
-        if args.qat != "fp8":
-            raise ArgumentError(f"--transformer-impl transformer_engine runs the linears in FP8 through "
-                                f"Transformer Engine: use it with --qat fp8 (got --qat {args.qat})")
-        if not transformer_engine_available():
-            raise ArgumentError("--transformer-impl transformer_engine needs Transformer Engine "
-                                "(pip install transformer_engine[pytorch]), which is not installed; use "
-                                "--transformer-impl local for fake-quantized FP8 QAT")
-        if args.device == "cpu":
-            raise ArgumentError("--transformer-impl transformer_engine runs on CUDA only, not --device cpu")

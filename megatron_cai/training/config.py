@@ -4,7 +4,7 @@
 
     TrainConfig
       model       GPTConfig        (core/models/gpt/config.py; its .qat is a QATConfig)
-      parallel    ParallelConfig   world size, TP / PP / VPP / DP, backend, device
+      parallel    ParallelConfig   world size, TP / PP / VPP / CP / DP, backend, device
       training    TrainingConfig   batch sizes, iterations, seed, precision, exit conditions, divergence
       ddp         DDPConfig        (core/distributed/config.py; its .squinch is a SquinchConfig)
       optimizer   OptimizerConfig  (core/optimizer/config.py)
@@ -25,6 +25,8 @@ and compared field by field on resume (:func:`config_diff`). Each component rece
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +36,13 @@ from ..core.num_microbatches_calculator import BatchRampup
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
 from ..core.optimizer.grad_scaler import LossScaleConfig
 from .divergence import DivergenceConfig
+from .errors import UserError
 
 __all__ = ["ArgumentError", "CheckpointConfig", "DataConfig", "DistillConfig", "LoggingConfig", "ParallelConfig",
            "TokenizerConfig", "TrainConfig", "TrainingConfig", "config_diff", "flatten", "format_config"]
 
 
-class ArgumentError(ValueError):
+class ArgumentError(UserError, ValueError):
     """A flag value that cannot work; the message names the flag."""
 
 
@@ -50,12 +53,13 @@ class ParallelConfig:
     world_size: int = 1
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1            # ranks that split each sequence; gradients reduce over DP x CP
     data_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False           # only effective with TP > 1 (see GPTConfig.sequence_parallel)
     distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10
     ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
     device: str | None = None                 # None: cuda when available
 
@@ -74,6 +78,8 @@ class TrainingConfig:
     fp16: bool = False                        # fp16 autocast with loss scaling (fp32 master weights)
     loss_scale: LossScaleConfig | None = None  # the --fp16 loss scaler (None without --fp16)
     rampup_batch_size: BatchRampup | None = None  # --rampup-batch-size START INCREMENT SAMPLES
+    # --step-batch-size-schedule: (threshold in samples, global batch) pairs, from threshold 0
+    step_batch_size_schedule: tuple[tuple[int, int], ...] | None = None
     decrease_batch_size_if_needed: bool = False
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
@@ -130,6 +136,8 @@ class CheckpointConfig:
     ckpt_format: str = "torch"                # the format saves write: torch or torch_dist
     auto_detect_ckpt_format: bool = False     # --load reads whichever format the directory holds
     async_save: bool = False                  # --async-save: write in the background
+    overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
+    allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
 
 
 @dataclass
@@ -140,6 +148,7 @@ class LoggingConfig:
     tensorboard_dir: str | None = None
     eval_interval: int | None = None
     eval_iters: int = 100
+    eval_global_batch_size: int | None = None  # --eval-global-batch-size (None: the global batch)
     tensorboard_log_interval: int = 1
     tensorboard_queue_size: int = 1000
     log_throughput: bool = False
@@ -148,6 +157,9 @@ class LoggingConfig:
     log_validation_ppl_to_tensorboard: bool = False
     log_world_size_to_tensorboard: bool = False
     log_loss_scale_to_tensorboard: bool = True
+    log_params_norm: bool = False             # --log-params-norm: params norm in the log line and TensorBoard
+    log_num_zeros_in_grad: bool = False       # --log-num-zeros-in-grad
+    log_memory_to_tensorboard: bool = False   # --log-memory-to-tensorboard: the mem-* tags
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
@@ -157,6 +169,8 @@ class LoggingConfig:
     profile_step_end: int = 12
     profile_ranks: list[int] = field(default_factory=list)  # empty: every rank
     megatron_no_op_flags: list[str] = field(default_factory=list)  # given, accepted, without effect here
+    megatron_notes: list[str] = field(default_factory=list)  # one start-up line per Megatron-LM flag mapped
+    logging_level: int | None = None          # --logging-level: the Python root logger's level
 
 
 @dataclass
@@ -256,3 +270,93 @@ def format_config(config: TrainConfig) -> str:
         lines.append(f"  {name} {'.' * max(2, 48 - len(name))} {value}")
     lines.append("-------------------- end of configuration ---------------------")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ flag ranges
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric flag takes: ``lo``/``hi`` bounds (None: unbounded), each open or closed."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def admits(self, v: float) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return not (self.hi is not None and (v >= self.hi if self.hi_open else v > self.hi))
+
+    def describe(self) -> str:
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
+        return "finite and " + " and ".join(parts) if parts else "finite"
+
+
+_AT_LEAST_1, _AT_LEAST_0 = Range(1), Range(0)
+_POSITIVE = Range(0, lo_open=True)
+_FRACTION, _DROPOUT = Range(0, 1), Range(0, 1, hi_open=True)
+
+# Every numeric flag of the parser (a test checks that none is missing), by its argparse ``dest``.
+FLAG_RANGES: dict[str, Range] = {
+    **dict.fromkeys(["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+                     "window_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "num_layers_per_virtual_pipeline_stage", "ddp_bucket_size", "ranks_per_node",
+                     "micro_batch_size", "global_batch_size", "train_samples", "distill_k", "vocab_size",
+                     "save_interval", "log_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                     "profile_step_end", "exit_interval", "loss_scale_window", "hysteresis", "lr_decay_samples",
+                     "spiky_loss_window", "fp8_amax_history_len", "fp8_interval", "num_experts", "moe_router_topk",
+                     "expert_model_parallel_size", "context_parallel_size", "num_distributed_optimizer_instances",
+                     "rotary_seq_len_interpolation_factor", "num_virtual_stages_per_pipeline_rank",
+                     "microbatch_group_size_per_virtual_pipeline_stage", "non_persistent_save_interval",
+                     "save_retain_interval", "eval_global_batch_size", "eval_micro_batch_size",
+                     "padded_vocab_size"], _AT_LEAST_1),
+    **dict.fromkeys(["recompute_num_layers", "train_iters", "lr_warmup_iters", "lr_decay_iters", "seed",
+                     "manual_gc_interval", "num_workers", "ckpt_step", "eval_interval", "eval_iters",
+                     "profile_step_start", "profile_ranks", "rampup_batch_size", "tiktoken_num_special_tokens",
+                     "lr_warmup_samples", "lr_wsd_decay_samples", "lr_wsd_decay_iters",
+                     "max_consecutive_skipped_iterations", "fp8_margin", "local_rank", "empty_unused_memory_level",
+                     "timing_log_level", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                     "mtp_num_layers", "attention_zreg_coeff", "output_zreg_coeff", "lr", "min_lr",
+                     "weight_decay", "clip_grad", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr",
+                     "start_weight_decay", "end_weight_decay", "logging_level"], _AT_LEAST_0),
+    **dict.fromkeys(["rotary_base", "norm_epsilon", "init_method_std", "distributed_timeout_minutes", "adam_eps",
+                     "qat_clamp_alpha", "qat_static_clamp", "distill_temperature", "exit_duration_in_mins",
+                     "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
+    **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
+    **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
+    "rotary_percent": Range(0, 1, lo_open=True),
+    "spiky_loss_factor": Range(1, lo_open=True),
+}
+
+
+def flag_range_problems(args: Any) -> list[str]:
+    """Every numeric flag against :data:`FLAG_RANGES`, ``--split`` and the ``--data-path`` weights: one
+    message per flag out of range, naming the flag, the value and the range."""
+    from ..core.datasets.utils import get_blend_from_list, parse_and_normalize_split
+
+    out, given = [], dict(vars(args))
+    for dest, rng in FLAG_RANGES.items():
+        value = given.get(dest)
+        bad = [v for v in (value if isinstance(value, list) else [value])
+               if v is not None and not isinstance(v, bool) and not rng.admits(v)]
+        if bad:
+            out.append(f"--{dest.replace('_', '-')} {bad[0]}: out of range, must be {rng.describe()}")
+    try:
+        if given.get("split") is not None:
+            parse_and_normalize_split(re.sub(r"[\"' ]", "", str(given["split"])))
+    except ValueError as e:
+        out.append(str(e))
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        try:
+            if given.get(flag):
+                get_blend_from_list(given[flag])
+        except ValueError as e:
+            out.append(str(e) if str(e).startswith("--") else f"--{flag.replace('_', '-')}: {e}")
+    return out

@@ -33,6 +33,7 @@ import os
 import torch
 
 from ..core import parallel_state as ps
+from ..core.context_parallel.batch import ContextParallelVisibility
 from ..core.distillation import (
     counter_gumbel,
     full_kd_loss,
@@ -128,19 +129,20 @@ def _mask_padding(logits: torch.Tensor, vocab_size: int, value: float) -> torch.
     return logits.float().masked_fill(pad, value)
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor | None = None) -> torch.Tensor:
+    return (values.float() * mask).sum() / (mask.sum().clamp(min=1.0) if normalizer is None else normalizer)
 
 
 def distill_loss_func(loss_mask: torch.Tensor, kd: torch.Tensor, kl: torch.Tensor, alpha: float,
-                      ce: torch.Tensor):
-    """``(1 - alpha) * CE + alpha * KD`` (masked token means) and the logged stats."""
+                      ce: torch.Tensor, normalizer: torch.Tensor | None = None):
+    """``(1 - alpha) * CE + alpha * KD`` (masked token means) and the logged stats. ``normalizer``: under
+    context parallelism the whole sequence's mask total / CP (see pretrain_gpt.loss_func)."""
     mask = loss_mask.float()
-    lm = (ce.float() * mask).sum() / mask.sum().clamp(min=1.0)
-    kd_mean = _masked_mean(kd, mask)
+    lm = _masked_mean(ce, mask, normalizer)
+    kd_mean = _masked_mean(kd, mask, normalizer)
     loss = (1.0 - alpha) * lm + alpha * kd_mean
     return loss, {"lm loss": lm.detach(), "distill loss": kd_mean.detach(),
-                  "distill kl": _masked_mean(kl.detach(), mask)}
+                  "distill kl": _masked_mean(kl.detach(), mask, normalizer)}
 
 
 class Distiller:
@@ -165,7 +167,8 @@ class Distiller:
             kd, kl = self._sparse(logits, sample, cfg.vocab_size, self.estimator)
         else:
             kd, kl = self._online(logits, batch, visibility, cfg.vocab_size)
-        return ce, functools.partial(distill_loss_func, batch["loss_mask"], kd, kl, self.alpha)
+        return ce, functools.partial(distill_loss_func, batch["loss_mask"], kd, kl, self.alpha,
+                                     normalizer=batch.get("loss_normalizer"))
 
     def _sparse(self, logits, sample, vocab_size: int, estimator: str):
         ids, tl, kappa, lse = sample
@@ -200,7 +203,10 @@ class Distiller:
                                                _mask_padding(t_logits, vocab_size, float("-inf")), self.tau,
                                                group=ps.get_tensor_model_parallel_group())
         seq = batch["tokens"].shape[1]
-        rows = batch["distill_index"].long().unsqueeze(1) * seq + torch.arange(seq, device=t_logits.device)
+        positions = torch.arange(seq, device=t_logits.device)
+        if isinstance(visibility, ContextParallelVisibility):  # this CP rank's tokens of the whole sequence
+            seq, positions = visibility.split.seq_length, visibility.local_index
+        rows = batch["distill_index"].long().unsqueeze(1) * seq + positions  # the noise of the dump's rows
         sample = self._teacher_sample(t_logits, rows, vocab_size)
         return self._sparse(logits, sample, vocab_size, self.estimator)
 

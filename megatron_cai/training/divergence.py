@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ..core.distributed.contracts import ModelChunk
+from .errors import UserError
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(UserError, RuntimeError):
     """The run diverged (too many consecutive non-finite iterations); the message says where and what is kept."""
 
 

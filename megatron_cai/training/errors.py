@@ -1,8 +1,10 @@
 """Known errors print one ``error: ...`` line and exit 2; unknown errors keep their traceback.
 
 A *known* error is one the user can act on: bad flags, bad data, a bad or incompatible checkpoint, an
-impossible parallel layout, a diverged run (``known_errors.KNOWN_ERRORS`` lists the classes; this module
-imports nothing from the package). ``run_cli(main, KNOWN_ERRORS)`` wraps an entry point:
+impossible parallel layout, a diverged run. Every such class of ``training/`` derives from
+:class:`UserError` (``ArgumentError``, ``CheckpointError``, ``ConversionError``, ``DataError``,
+``DivergenceError``); ``core/`` knows nothing of ``training/``, so its three (``IndexedDatasetError``,
+``ParallelLayoutError``, ``TreeFormatError``) are named in :data:`KNOWN_ERRORS`. ``run_cli(main)`` wraps an entry point:
 
 - an error every rank finds alike (flags, layout, data, divergence) is printed once, by rank 0;
 - an error only some ranks find (their own checkpoint file: ``RankLocalError``) is printed by each such
@@ -18,15 +20,28 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..core.datasets.indexed_dataset import IndexedDatasetError
+from ..core.datasets.tree_format import TreeFormatError
+from ..core.parallel_state import ParallelLayoutError
+
 EXIT_KNOWN_ERROR = 2
+# Set by training.initialize once its heartbeats run: which rank stopped answering (for a timed-out collective).
+timeout_diagnosis: Callable[[], str] | None = None
 
 
-class RankLocalError(RuntimeError):
-    """Mixin marker: raised by the rank that found the problem (e.g. its own checkpoint file)."""
+class UserError(Exception):
+    """Base of the errors the user can fix (a flag, a file, the data): one ``error:`` line, exit 2."""
 
 
-class DataError(ValueError):
+class RankLocalError(UserError, RuntimeError):
+    """Raised by the rank that found the problem (e.g. its own checkpoint file): reported with its rank."""
+
+
+class DataError(UserError, ValueError):
     """The training data cannot be used as given (empty corpus, token ids outside the vocabulary)."""
+
+
+KNOWN_ERRORS: tuple[type[BaseException], ...] = (UserError, IndexedDatasetError, ParallelLayoutError, TreeFormatError)
 
 
 def current_rank() -> int:
@@ -78,17 +93,28 @@ def _peer_lost(exc: BaseException) -> bool:
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
-def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...]) -> int:
-    """Run ``main``; a ``known`` error prints one line (see the module docstring) and returns 2.
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(s in text for s in ("Timed out", "timed out", "Timeout", "timeout"))
+
+
+def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KNOWN_ERRORS) -> int:
+    """Run ``main``; a ``known`` error (or any :class:`UserError`) prints one line (see the module docstring)
+    and returns 2.
 
     A rank whose collective fails because a peer rank already exited (after printing its own error)
     prints one line saying so instead of a traceback, and returns 1.
     """
     try:
         return main()
-    except known + (RankLocalError, DataError) as e:
+    except known + (UserError,) as e:
         return report_known_error(e)
     except RuntimeError as e:
+        if world_size() > 1 and _timed_out(e):
+            who = timeout_diagnosis() if timeout_diagnosis is not None else "the rank that stopped is not known"
+            safe_print(f"error: [rank {current_rank()}] a collective timed out (--distributed-timeout-minutes): "
+                       f"{who}; stopping ({str(e).splitlines()[0][-160:]})", file=sys.stderr)
+            return EXIT_KNOWN_ERROR
         if world_size() > 1 and _peer_lost(e):
             safe_print(f"[rank {current_rank()}] stopping: a peer rank exited ({str(e).splitlines()[0][:200]})",
                        file=sys.stderr)

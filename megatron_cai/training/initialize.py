@@ -1,11 +1,20 @@
-"""Process start-up: rank discovery (torchrun or Slurm), device, process groups and seeds."""
+"""Process start-up: rank discovery (torchrun or Slurm), device, process groups and seeds.
+
+A rank waiting for its peers at the rendezvous says so on stderr: world size, rank and master address,
+every 30 s (``MEGATRON_CAI_WAIT_LOG_SECONDS`` changes the interval; tests use 1 s).
+"""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -14,8 +23,100 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
+from . import errors
 from .config import ParallelConfig
-from .rendezvous import log_while_waiting
+from .errors import safe_print
+
+DEFAULT_INTERVAL_S = 30.0
+_HEARTBEAT_KEY = "megatron_cai/heartbeat/"
+
+
+class Heartbeat:
+    """A daemon thread writing this rank's wall-clock time into the rendezvous store every ``interval_s``.
+
+    A rank stopped (SIGSTOP, a hung kernel, a dead node) stops writing; :meth:`silent_ranks` names the ranks
+    whose last heartbeat is older than three intervals. The store lives in rank 0's process (or the
+    torchrun agent): when it does not answer, that is said instead."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.interval_s = min(30.0, max(1.0, timeout_s / 4))
+        self.store = dist.distributed_c10d._get_default_store()
+        self._stop = threading.Event()
+        self._beat()
+        self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def _beat(self) -> None:
+        self.store.set(f"{_HEARTBEAT_KEY}{self.rank}", repr(time.time()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nothing left to tell
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def silent_ranks(self) -> tuple[list[int], float] | None:
+        """(ranks with no heartbeat for three intervals, the longest silence in s); None when the store
+        does not answer."""
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=max(5.0, 2 * self.interval_s)))
+            keys = [f"{_HEARTBEAT_KEY}{r}" for r in range(self.world_size)]
+            beats = [float(v.decode()) for v in self.store.multi_get(keys)]
+        except Exception:  # noqa: BLE001 - a timed-out or closed store
+            return None
+        now = time.time()
+        ages = {r: now - t for r, t in enumerate(beats) if r != self.rank}
+        silent = sorted(r for r, age in ages.items() if age > 3 * self.interval_s)
+        return silent, max((ages[r] for r in silent), default=0.0)
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def silent_ranks_line() -> str:
+    """Which rank stopped answering, as far as the heartbeats tell (for the error of a timed-out collective)."""
+    if _heartbeat is None:
+        return "the rank that stopped answering is not known"
+    found = _heartbeat.silent_ranks()
+    if found is None:
+        return "rank 0, which holds the rendezvous store, does not answer either: it is probably the one stopped"
+    silent, age = found
+    if not silent:
+        return "every rank's heartbeat is recent: a rank is alive but stuck outside the collective"
+    return f"rank(s) {', '.join(map(str, silent))} stopped answering (no heartbeat for {age:.0f} s)"
+
+
+def waiting_line(rank: int, world_size: int, waited_s: float, environ=None) -> str:
+    env = os.environ if environ is None else environ
+    master = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return (f" [rank {rank}] waiting for the other ranks to join: world size {world_size}, rank {rank}, "
+            f"master address {master} ({waited_s:.0f} s so far)")
+
+
+@contextlib.contextmanager
+def log_while_waiting(rank: int, world_size: int, interval_s: float | None = None) -> Iterator[None]:
+    """Log ``waiting_line`` every ``interval_s`` seconds on stderr until the block finishes."""
+    if interval_s is None:
+        interval_s = float(os.environ.get("MEGATRON_CAI_WAIT_LOG_SECONDS", DEFAULT_INTERVAL_S))
+    stop = threading.Event()
+    start = time.time()
+
+    def loop() -> None:
+        while not stop.wait(interval_s):
+            safe_print(waiting_line(rank, world_size, time.time() - start), file=sys.stderr)
+
+    thread = threading.Thread(target=loop, name="rendezvous-log", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass
@@ -93,7 +194,7 @@ def discover_env(environ: dict | None = None) -> DistEnv:
 
 def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None
                            ) -> tuple[DistEnv, torch.device]:
-    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/PP/DP groups, seed RNGs.
+    """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/CP/DP/PP groups, seed RNGs.
 
     ``parallel`` must have been built for this job's world size (see ``arguments.rebuild_for_world_size``).
     """
@@ -107,17 +208,24 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         with log_while_waiting(env.rank, env.world_size):  # a rank waiting for its peers says so
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
+        global _heartbeat
+        if _heartbeat is not None:
+            _heartbeat.stop()
+        _heartbeat = Heartbeat(env.rank, env.world_size, parallel.distributed_timeout_minutes * 60)
+        errors.timeout_diagnosis = silent_ranks_line
     tp, pp, vpp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                    parallel.virtual_pipeline_model_parallel_size)
     rpn = parallel.ranks_per_node
     if rpn is None and env.local_world_size < env.world_size:
         rpn = env.local_world_size
+    timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+    cp = parallel.context_parallel_size
     try:
-        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn)
+        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout)
     except ps.ParallelLayoutError:
         if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(tp, pp, vpp)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     return env, device

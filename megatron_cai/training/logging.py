@@ -1,10 +1,17 @@
-"""Megatron-format log lines (so existing log parsers work) and optional TensorBoard scalars."""
+"""What a run reports: Megatron-format log lines (so existing log parsers work), the --log-interval window
+they are computed over, and the optional writers: TensorBoard scalars, Weights & Biases (--wandb-*),
+torch.profiler traces (--profile)."""
 from __future__ import annotations
 
 import math
+import os
 import sys
+import time
 from datetime import datetime
 
+import torch
+
+from ..core import device as device_mod
 from ..core import parallel_state as ps
 from .errors import safe_print
 
@@ -27,7 +34,8 @@ def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_it
                       global_batch: int, losses: dict[str, float], grad_norm: float | None, skipped: int,
                       tokens_per_sec: float, grad_comm_bytes: int | None = None,
                       extra: dict[str, float] | None = None, *, loss_scale: float = 1.0, nan_iters: int = 0,
-                      throughput_tflops: float | None = None, timestamp: datetime | None = None) -> str:
+                      throughput_tflops: float | None = None, timestamp: datetime | None = None,
+                      num_zeros: float | None = None, params_norm: float | None = None) -> str:
     """megatron-core 0.19.2's ``training_log`` line, field by field, then our extra fields.
 
     ``skipped`` and ``nan_iters`` count the iterations of this log interval, as Megatron's do.
@@ -47,6 +55,10 @@ def training_log_line(iteration: int, train_iters: int, consumed: int, ms_per_it
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        line += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
     line += f" number of skipped iterations: {skipped:3d} |"
     line += f" number of nan iterations: {nan_iters:3d} |"
     line += f" tokens per second: {tokens_per_sec:.1f} |"
@@ -106,7 +118,97 @@ class TensorBoard:
             for k, v in values.items():
                 self.writer.add_scalar(k, v, step)
 
+    def add(self, scalars: list[tuple[str, float, int]]) -> None:
+        """``(tag, value, step)`` scalars, each at its own step (Megatron's ``... vs samples`` tags)."""
+        if self.writer is not None:
+            for tag, value, step in scalars:
+                self.writer.add_scalar(tag, value, step)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+
+
+class LogWindow:
+    """One --log-interval window, counted as megatron-core's training_log counts it: losses averaged over
+    the advanced (not skipped) iterations; skipped and nan iteration counts of this window only."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+        self.iterations = self.advanced = self.skipped = self.nan = 0
+        self.sums: dict[str, float] = {}
+
+    def add(self, losses: dict[str, float], skipped: bool) -> None:
+        self.iterations += 1
+        if skipped:
+            self.skipped += 1
+            return
+        self.advanced += 1
+        for k, v in losses.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.nan += int(any(not math.isfinite(v) for v in losses.values()))
+
+    def averages(self) -> dict[str, float]:
+        return {k: v / max(1, self.advanced) for k, v in self.sums.items()}
+
+    def seconds_per_iteration(self) -> float:
+        return (time.time() - self.start) / max(1, self.iterations)
+
+
+class WandbWriter:
+    """--wandb-project: Weights & Biases logging from the last rank (wandb is an optional dependency)."""
+
+    def __init__(self, log, save_dir: str | None, run_config: dict) -> None:
+        """``log``: the run's LoggingConfig; ``save_dir``: --save (the default wandb directory is under it)."""
+        self.run = None
+        if not log.wandb_project or not is_last_rank():
+            return
+        import wandb  # its presence is checked when the config is built
+
+        directory = log.wandb_save_dir or (os.path.join(save_dir, "wandb") if save_dir else None)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, dir=directory,
+                              entity=log.wandb_entity, config=run_config)
+        print_rank_0(f" > logging to Weights & Biases project {log.wandb_project}")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        if self.run is not None:
+            self.run.log(values, step=step)
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+class StepProfiler:
+    """--profile: a torch.profiler trace of iterations [--profile-step-start, --profile-step-end) on the
+    ranks in --profile-ranks (default: all), written with tensorboard_trace_handler (TensorBoard's profile
+    plugin reads it)."""
+
+    def __init__(self, log, rank: int) -> None:
+        """``log``: the run's LoggingConfig."""
+        self.enabled = bool(log.profile) and (not log.profile_ranks or rank in log.profile_ranks)
+        self.start, self.end = log.profile_step_start, log.profile_step_end
+        self.dir = log.tensorboard_dir or "profile"
+        self.prof = None
+
+    def before_step(self, iteration: int) -> None:
+        if self.enabled and self.prof is None and iteration == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device_mod.cuda_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True,
+                                               on_trace_ready=torch.profiler.tensorboard_trace_handler(self.dir))
+            self.prof.start()
+
+    def after_step(self, iteration: int) -> None:
+        if self.prof is not None and iteration >= self.end:
+            self.close()
+
+    def close(self) -> None:
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+            print(f" > profile of iterations [{self.start}, {self.end}) written to {self.dir}", flush=True)

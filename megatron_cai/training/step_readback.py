@@ -5,7 +5,7 @@ accelerator has finished everything queued before it, so kernels stop overlappin
 iteration that does not log reads once, after the gradient-norm reduction::
 
     [sum of squared gradients, non-finite micro-batch losses, exit requested]   all-reduced (sum) over the world
-    [loss means ...]                                                             averaged over DP (last stage)
+    [loss means ...]                                                             averaged over DP x CP (last stage)
 
 Everything the loop needs follows from it: the global grad norm (non-finite when any gradient is, including
 Squinch's non-finite flag, which fills the reduced bucket with NaN on the device), the fp16 overflow, the
@@ -26,7 +26,7 @@ from ..core import parallel_state as ps
 @dataclass(frozen=True)
 class StepReadback:
     grad_norm: float          # global L2 norm of the DP-mean gradient; nan when any element is not finite
-    losses: dict[str, float]  # each statistic's mean over micro-batches and DP ranks (last stage; {} elsewhere)
+    losses: dict[str, float]  # each statistic's mean over micro-batches and DP x CP ranks (last stage; {} elsewhere)
     nonfinite_loss: bool      # some rank's micro-batch statistic was NaN or Inf
     exit_requested: bool      # some rank received SIGTERM / SIGUSR1
 
@@ -56,8 +56,9 @@ def nonfinite_count(stats: list[dict], device: torch.device) -> torch.Tensor:
 
 
 def read_step(norm_sq: torch.Tensor, stats: list[dict], exit_signal: bool, device: torch.device) -> StepReadback:
-    """The step's one read-back (collective over the world; over DP for the losses)."""
-    keys, means = loss_means(stats, ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+    """The step's one read-back (collective over the world; over DP x CP for the losses)."""
+    keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
+                             ps.get_data_parallel_world_size(with_context_parallel=True))
     flags = torch.stack([norm_sq.to(torch.float64), nonfinite_count(stats, device),
                          torch.full((), float(exit_signal), dtype=torch.float64, device=device)])
     if ps.get_world_size() > 1:

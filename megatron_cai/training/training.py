@@ -16,9 +16,12 @@ import contextlib
 import functools
 import gc
 import inspect
+import logging
 import math
 import signal
+import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +30,7 @@ import torch.distributed as dist
 from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.datasets.device_prefetch import DevicePrefetcher
-from ..core.distributed.comm_timing import timing_log_lines, timing_scalars
+from ..core.distributed.comm_timing import StepTimeline, timeline_log_lines, timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.fsdp import build_fsdp2
 from ..core.distributed.memory import MemoryReport, max_over_ranks, memory_report
@@ -40,14 +43,19 @@ from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import divergence, startup_checks
+from . import divergence
 from .arguments import rebuild_for_world_size
-from .checkpoint import Checkpointer, check_run_dirs, iteration_dir, tp_layout
+from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
 from .distill import setup_distillation
+from .errors import DataError
+from .flags.megatron_compat import no_op_message
 from .initialize import discover_env, initialize_distributed
 from .logging import (
+    LogWindow,
+    StepProfiler,
     TensorBoard,
+    WandbWriter,
     gpt_flops_per_iteration,
     parameter_count_line,
     print_rank_0,
@@ -55,9 +63,15 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .megatron_compat import no_op_message
 from .step_readback import loss_means, read_step
-from .train_extras import LogWindow, StepProfiler, WandbWriter, empty_device_cache, per_token_loss_step
+from .training_log import (
+    IterationStats,
+    log_line_timers,
+    megatron_scalars,
+    megatron_wandb,
+    prints_log_line,
+    validation_scalars,
+)
 
 
 @dataclass
@@ -98,6 +112,62 @@ class StepResult:
     exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
 
 
+def empty_device_cache(device: torch.device) -> None:
+    """--empty-unused-memory-level: release the CUDA caching allocator's unused blocks (no-op on CPU)."""
+    device_mod.empty_cache(device)
+
+
+class _RecordingIterator:
+    """Yields the micro-batches and remembers the last one (its loss mask weighs its loss)."""
+
+    def __init__(self, batches: list[dict]) -> None:
+        self._it, self.last = iter(batches), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        self.last = next(self._it)
+        return self.last
+
+
+def per_token_loss_step(step_func: Callable, batches: list[dict], model_chunks: list, num_microbatches: int,
+                        device: torch.device) -> tuple[Callable, list]:
+    """--calculate-per-token-loss: the loss is the sum over every loss-mask token of the global batch divided
+    by their number (Megatron-LM's rule), instead of the mean of per-micro-batch means.
+
+    Each micro-batch's mean loss is weighted by n_mb * M * DP / N (N: tokens of the global batch), so that
+    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise. The
+    weights stay on the device: nothing is read back before the forward pass."""
+    counts = [b["loss_mask"].float().sum().to(torch.float64) for b in batches]
+    total = torch.stack(counts).sum()
+    dp = ps.get_data_parallel_world_size()
+    if dp > 1:
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+    scale = (num_microbatches * dp) / total.clamp_min(1.0)
+    weights = {id(b): (c * scale).float() for b, c in zip(batches, counts)}  # device scalars
+
+    def step(data_iterator: _RecordingIterator, model):
+        output, loss_func = step_func(data_iterator, model)
+        weight = weights[id(data_iterator.last)]
+
+        def weighted(out):
+            loss, stats = loss_func(out)
+            return loss * weight, {k: v * weight for k, v in stats.items()}
+
+        return output, weighted
+
+    return step, [_RecordingIterator(batches) for _ in model_chunks]
+
+
+def _check_train_split(train_ds, train_iters: int, data_path, split: str) -> None:
+    """An empty train split (an empty corpus, or a --split that gives training none) is one error, not a crash."""
+    if train_ds is None and train_iters > 0:
+        raise DataError(f"--data-path {' '.join(map(str, data_path or []))}: the train split is empty (the corpus has "
+                        f"no documents with at least 2 tokens, or --split {split} gives training none); nothing to "
+                        f"train on")
+
+
 class Trainer:
     """Holds everything one run needs; ``train()`` runs the loop.
 
@@ -117,7 +187,7 @@ class Trainer:
         self.config = config
         self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
         print_rank_0(format_config(config))
-        check_run_dirs(config.checkpoint.load, config.checkpoint.save, config.checkpoint.ckpt_step)
+        self.run_lock = open_run_dirs(config.checkpoint)  # collective: paths, the run lock, no overwrite
         model_cfg, run = config.model, config.training
         if model_cfg.qat.gemm_backend == "transformer_engine" and self.device.type != "cuda":
             raise ArgumentError(f"--transformer-impl transformer_engine runs on CUDA only; this run is on "
@@ -129,30 +199,39 @@ class Trainer:
         if run.compile:  # --compile: each transformer layer, before DDP / FSDP2 wrap the chunks
             for m in chunks:
                 compile_transformer_layers(m)
-        dp = ps.get_data_parallel_world_size()
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
-        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP mesh (core/distributed/fsdp.py)
+        self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
+        if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP (x CP) mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
         else:
-            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, ps.get_data_parallel_group(), dp,
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)  # gradients reduce over DP x CP
+            self.timelines = [StepTimeline(config.logging.timing_log_level >= 2, self.device,
+                                           group=dp_group) for _ in chunks]
+            self.model = [DistributedDataParallel(m, build_reducer(config.ddp, dp_group, dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device) for m in chunks]
+                                                  config.ddp, device=self.device, timeline=t)
+                          for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
         self.scheduler = OptimizerParamScheduler(config.scheduler)
         self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
             run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
-            run.decrease_batch_size_if_needed)
+            run.decrease_batch_size_if_needed, step_schedule=run.step_batch_size_schedule)
         self.num_microbatches = run.num_microbatches  # this iteration's (changes during a batch ramp-up)
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
         ckpt = config.checkpoint
+        local = sum(p.numel() for m in chunks for p in m.parameters())
+        tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
+        warn_if_short_of_space(ckpt, local * tp_pp * (12 if ckpt.save_optim else 4))  # fp32 weights, Adam
+        self._saved_iteration: int | None = None  # the iteration saved (or started saving) last
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
                                          self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
@@ -165,12 +244,13 @@ class Trainer:
                 print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
                 self.divergence.last_good_checkpoint = iteration_dir(ckpt.load, self.state.iteration)
                 self.divergence.load_state_dict(counters)
+                if same_path(ckpt.load, ckpt.save):  # that iteration is saved already: never written again
+                    self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
-        startup_checks.raise_if(startup_checks.empty_train_split(train_ds, run.train_iters, config.data.data_path,
-                                                                 config.data.split))
+        _check_train_split(train_ds, run.train_iters, config.data.data_path, config.data.split)
         self.distiller, train_ds = setup_distillation(config.distill, model_cfg, seed=run.seed,
                                                       num_train_samples=num_samples[0], device=self.device,
                                                       train_ds=train_ds)
@@ -185,10 +265,12 @@ class Trainer:
         self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
-        tp = config.parallel.tensor_model_parallel_size
-        seq = model_cfg.seq_length // tp if model_cfg.sequence_parallel else model_cfg.seq_length
+        tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
+        seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
+        seq = seq // tp if model_cfg.sequence_parallel else seq
         self.tensor_shape = (run.micro_batch_size, seq, model_cfg.hidden_size)
         self._te_recipe = None
+        self.num_zeros_in_grad: float | None = None
 
     # --------------------------------------------------------------------------------------- setup
     def _log_memory(self, when: str) -> dict:
@@ -199,11 +281,11 @@ class Trainer:
 
     def _num_samples(self) -> tuple[int, int, int]:
         run, log = self.config.training, self.config.logging
-        gbs = run.global_batch_size
+        gbs, eval_gbs = run.global_batch_size, log.eval_global_batch_size or run.global_batch_size
         evals = 0
         if log.eval_iters and log.eval_interval:
             evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
-        return (run.train_iters * gbs, evals * gbs, log.eval_iters * gbs)
+        return (run.train_iters * gbs, evals * eval_gbs, log.eval_iters * eval_gbs)
 
     def _loader(self, dataset, consumed: int, lookahead: bool | None = False) -> DevicePrefetcher | None:
         """``lookahead``: copy the next step's micro-batches during this one (None: on accelerators)."""
@@ -263,6 +345,8 @@ class Trainer:
         """One iteration: forward/backward over the micro-batches, grad sync, clip, update.
 
         Reads the device once (``step_readback.read_step``), after the gradient-norm reduction."""
+        for t in self.timelines:
+            t.step_start()
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -271,8 +355,10 @@ class Trainer:
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         stats = self._run_schedule(batches, forward_only=False)
+        self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
+        self._mark_timelines("sync end")
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
@@ -282,6 +368,9 @@ class Trainer:
         finite = math.isfinite(read.grad_norm)
         if finite:
             self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
+        # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective, one more read)
+        self.num_zeros_in_grad = (float(self.optimizer.num_zeros_in_grad())
+                                  if self.config.logging.log_num_zeros_in_grad else None)
         if self.grad_scaler is not None:
             old_scale = self.grad_scaler.scale
             self.grad_scaler.update(not finite)
@@ -298,11 +387,18 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
+        self._mark_timelines("step end")
         return StepResult(read.losses, read.grad_norm, finite, read.exit_requested)
 
+    def _mark_timelines(self, name: str) -> None:
+        for t in self.timelines:
+            t.mark(name)
+
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
-        """Each statistic's mean over micro-batches and DP ranks, read back (validation)."""
-        keys, means = loss_means(stats, ps.get_data_parallel_group(), ps.get_data_parallel_world_size())
+        """Each statistic's mean over micro-batches and DP x CP ranks (CP ranks hold shares of a mean), read
+        back (validation)."""
+        keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
+                                 ps.get_data_parallel_world_size(with_context_parallel=True))
         return dict(zip(keys, means.tolist())) if means is not None else {}
 
     @torch.no_grad()
@@ -315,12 +411,14 @@ class Trainer:
         totals: dict[str, float] = {}
         eval_iters = self.config.logging.eval_iters
         train_microbatches = self.num_microbatches
-        self.num_microbatches = self.config.training.num_microbatches  # validation: the full global batch
+        run = self.config.training
+        eval_gbs = self.config.logging.eval_global_batch_size or run.global_batch_size  # --eval-global-batch-size
+        self.num_microbatches = eval_gbs // (run.micro_batch_size * self.config.parallel.data_parallel_size)
         for _ in range(eval_iters):
             stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / eval_iters
-            self.state.consumed_valid_samples += self.config.training.global_batch_size
+            self.state.consumed_valid_samples += eval_gbs
             if self.config.training.empty_unused_memory_level >= 1:
                 empty_device_cache(self.device)
         self.num_microbatches = train_microbatches
@@ -331,8 +429,8 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- loop
     def save(self) -> None:
         """Save now (collective), unless the state is not finite: the checkpointer picks format and mode."""
-        if not self.config.checkpoint.save:
-            return
+        if not self.config.checkpoint.save or self._saved_iteration == self.state.iteration:
+            return  # the same iteration reached twice (a signal or --exit-interval on a save iteration)
         self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
         if self.checkpointer.asynchronous and not self.divergence.consecutive_skipped:
@@ -345,6 +443,7 @@ class Trainer:
             return
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
         path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model])
+        self._saved_iteration = self.state.iteration
         if path is None:  # --async-save: staged, written in the background, published by finalize_async_save
             print_rank_0(f" started an asynchronous save at iteration {self.state.iteration:7d} to "
                          f"{self.config.checkpoint.save}")
@@ -379,7 +478,7 @@ class Trainer:
         while st.iteration < run.train_iters:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
-            lr = self.scheduler.get_lr()
+            lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
             step = self.train_step()
             losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
@@ -406,13 +505,15 @@ class Trainer:
                             "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
                 gc.collect()
-            if self.tb.writer is not None and st.iteration % log.tensorboard_log_interval == 0:
-                self._per_iteration_scalars()
-            self.wandb.log({**losses, "learning-rate": lr, "grad-norm": grad_norm, "loss-scale": self._loss_scale()},
-                           st.iteration)
-            if st.iteration % log.log_interval == 0:
-                self._log(window, lr, grad_norm, comm_bytes)
-                window = LogWindow()
+            stats = self._iteration_stats(losses, grad_norm, finite, batch)
+            if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
+                self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))
+                self.wandb.log(megatron_wandb(stats, log, self.config.parallel.world_size), st.iteration)
+            first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
+            if prints_log_line(st.iteration, log.log_interval, first):
+                self._log(window, stats, comm_bytes, first)
+                if not first:
+                    window = LogWindow()
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
                 val = self.evaluate()
                 if val:
@@ -453,7 +554,18 @@ class Trainer:
         scaler = getattr(self.optimizer, "grad_scaler", None)
         return float(scaler.scale) if scaler is not None else 1.0
 
-    def _log(self, window: LogWindow, lr: float, grad_norm: float, comm_bytes: int) -> None:
+    def _iteration_stats(self, losses: dict[str, float], grad_norm: float, finite: bool, batch: int) -> IterationStats:
+        """This iteration's figures for the log (collective with --log-params-norm)."""
+        log, st = self.config.logging, self.state
+        return IterationStats(
+            iteration=st.iteration, consumed_samples=st.consumed_train_samples, losses=losses,
+            learning_rate=_fp32(self.scheduler.get_lr()), batch_size=batch, loss_scale=self._loss_scale(),
+            grad_norm=_fp32(grad_norm) if finite or self.grad_scaler is None else None, skipped=not finite,
+            num_zeros=_fp32(self.num_zeros_in_grad), memory=device_mod.memory_stats(self.device)
+            if log.log_memory_to_tensorboard else None,
+            params_norm=self.optimizer.params_norm() if log.log_params_norm else None)
+
+    def _log(self, window: LogWindow, stats: IterationStats, comm_bytes: int, first: bool) -> None:
         run, log, st = self.config.training, self.config.logging, self.state
         # the read waits for the queued work, so the window's time below covers it
         # Megatron-LM's memory report comes with the first log line; st.extra keeps this rank's figures
@@ -463,8 +575,7 @@ class Trainer:
             print_rank_0(most.line("max over ranks, at the first log"))
             st.extra["memory"] = mine.to_dict()
         elapsed = window.seconds_per_iteration()
-        batch = self.microbatches.running_global_batch_size  # this iteration's (--rampup-batch-size)
-        tps = batch * self.config.model.seq_length / max(elapsed, 1e-9)
+        tps = stats.batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
         throughput = None
         if log.log_throughput:
             flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
@@ -474,46 +585,28 @@ class Trainer:
             line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
                           / (len(extra) // 2),
                           "attention lse max": max(v for k, v in extra.items() if k.endswith("-max"))}
-        avg = window.averages()
         print_rank_last(training_log_line(
-            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, lr, batch,
-            avg, grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes, extra=line_extra,
-            loss_scale=self._loss_scale(), nan_iters=window.nan, throughput_tflops=throughput))
-        scalars = {**{k.replace(" ", "-"): v for k, v in avg.items()}, "learning-rate": lr, "grad-norm": grad_norm,
-                   "tokens-per-second": tps, "grad-comm-bytes": comm_bytes, **extra}
-        if log.log_timers_to_tensorboard:
-            scalars["iteration-time"] = elapsed
-            if throughput is not None:
-                scalars["throughput"] = throughput
+            st.iteration, run.train_iters, st.consumed_train_samples, elapsed * 1000, stats.learning_rate,
+            stats.batch_size, window.averages(), stats.grad_norm, window.skipped, tps, grad_comm_bytes=comm_bytes,
+            extra=line_extra, loss_scale=stats.loss_scale, nan_iters=window.nan, throughput_tflops=throughput,
+            num_zeros=stats.num_zeros, params_norm=stats.params_norm))
+        scalars = {**log_line_timers(elapsed, throughput, log, first), "tokens-per-second": tps,
+                   "grad-comm-bytes": comm_bytes, **extra}
         self.tb.scalars(scalars, st.iteration)
-        if log.timing_log_level:  # gradient-reduction phase timers (--timing-log-level)
+        if log.timing_log_level and st.iteration % log.log_interval == 0:  # phase timers, per full window
             timings = [m.reducer.timers.collect() for m in self.model]
             for line in timing_log_lines(st.iteration, timings, log.timing_log_level, window.iterations):
+                print_rank_last(line)
+            for line in timeline_log_lines(st.iteration, [t.collect() for t in self.timelines]):
                 print_rank_last(line)
             if log.log_timers_to_tensorboard:
                 self.tb.scalars(timing_scalars(timings, window.iterations), st.iteration)
 
-    def _per_iteration_scalars(self) -> None:
-        """Megatron-LM's per-iteration TensorBoard scalars (every --tensorboard-log-interval iterations)."""
-        log = self.config.logging
-        values = {"batch-size": self.config.training.global_batch_size}
-        if log.log_loss_scale_to_tensorboard:
-            values["loss-scale"] = self._loss_scale()
-        if log.log_world_size_to_tensorboard:
-            values["world-size"] = self.config.parallel.world_size
-        self.tb.scalars(values, self.state.iteration)
-
     def _validation_scalars(self, val: dict[str, float]) -> None:
         log, it = self.config.logging, self.state.iteration
-        values = {f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}
-        for k, v in val.items():
-            values[f"{k} validation"] = v
-            if log.log_validation_ppl_to_tensorboard:
-                values[f"{k} validation ppl"] = math.exp(min(20.0, v))
-        self.tb.scalars(values, it)
-        if log.log_validation_ppl_to_tensorboard:
-            self.tb.scalars({f"{k} validation ppl vs samples": math.exp(min(20.0, v)) for k, v in val.items()},
-                            self.state.consumed_train_samples)
+        self.tb.scalars({f"validation/{k.replace(' ', '-')}": v for k, v in val.items()}, it)  # ours
+        self.tb.add(validation_scalars(val, it, self.state.consumed_train_samples,
+                                       log.log_validation_ppl_to_tensorboard))
         self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
     def _log_readback(self, memory: MemoryReport | None) -> tuple[dict[str, float], MemoryReport | None]:
@@ -546,6 +639,17 @@ class Trainer:
         return out, memory.from_values(values[3 * layers:]) if memory is not None else None
 
 
+def _fp32(value: float | None) -> float | None:
+    """A figure as Megatron-LM logs it: its reduce_max_stat_across_model_parallel_group rounds the learning rate,
+    the grad norm and the zero count through an fp32 tensor (here through struct: no tensor, no device read)."""
+    if value is None:
+        return None
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's range: inf, as the fp32 tensor gives
+        return math.copysign(math.inf, value)
+
+
 def _bind_distiller(forward_step_func, distiller):
     """``forward_step_func`` with the distiller bound as its ``distiller=`` argument (unchanged without one)."""
     if distiller is None:
@@ -559,16 +663,23 @@ def _bind_distiller(forward_step_func, distiller):
 def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenizer=None) -> TrainState:
     """Build a Trainer and run it; returns the final TrainState (its ``extra['history']`` holds losses)."""
     message = no_op_message(list(config.logging.megatron_no_op_flags))
-    if message:
-        print_rank_0(message)
+    for line in ([message] if message else []) + list(config.logging.megatron_notes):
+        print_rank_0(line)
+    if config.logging.logging_level is not None:  # --logging-level, as Megatron-LM's setup_logging
+        logging.getLogger().setLevel(config.logging.logging_level)
     trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
-    if ps.get_data_parallel_rank() == 0:
+    if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),
                                    ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()),
               flush=True)
     par = trainer.config.parallel
     print_rank_0(f" > model: {sum(p.numel() for m in trainer.model for p in m.module.parameters()):,} parameters "
                  f"on rank 0; TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} "
-                 f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
+                 + (f"CP={par.context_parallel_size} " if par.context_parallel_size > 1 else "")
+                 + f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
                  f"iteration; device {trainer.device.type}")
-    return trainer.train()
+    try:
+        return trainer.train()
+    finally:
+        if trainer.run_lock is not None:
+            trainer.run_lock.release()

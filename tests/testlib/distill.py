@@ -17,7 +17,8 @@ import dump_teacher_samples as dump_tool  # noqa: E402
 
 VOCAB = 99  # NullTokenizer ids [0, 99) and EOD 99: a vocabulary of 100, padded to 104 (or 112 under TP=2)
 SEQ = 16
-MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+MODEL = ["--squared-relu",
+         "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
          "--max-position-embeddings", str(SEQ), "--hidden-dropout", "0", "--attention-dropout", "0",
          "--make-vocab-size-divisible-by", "8", "--group-query-attention", "--num-query-groups", "2",
          "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
@@ -49,7 +50,7 @@ def train_argv(prefix: str, iters: int, extra: list[str] = (), gbs: int = 4, mbs
 
 def make_teacher(prefix: str, save: str) -> str:
     """Train the tiny teacher a few iterations on the corpus (in this process) and save it."""
-    from train_utils import train
+    from testlib.train import train
 
     train(train_argv(prefix, 4, ["--save", save, "--lr", "1e-2"]))
     ps.destroy_model_parallel()

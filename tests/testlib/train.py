@@ -5,11 +5,18 @@ import pretrain_gpt
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.training.training import Trainer
 
-TINY_MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+TINY_MODEL = ["--squared-relu",
+              "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
               "--max-position-embeddings", "16", "--hidden-dropout", "0", "--attention-dropout", "0",
               "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
-              # what the tests were written against (Megatron-LM's defaults differ: learned_absolute, linear, 2)
+              # what the tests were written against (Megatron-LM's defaults differ: GeLU, learned_absolute,
+              # linear, 2)
               "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+
+
+def with_activation(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` with TINY_MODEL's ``--squared-relu`` replaced by ``flags`` (another MLP activation)."""
+    return [a for a in argv if a != "--squared-relu"] + list(flags)
 
 
 def train(argv: list[str], world_size: int = 1, trainer_hook=None) -> dict:

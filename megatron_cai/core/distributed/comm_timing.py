@@ -14,12 +14,21 @@ then synchronises once per logged iteration (only when timing is on).
 ``collect()`` returns and clears what was recorded since the last call (totals, in ms):
 ``{"phases": {phase: ms}, "buckets": {bucket_index: {phase: ms}}}``; callers divide by the number of
 iterations it covers.
+
+Level 2 also records a :class:`StepTimeline` per model chunk, for every reducer: when each bucket
+becomes ready in backward, when backward ends, when the gradient sync and the step end. These are the
+inputs of the step-time model (``comm_model``): on CPU the reducer's own work runs on the host inside
+backward, so the ready times are also given on a compute-only clock (minus the host time spent in the
+reducer so far). On an accelerator the marks are events on the compute stream (the reducer works on
+its own stream, so the two clocks are one).
 """
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,3 +118,125 @@ def timing_scalars(timings: list[dict], iters: int) -> dict[str, float]:
             key = "grad-reduce-time/" + name.replace(" ", "-")
             out[key] = out.get(key, 0.0) + ms / steps
     return out
+
+
+# ------------------------------------------------------------------------------------ step timeline
+MARKS = ("backward end", "sync end", "step end")
+
+
+@dataclass
+class _StepRecord:
+    start: object = None
+    buckets: list = field(default_factory=list)   # (index, numel, mark, reducer host seconds before it)
+    marks: dict = field(default_factory=dict)      # name -> (mark, reducer host seconds before it)
+    reducer_s: float = 0.0
+
+
+class StepTimeline:
+    """Per step: when each bucket was handed to the reducer, and the ends of backward, of the gradient
+    sync and of the step (``--timing-log-level 2``; off: every method returns at once).
+
+    ``collect()`` returns and clears the medians over the steps recorded since the last call, in ms from
+    the step's start: ``{"steps", "buckets": [(index, numel, ready_ms, compute_ms)], "backward end",
+    "backward end compute", "sync end", "step end", "after sync", "reducer host"}``, buckets by index.
+    The compute clock is this rank's clock minus the host time spent inside the reducer so far (CPU; on
+    an accelerator the two are one), and its values (``compute_ms``, "backward end compute", "after
+    sync") are, step by step, the largest over the ranks of ``group``: a collective starts when its
+    slowest rank gets there. ``collect()`` is then collective over ``group``."""
+
+    def __init__(self, enabled: bool, device: torch.device | None = None, group=None) -> None:
+        self.enabled = enabled
+        self.device = device if device is not None else torch.device("cpu")
+        self.group = group
+        self._cur: _StepRecord | None = None
+        self._done: list[_StepRecord] = []
+
+    def _mark(self):
+        if self.device.type == "cpu":
+            return time.perf_counter()
+        ev = torch.Event(self.device, enable_timing=True)
+        ev.record()
+        return ev
+
+    def _ms(self, start, mark) -> float:
+        if isinstance(start, float):
+            return 1000.0 * (mark - start)
+        mark.synchronize()
+        return start.elapsed_time(mark)
+
+    def step_start(self) -> None:
+        if self.enabled:
+            self._cur = _StepRecord(start=self._mark())
+
+    def bucket_ready(self, index: int, numel: int) -> None:
+        if self.enabled and self._cur is not None:
+            self._cur.buckets.append((index, numel, self._mark(), self._cur.reducer_s))
+
+    @contextlib.contextmanager
+    def in_reducer(self) -> Iterator[None]:
+        """Wrap a reducer call: its host time is taken off the compute clock (CPU)."""
+        if not (self.enabled and self._cur is not None and self.device.type == "cpu"):
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        self._cur.reducer_s += time.perf_counter() - t0
+
+    def mark(self, name: str) -> None:
+        """``name``: one of MARKS; "step end" closes the step."""
+        if not (self.enabled and self._cur is not None):
+            return
+        self._cur.marks[name] = (self._mark(), self._cur.reducer_s)
+        if name == "step end":
+            self._done.append(self._cur)
+            self._cur = None
+
+    def _step_row(self, r: _StepRecord, indices: list[int]) -> tuple[list[float], list[float]]:
+        """(raw ms, compute-clock ms) of one step: bucket ready times by index, then the marks."""
+        by_index = {i: (self._ms(r.start, mark), 1000.0 * host) for i, _, mark, host in r.buckets}
+        raw = [by_index[i][0] for i in indices] + [self._ms(r.start, r.marks[m][0]) for m in MARKS]
+        compute = [by_index[i][0] - by_index[i][1] for i in indices]
+        compute += [raw[-3] - 1000.0 * r.marks["backward end"][1], raw[-1] - raw[-2]]  # backward end, after sync
+        return raw, compute
+
+    def collect(self) -> dict:
+        recs = [r for r in self._done if all(m in r.marks for m in MARKS)]
+        self._done = []
+        if not recs:
+            return {}
+        numel = {i: n for r in recs for i, n, _, _ in r.buckets}
+        indices = sorted(numel)
+        recs = [r for r in recs if sorted(b[0] for b in r.buckets) == indices]
+        rows = [self._step_row(r, indices) for r in recs]
+        compute = torch.tensor([c for _, c in rows], dtype=torch.float64)
+        if self.group is not None and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size(self.group) > 1:
+            worst = compute.to(self.device)
+            torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            compute = worst.cpu()
+        med = statistics.median
+        raw = [[row[k] for row, _ in rows] for k in range(len(indices) + len(MARKS))]
+        comp = [med(col) for col in compute.T.tolist()]
+        out: dict = {"steps": len(rows),
+                     "buckets": [(i, numel[i], med(raw[k]), comp[k]) for k, i in enumerate(indices)]}
+        for k, name in enumerate(MARKS):
+            out[name] = med(raw[len(indices) + k])
+        out["backward end compute"], out["after sync"] = comp[-2], comp[-1]
+        out["reducer host"] = med(1000.0 * r.reducer_s for r in recs)
+        return out
+
+
+def timeline_log_lines(iteration: int, timelines: list[dict]) -> list[str]:
+    """The level-2 lines of ``StepTimeline.collect()`` results (one per model chunk)."""
+    lines = []
+    for chunk, t in enumerate(timelines):
+        if not t:
+            continue
+        lines.append(f" backward timeline at iteration {iteration} (ms from the step's start, median of {t['steps']} "
+                     f"iterations, chunk {chunk}; compute: the slowest data-parallel rank's):")
+        lines += [f"    bucket {i}: {n} elements ready at {ready:.3f} (compute {comp:.3f})"
+                  for i, n, ready, comp in t["buckets"]]
+        lines.append(f"    backward end {t['backward end']:.3f} (compute {t['backward end compute']:.3f}), "
+                     f"sync end {t['sync end']:.3f}, step end {t['step end']:.3f} (after sync, compute "
+                     f"{t['after sync']:.3f}), reducer host {t['reducer host']:.3f}")
+    return lines

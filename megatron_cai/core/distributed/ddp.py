@@ -18,6 +18,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import parallel_state as ps
+from .comm_timing import StepTimeline
 from .config import DDPConfig
 from .contracts import BucketReducer
 from .grad_buffer import ParamAndGradBuffer
@@ -28,13 +29,16 @@ class DistributedDataParallel(nn.Module):
 
     data_parallel_kind = "ddp"
 
-    def __init__(self, module: nn.Module, reducer: BucketReducer, config: DDPConfig, *, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, reducer: BucketReducer, config: DDPConfig, *, device: torch.device,
+                 timeline: StepTimeline | None = None) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
+        self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
-        bucket_size = config.bucket_elements(ps.get_data_parallel_world_size())
+        dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
+        bucket_size = config.bucket_elements(dp_size, nodes=ps.get_data_parallel_inter_node_world_size())
         reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
@@ -42,7 +46,7 @@ class DistributedDataParallel(nn.Module):
         self.tp_partial_params = [p for p in params if getattr(p, "allreduce_over_tp", False)]
         self.buffer = ParamAndGradBuffer(
             params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
-            dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(), device=device,
+            dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
             separate=shared)
         self.is_last_microbatch = True
         self._handles: dict[int, object] = {}
@@ -60,7 +64,15 @@ class DistributedDataParallel(nn.Module):
             bucket = self.buffer.bucket_of[id(param)]
             bucket.pending.discard(id(param))
             if not bucket.pending and not bucket.deferred and bucket.index not in self._handles:
-                self._handles[bucket.index] = self.reducer.reduce(bucket)
+                self._hand_over(bucket)
+
+    def _hand_over(self, bucket) -> None:
+        if self.timeline is None:
+            self._handles[bucket.index] = self.reducer.reduce(bucket)
+            return
+        self.timeline.bucket_ready(bucket.index, bucket.numel)
+        with self.timeline.in_reducer():
+            self._handles[bucket.index] = self.reducer.reduce(bucket)
 
     def zero_grad_buffer(self) -> None:
         self.buffer.zero_grad()
@@ -80,7 +92,7 @@ class DistributedDataParallel(nn.Module):
                 dist.all_reduce(p.main_grad, group=embd_group)
         for bucket in self.buffer.buckets:
             if bucket.index not in self._handles:
-                self._handles[bucket.index] = self.reducer.reduce(bucket)
+                self._hand_over(bucket)
         for bucket in self.buffer.buckets:
             self._handles[bucket.index].wait()
         if self.tp_partial_params and ps.get_tensor_model_parallel_world_size() > 1:

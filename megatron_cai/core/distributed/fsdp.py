@@ -1,10 +1,11 @@
 """Fully sharded data parallelism on PyTorch FSDP2 (``--use-torch-fsdp2``), composed with our TP and PP.
 
 Each model chunk is sharded over the DP dimension of a (PP, DP, TP) device mesh built from
-``parallel_state``'s groups: every transformer layer is one ``fully_shard`` unit, the embedding another
-(unless a single-stage model ties it to the output layer), and the chunk itself the root unit (final
-norm and output layer, which ``GPTModel._logits`` uses outside any submodule's forward). Parameters are
-the TP-local shards, so FSDP2 shards TP shards over DP.
+``parallel_state``'s groups (with context parallelism the DP dimension is DP x CP, over which gradients
+reduce; rank order TP, CP, DP, PP keeps it one mesh dimension): every transformer layer is one
+``fully_shard`` unit, the embedding another (unless a single-stage model ties it to the output layer),
+and the chunk itself the root unit (final norm and output layer, which ``GPTModel._logits`` uses outside
+any submodule's forward). Parameters are the TP-local shards, so FSDP2 shards TP shards over DP.
 
 ``FullyShardedChunk`` offers the interface the schedules and the trainer use on the DDP wrapper:
 ``set_is_last_microbatch`` (FSDP2's ``set_requires_gradient_sync`` / ``set_is_last_backward``: no
@@ -31,9 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from .. import device as device_mod
 from .. import parallel_state as ps
 from .config import DDPConfig
-from .contracts import StatelessReducer
+from .contracts import NO_TIMERS
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
 
 
@@ -76,19 +78,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_dp_mesh(device: torch.device, hierarchical: bool = False) -> DeviceMesh:
-    """The DP dimension of a (PP, DP, TP) mesh over parallel_state's existing process groups; with
-    ``hierarchical`` (HSDP) the DP ranks of this node only (parallel_state's intra-node DP group)."""
-    if not dist.is_initialized():
-        raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun (a world of one works)")
+    """The DP (x CP) dimension of a (PP, DP x CP, TP) mesh over parallel_state's existing process groups; with
+    ``hierarchical`` (HSDP) those ranks on this node only (parallel_state's intra-node group)."""
     world = ps.get_world_size()
+    if not dist.is_initialized():
+        if world != 1:
+            raise RuntimeError("--use-torch-fsdp2 needs torch.distributed: launch with torchrun")
+        # a single process (plain python, or torchrun with one rank): FSDP2 still needs a process group
+        dist.init_process_group(device_mod.backend_for(device), store=dist.HashStore(), rank=0, world_size=1)
     if hierarchical and world > 1:
         return DeviceMesh.from_group(ps.get_data_parallel_intra_node_group(), device.type,
                                      mesh_dim_names=("dp_shard",))
     if world == 1:
         return DeviceMesh.from_group(dist.group.WORLD, device.type, mesh_dim_names=("dp",))
-    pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(),
+    pp, dp, tp = (ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(True),
                   ps.get_tensor_model_parallel_world_size())
-    groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(),
+    groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
               ps.get_tensor_model_parallel_group()]
     mesh = DeviceMesh.from_group(groups, device.type, mesh=torch.arange(world).view(pp, dp, tp),
                                  mesh_dim_names=("pp", "dp", "tp"))
@@ -130,7 +135,7 @@ class FullyShardedChunk(nn.Module):
                 m.set_custom_reduce_scatter(comm)
                 if isinstance(comm, SquinchReduceScatter) and comm.hierarchical:  # nodes, then divide by DP
                     m.set_all_reduce_hook(comm.all_reduce_hook)
-                    m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size()))
+                    m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size(True)))
                 self.comms[name or "root"] = comm
         self.reducer = UnitReducers(self.comms)
         self.reducer.attach(device)  # the gradients' device: Squinch state is restored there
@@ -191,9 +196,11 @@ class FullyShardedChunk(nn.Module):
         return self.reducer.bytes_sent
 
 
-class UnitReducers(StatelessReducer):
+class UnitReducers:
     """The reduce-scatter hooks of one chunk's ``fully_shard`` units, seen as one ``contracts.GradReducer``
     (bytes, skipped steps, state; no phase timers)."""
+
+    timers = NO_TIMERS
 
     def __init__(self, comms: dict[str, CountingReduceScatter]) -> None:
         self.comms = comms

@@ -2,13 +2,18 @@
 
 ::
 
-    send = encode_rows(x, rows, residual)            # [rows, 1 + nbytes]: nonfinite flag | 6-bit payload
+    send = encode_rows(x, rows, residual)            # [rows, row_nbytes(chunk)]: payload | flag | padding
     all_to_all_single(recv, send)                    # row r goes to rank r
     decode_sum_into(recv, shard)                     # shard = sum_w decode(row from w), rank order, fp32
 
 That is the compressed reduce-scatter. The all-reduce continues with an owner-side re-encode of the
 reduced shard (``encode_rows(shard, 1, owner_residual)``, its own error feedback), an all-gather of the
 payloads and ``decode_rows_into`` (every owner's row decoded into its chunk of the full tensor).
+
+Wire rows (docs/squinch-format.md, "The collective"): the 6-bit payload of the row's chunk first, so it
+starts 16-byte aligned, then one non-finite flag byte, then zero padding up to a multiple of 16 bytes
+(``row_nbytes``). On the Triton backend each step is ONE kernel launch whatever the number of rows: the
+encoder writes every row (payload, flag, padding) and the decoders read every row and flag.
 
 Callers: ``SquinchReducer`` (DDP buckets; it stages these steps asynchronously, with phase timers and
 persistent buffers passed as ``out=`` / ``scratch=``), and FSDP2's reduce-scatter hooks
@@ -18,16 +23,19 @@ zero-padded per row (``padded_chunk``), so every row starts on a block boundary;
 discarded.
 
 Non-finite values never make the host wait here: every row carries the device-side OR of the sender's
-non-finite flags, and a receiver fills its result with NaN (``masked_fill_``) when any sender flagged.
-The caller skips the step on every rank (the global grad-norm check) and then zeroes the residuals
-(``step_skipped``), which hold NaN/Inf after a flagged encode.
+non-finite flags, and a receiver fills its result with NaN when any sender flagged (inside the decode
+kernel on Triton). The caller skips the step on every rank (the global grad-norm check) and then zeroes
+the residuals (``step_skipped``), which hold NaN/Inf after a flagged encode.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import device as device_mod
-from ..squinch import BLOCK, decode, decode_accumulate, encode_with_feedback, payload_nbytes
+from ..squinch import BLOCK, decode_rows, decode_sum, payload_nbytes
+from ..squinch import encode_rows as encode_payload_rows
+
+ROW_ALIGN = 16  # bytes: every wire row (and so every payload) starts at a multiple of this
 
 
 def padded_chunk(chunk: int) -> int:
@@ -35,28 +43,28 @@ def padded_chunk(chunk: int) -> int:
     return -(-chunk // BLOCK) * BLOCK
 
 
+def row_nbytes(chunk: int) -> int:
+    """Bytes of one wire row for ``chunk`` elements: payload, flag byte, zero padding to ROW_ALIGN."""
+    return -(-(payload_nbytes(chunk) + 1) // ROW_ALIGN) * ROW_ALIGN
+
+
 def encode_rows(x: torch.Tensor, rows: int, residual: torch.Tensor | None, *, out: torch.Tensor | None = None,
                 stochastic: bool = False, generator: torch.Generator | None = None,
                 backend: str | None = None) -> torch.Tensor:
     """Encode flat x (``rows`` equal chunks), each row on its own and with error feedback (``residual``:
-    x's layout, updated in place, or None), into the uint8 ``[rows, 1 + payload_nbytes(chunk)]`` send
-    buffer (``out``, or a new one). Column 0 of every row is the OR of the rows' non-finite flags."""
+    x's layout, updated in place, or None), into the uint8 ``[rows, row_nbytes(chunk)]`` send buffer
+    (``out``, or a new one). Every row ends with the OR of all rows' non-finite flags."""
     if x.numel() % rows:
         raise ValueError(f"squinch: {x.numel()} elements do not split into {rows} equal rows")
     c = x.numel() // rows
-    shape = (rows, 1 + payload_nbytes(c))
+    shape = (rows, row_nbytes(c))
     if out is None:
         out = torch.empty(shape, dtype=torch.uint8, device=x.device)
     elif tuple(out.shape) != shape or out.dtype != torch.uint8:
         raise ValueError(f"squinch: send buffer must be uint8 {shape}, got {out.dtype} {tuple(out.shape)}")
-    flags = []
-    for r in range(rows):
-        res = residual[r * c:(r + 1) * c] if residual is not None else None
-        _, nonfinite = encode_with_feedback(x[r * c:(r + 1) * c], res, stochastic=stochastic, generator=generator,
-                                            backend=backend, out=out[r, 1:])
-        flags.append(nonfinite)
-    flag = flags[0] if rows == 1 else torch.stack(flags).any()
-    out[:, 0] = flag.to(device=x.device, dtype=torch.uint8)
+    p = payload_nbytes(c)
+    encode_payload_rows(x.reshape(-1), rows, residual, out[:, :p], flags=out[:, p:], stochastic=stochastic,
+                        generator=generator, backend=backend)
     return out
 
 
@@ -71,9 +79,8 @@ def decode_sum_into(recv: torch.Tensor, out: torch.Tensor, *, scratch: torch.Ten
     else:
         target = scratch if scratch is not None else torch.empty(out.numel(), dtype=torch.float32,
                                                                    device=out.device)
-    target.zero_()
-    decode_accumulate(recv[:, 1:], target, backend=backend)
-    target.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+    p = payload_nbytes(out.numel())
+    decode_sum(recv[:, :p], target, flags=recv[:, p], backend=backend)
     if not direct:
         out.copy_(target.view_as(out))
 
@@ -81,16 +88,13 @@ def decode_sum_into(recv: torch.Tensor, out: torch.Tensor, *, scratch: torch.Ten
 def decode_rows_into(recv: torch.Tensor, full: torch.Tensor, *, backend: str | None = None) -> None:
     """The all-gather side: row r of ``recv`` (owner r's payload) decodes into chunk r of flat ``full``;
     NaN everywhere if any owner flagged."""
-    size = recv.shape[0]
-    chunk = full.numel() // size
+    chunk = full.numel() // recv.shape[0]
+    p = payload_nbytes(chunk)
     fp32 = full.dtype == torch.float32 and full.is_contiguous()
-    for r in range(size):
-        dst = full.view(-1)[r * chunk:(r + 1) * chunk]
-        if fp32:
-            decode(recv[r, 1:], chunk, out=dst, backend=backend)
-        else:
-            dst.copy_(decode(recv[r, 1:], chunk, backend=backend))
-    full.masked_fill_(recv[:, 0].ne(0).any(), float("nan"))
+    target = full.view(-1) if fp32 else torch.empty(full.numel(), dtype=torch.float32, device=full.device)
+    decode_rows(recv[:, :p], target, flags=recv[:, p], backend=backend)
+    if not fp32:
+        full.copy_(target.view_as(full))
 
 
 def _pad_rows(x: torch.Tensor, world: int, chunk: int) -> torch.Tensor:

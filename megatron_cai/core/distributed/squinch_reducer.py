@@ -27,11 +27,11 @@ all-to-alls use (and the intra-node all-gather on a duplicate of the intra-node 
 takes a stage only after every bucket handed over before it took it: every group sees its operations
 in the same order on every rank, whatever completes first where.
 
-Non-finite gradients. Every row on the wire is ``[nonfinite flag byte | 6-bit payload]``. The flag is
-computed on the device (the OR over the sender's rows) and never read by the host here: a receiver
-fills its result with NaN through a device-side ``masked_fill_`` when any sender's flag is set. The
-decision is taken once per step by the global grad-norm check (which synchronises anyway): a NaN norm
-makes every rank skip the step and call :meth:`SquinchReducer.step_skipped`, which drops all error
+Non-finite gradients. Every row on the wire is ``[6-bit payload | nonfinite flag byte | zero padding]``.
+The flag is computed on the device (the OR over the sender's rows) and never read by the host here: a
+receiver fills its result with NaN on the device (in the decode kernel on Triton) when any sender flagged.
+The decision is taken once per step by the global grad-norm check (which synchronises anyway): a NaN
+norm makes every rank skip the step and call :meth:`SquinchReducer.step_skipped`, which drops all error
 feedback (the residual of a flagged bucket holds NaN/Inf). No per-bucket host synchronisation.
 
 Stream discipline (accelerators; on CPU everything runs on the host and gloo's own threads):
@@ -64,10 +64,9 @@ import torch.distributed as dist
 
 from .. import device as device_mod
 from .. import parallel_state as ps
-from ..squinch import payload_nbytes
 from .comm_timing import PhaseTimers
 from .grad_buffer import Bucket
-from .squinch_collectives import decode_rows_into, decode_sum_into, encode_rows
+from .squinch_collectives import decode_rows_into, decode_sum_into, encode_rows, row_nbytes
 from .squinch_feedback import FeedbackReducer, SquinchFeedback
 
 _NULL = contextlib.nullcontext()
@@ -131,7 +130,7 @@ class SquinchReducer(FeedbackReducer):
     def _encode_rows(self, x: torch.Tensor, rows: int, key: str) -> torch.Tensor:
         """``squinch_collectives.encode_rows`` with this key's residual, into its persistent send buffer."""
         fb = self.feedback
-        send = self._buf(("send", key), (rows, 1 + payload_nbytes(x.numel() // rows)), torch.uint8, x.device)
+        send = self._buf(("send", key), (rows, row_nbytes(x.numel() // rows)), torch.uint8, x.device)
         return encode_rows(x, rows, fb.residual(key, x.numel(), x.device), out=send, stochastic=fb.stochastic,
                            generator=fb.generator(x.device), backend=self.backend)
 
@@ -155,7 +154,7 @@ class SquinchReducer(FeedbackReducer):
         ranks = tuple(dist.get_process_group_ranks(group))
         key = (id(dist.group.WORLD), ranks)
         if key not in _SECOND_GROUPS:
-            _SECOND_GROUPS[key] = dist.new_group(list(ranks), use_local_synchronization=True)
+            _SECOND_GROUPS[key] = ps.new_group(list(ranks), use_local_synchronization=True)
         return _SECOND_GROUPS[key]
 
     def _groups(self) -> None:
@@ -287,14 +286,14 @@ class SquinchReducer(FeedbackReducer):
         """Decode the M shards of this local rank's slice, then start the intra-node all-gather."""
         self._decode_gathered(bucket, slice_buf, gathered)
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
-        local_rank = ps.get_data_parallel_rank() % L
+        local_rank = ps.get_data_parallel_rank(with_context_parallel=True) % L
         bucket.grad_data.view(M, L, c)[:, local_rank, :] = slice_buf.view(M, c)
         return self._start_intra_all_gather(bucket)
 
     def _start_intra_all_gather(self, bucket: Bucket):
         """Inside the node, uncompressed: every local rank contributes its M chunks (asynchronous)."""
         L, M, c = self.local_size, self.num_nodes, bucket.shard_size
-        local_rank = ps.get_data_parallel_rank() % L
+        local_rank = ps.get_data_parallel_rank(with_context_parallel=True) % L
         g = bucket.grad_data.view(M, L, c)
         with self.timers.phase(bucket.index, "intra all-gather"):
             mine = g[:, local_rank, :].contiguous().view(-1)

@@ -30,8 +30,30 @@ class GlobalNormClipping(ABC):
         """The gradient tensors this rank counts in the global norm."""
 
     @abstractmethod
+    def norm_params(self) -> Iterable[torch.Tensor]:
+        """The parameter tensors counted in the norm (local shards, each distinct element once)."""
+
+    @abstractmethod
     def grad_device(self) -> torch.device:
         """Where the gradients live (the norm is summed there)."""
+
+    def _global_sum(self, tensors: Iterable[torch.Tensor], fn) -> float:
+        total = torch.zeros((), dtype=torch.float64, device=self.grad_device())
+        for t in tensors:
+            total += fn(t.reshape(-1))
+        if ps.get_world_size() > 1:
+            dist.all_reduce(total)
+        return total.item()
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Global L2 norm of the parameters, each distinct element once (--log-params-norm; collective)."""
+        return math.sqrt(self._global_sum(self.norm_params(), lambda p: torch.dot(p.float(), p.float()).double()))
+
+    @torch.no_grad()
+    def num_zeros_in_grad(self) -> int:
+        """Zero gradient elements over the distinct parameters (--log-num-zeros-in-grad; collective)."""
+        return int(self._global_sum(self.norm_grads(), lambda g: (g == 0).sum().double()))
 
     def local_norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global norm: an fp64 device scalar, not reduced, not read."""

@@ -56,6 +56,9 @@ class SchedulerConfig:
     lr_wsd_decay_style: str = "exponential"
     decoupled_lr: float | None = None        # the input embedding and output layer's own peak ...
     decoupled_min_lr: float | None = None    # ... and minimum (default: min_lr)
+    # on resume: True takes the schedule's values (peak / minimum LR, warmup, decay length and style, WSD anneal)
+    # from the checkpoint (--use-checkpoint-opt-param-scheduler); False keeps these flags' values
+    use_checkpoint_values: bool = False
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:

@@ -21,35 +21,40 @@ class FullyShardedAdamW(GlobalNormClipping):
     def __init__(self, chunks: list[FullyShardedChunk], config: OptimizerConfig) -> None:
         self.model_chunks = chunks
         self.grad_scaler = None  # set by the trainer (--fp16 is refused with FSDP2 at start-up)
-        decay, no_decay = [], []
-        self.norm_params: list[nn.Parameter] = []
+        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}  # (decay, decoupled) -> parameters
+        self.counted: list[nn.Parameter] = []
         for c in chunks:
             for name, p in c.module.named_parameters():
-                (decay if c.meta[name].decay else no_decay).append(p)
+                # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
+                decoupled = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+                groups.setdefault((c.meta[name].decay, decoupled), []).append(p)
                 if c.counted_in_norm(name):
-                    self.norm_params.append(p)
-        groups = [{"params": decay, "weight_decay": config.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+                    self.counted.append(p)
         # PyTorch's fused kernel over the local shards (one pass, no per-step host read of the step counts)
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=config.betas,
-                                           eps=config.adam_eps, fused=True)
-        self.all_params = decay + no_decay
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
+             for (decay, decoupled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
+            lr=config.lr, betas=config.betas, eps=config.adam_eps, fused=True)
+        self.all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def owned_grads(self):
         return (local(p.grad) for p in self.all_params if p.grad is not None)
 
     def norm_grads(self):
-        return (local(p.grad) for p in self.norm_params if p.grad is not None)
+        return (local(p.grad) for p in self.counted if p.grad is not None)
+
+    def norm_params(self):
+        return (local(p) for p in self.counted)
 
     def grad_device(self) -> torch.device:
         return local(self.all_params[0]).device
 
     @torch.no_grad()
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
-        """One AdamW step at `lr` (--decoupled-lr is refused with FSDP2 at start-up, so `decoupled_lr` is unused)."""
+        """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr)."""
         if lr is not None:
             for g in self.optimizer.param_groups:
-                g["lr"] = lr
+                g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
         self.optimizer.step()
 
     def finish_param_sync(self) -> None:

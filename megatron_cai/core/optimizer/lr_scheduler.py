@@ -10,6 +10,7 @@ output layer their own peak and minimum (``get_lr(decoupled=True)``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .config import LR_DECAY_STYLES, LR_WSD_DECAY_STYLES, SchedulerConfig
@@ -75,6 +76,12 @@ class OptimizerParamScheduler:
                 "unit": "samples"}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("unit") == "samples" and self.cfg.use_checkpoint_values:  # --use-checkpoint-opt-param-scheduler
+            self.cfg = dataclasses.replace(
+                self.cfg, lr=state["max_lr"], min_lr=state["min_lr"], lr_warmup_samples=state["warmup_steps"],
+                lr_decay_samples=state["decay_steps"], lr_decay_style=state["decay_style"],
+                lr_wsd_decay_samples=state.get("wsd_decay_steps"),
+                lr_wsd_decay_style=state.get("wsd_decay_style", self.cfg.lr_wsd_decay_style))
         if state.get("unit") == "samples":
             self.num_steps = state["num_steps"]
         else:  # an older checkpoint counted iterations: rescale by (samples / iterations) of the decay length

@@ -94,11 +94,12 @@ class DistributedAdamW(GlobalNormClipping):
         self.config = config
         self.lr, self.weight_decay, self.betas, self.eps = config.lr, config.weight_decay, config.betas, config.adam_eps
         self.kind, self.sgd_momentum = config.optimizer, config.sgd_momentum
-        self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size() > 1
+        # sharded over DP x CP: the ranks that hold the same weights (Megatron's rule with context parallelism)
+        self.distributed = config.use_distributed_optimizer and ps.get_data_parallel_world_size(True) > 1
         self.step_count = 0
         self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         tp_rank = ps.get_tensor_model_parallel_rank()
-        dp_rank = ps.get_data_parallel_rank()
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
@@ -142,6 +143,9 @@ class DistributedAdamW(GlobalNormClipping):
     def norm_grads(self):
         return (c.grad[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
 
+    def norm_params(self):
+        return (c.param[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
+
     def grad_device(self) -> torch.device:
         return self.model_chunks[0].buffer.param_data.device
 
@@ -174,7 +178,7 @@ class DistributedAdamW(GlobalNormClipping):
                           dampening=0.0, nesterov=False, maximize=False, is_first_step=self.step_count == 1)
 
     def _all_gather_params(self) -> None:
-        group = ps.get_data_parallel_group()
+        group = ps.get_data_parallel_group(with_context_parallel=True)
         for ci, ddp in enumerate(self.model_chunks):
             for bi, bucket in enumerate(ddp.buffer.buckets):
                 local = bucket.shard(bucket.param_data).clone()
@@ -218,7 +222,7 @@ class DistributedAdamW(GlobalNormClipping):
                 full[c.lo:c.hi] = getattr(c, which)
             if self.distributed:
                 gathered = torch.zeros_like(full)
-                group = ps.get_data_parallel_group()
+                group = ps.get_data_parallel_group(with_context_parallel=True)
                 for bucket in ddp.buffer.buckets:
                     device_mod.all_gather_into_tensor(gathered[bucket.start:bucket.end],
                                                       bucket.shard(full[bucket.start:bucket.end]).clone(),

@@ -289,7 +289,7 @@ def gaussian_activation_rms(fn: Callable[[torch.Tensor], torch.Tensor],
     return (fn(z * s).square() @ w).sqrt().float()
 
 
-FFN_ACTIVATIONS = ("relu2", "swiglu", "gelu")
+FFN_ACTIVATIONS = ("relu2", "swiglu", "gelu_erf", "gelu_tanh")
 
 
 @torch.no_grad()
@@ -298,7 +298,7 @@ def predict_ffn_rms(fc1_weight: torch.Tensor, input_rms: float | torch.Tensor, f
     """Predicted RMS of the fc2 input act(fc1(x)), from fc1's weight (out, d), its bias and RMS(x).
 
     - relu2: ``relu2_rms`` of the fc1 output prediction (closed form);
-    - gelu (tanh approximation): E[gelu(h)^2] for h ~ N(0, s^2) by numerical integration;
+    - gelu_erf / gelu_tanh: E[gelu(h)^2] for h ~ N(0, s^2) by numerical integration;
     - swiglu: fc1 holds [gate; up] (each rank: its shard of each); with independent Gaussian gate and up
       pre-activations, RMS(silu(g) * u) = RMS(silu(g)) * RMS(u), each from its own section's weights.
 
@@ -314,8 +314,9 @@ def predict_ffn_rms(fc1_weight: torch.Tensor, input_rms: float | torch.Tensor, f
 
     if activation == "relu2":
         return relu2_rms(pre(fc1_weight, fc1_bias))
-    if activation == "gelu":
-        return gaussian_activation_rms(lambda h: torch.nn.functional.gelu(h, approximate="tanh"),
+    if activation in ("gelu_erf", "gelu_tanh"):
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        return gaussian_activation_rms(lambda h: torch.nn.functional.gelu(h, approximate=approximate),
                                        pre(fc1_weight, fc1_bias))
     w_gate, w_up = fc1_weight.chunk(2, dim=0)
     b_gate, b_up = fc1_bias.chunk(2, dim=0) if fc1_bias is not None else (None, None)

@@ -1,5 +1,5 @@
-"""Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton; the cpu and
-triton kernels run as the custom ops of :mod:`.ops`)."""
+"""Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton; the single-
+payload cpu and triton kernels run as the custom ops of :mod:`.ops`, so compiled code traces through)."""
 from __future__ import annotations
 
 import functools
@@ -170,21 +170,130 @@ def decode_accumulate(
     The order is part of the contract: the reference reproduces it bit for bit with
     ``s = decode(p[0]); s = s + decode(p[1]); ...; out += s``.
     """
+    return decode_sum(payloads, out, accumulate=True, backend=backend)
+
+
+def _check_rows(payloads: torch.Tensor, numel: int, device: torch.device) -> None:
     if payloads.dim() != 2:
         raise ValueError(f"squinch: payloads must be [W, nbytes] uint8, got shape {tuple(payloads.shape)}")
-    numel = out.numel()
-    _check_out(out, numel, payloads.device)
     if payloads.dtype != torch.uint8 or payloads.shape[1] != fmt.payload_nbytes(numel):
         raise ValueError(
             f"squinch: payloads must be uint8 [W, {fmt.payload_nbytes(numel)}] for numel={numel}, "
             f"got {payloads.dtype} {tuple(payloads.shape)}"
         )
+    if payloads.device != device:
+        raise ValueError(f"squinch: payloads on {payloads.device}, out on {device}")
+
+
+def _check_flags(flags: torch.Tensor | None, device: torch.device) -> None:
+    if flags is not None and (flags.dtype != torch.uint8 or flags.dim() != 1 or flags.device != device):
+        raise ValueError(f"squinch: flags must be a 1-D uint8 tensor on {device}, got {flags.dtype} "
+                         f"{tuple(flags.shape)} on {flags.device}")
+
+
+def decode_sum(
+    payloads: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, flags: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """out = s (or out += s) with s = ((d_0 + d_1) + ...) + d_{W-1} in fp32, d_w = decode(payloads[w]);
+    payloads: uint8 [W, nbytes], any row stride. ``flags``: None or a 1-D uint8 tensor; when any entry is
+    non-zero, every element of out becomes NaN (a sender reported non-finite gradients). One launch on
+    the Triton backend. Returns out."""
+    numel = out.numel()
+    _check_out(out, numel, payloads.device)
+    _check_rows(payloads, numel, out.device)
+    _check_flags(flags, out.device)
     if payloads.shape[0] == 0:
         return out
-    bk = resolve_backend(backend, out.device)
-    if bk == "torch":
-        return ref.decode_accumulate(payloads, out)
     if payloads.stride(1) != 1:
         payloads = payloads.contiguous()
-    ops.decode(payloads, numel, out, True, bk)
+    bk = resolve_backend(backend, out.device)
+    if bk == "triton":
+        ops.triton_kernels().decode_into(payloads, numel, out, accumulate, flags)
+        return out
+    if bk == "torch":
+        ref.decode_sum(payloads, out, accumulate=accumulate)
+    else:
+        ops.decode(payloads, numel, out, accumulate, bk)
+    if flags is not None:
+        out.masked_fill_(flags.ne(0).any(), float("nan"))
     return out
+
+
+def decode_rows(
+    payloads: torch.Tensor, out: torch.Tensor, *, flags: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """Row g of payloads (uint8 [G, nbytes], any row stride) decodes into chunk g of the flat fp32
+    ``out`` (G equal chunks); ``flags`` as in :func:`decode_sum`. One launch on the Triton backend."""
+    rows = payloads.shape[0]
+    if out.numel() % max(rows, 1):
+        raise ValueError(f"squinch: {out.numel()} elements do not split into {rows} equal chunks")
+    chunk = out.numel() // max(rows, 1)
+    _check_out(out, out.numel(), payloads.device)
+    _check_rows(payloads, chunk, out.device)
+    _check_flags(flags, out.device)
+    if payloads.stride(1) != 1:
+        payloads = payloads.contiguous()
+    bk = resolve_backend(backend, out.device)
+    if bk == "triton":
+        ops.triton_kernels().decode_into(payloads.unsqueeze(1), chunk, out, False, flags)
+        return out
+    flat = out.view(-1)
+    for g in range(rows):
+        decode(payloads[g], chunk, out=flat[g * chunk:(g + 1) * chunk], backend=bk)
+    if flags is not None:
+        out.masked_fill_(flags.ne(0).any(), float("nan"))
+    return out
+
+
+def encode_rows(
+    x: torch.Tensor,
+    rows: int,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    flags: torch.Tensor | None = None,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Encode flat x as ``rows`` equal chunks, each on its own with error feedback from its chunk of
+    ``residual`` (x's layout, updated in place, or None), into ``out`` (uint8 [rows, payload_nbytes(chunk)],
+    unit byte stride, any row stride). ``flags``: None, or uint8 [rows, tail <= 16] (unit byte stride):
+    its column 0 receives the non-finite flag (OR over every row), the other columns zeros.
+
+    Returns the 0-dim bool non-finite flag (no host sync on CUDA). One launch on the Triton backend,
+    whatever ``rows``; the other backends encode row by row (stochastic mode draws one seed per row there,
+    one per call on Triton)."""
+    ref.check_float_input(x, "x")
+    if rows < 1 or x.numel() % rows:
+        raise ValueError(f"squinch: {x.numel()} elements do not split into {rows} equal rows")
+    c = x.numel() // rows
+    if out.dim() != 2 or out.shape[0] != rows or out.device != x.device:
+        raise ValueError(f"squinch: out must be [{rows}, {fmt.payload_nbytes(c)}] on {x.device}, got "
+                         f"{tuple(out.shape)} on {out.device}")
+    _check_rows(out, c, x.device)
+    if out.stride(1) != 1:
+        raise ValueError("squinch: out must have unit byte stride (rows are written in place)")
+    if flags is not None and (flags.dtype != torch.uint8 or flags.dim() != 2 or flags.shape[0] != rows
+                              or flags.stride(1) != 1 or flags.device != x.device):
+        raise ValueError(f"squinch: flags must be uint8 [{rows}, tail] with unit byte stride on {x.device}")
+    if residual is not None:
+        _check_residual(x, residual)
+    flat = x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    bk = resolve_backend(backend, x.device)
+    if bk == "triton":
+        seed_t = _seed(generator, x.device) if stochastic else None
+        return ops.triton_kernels().encode_rows_into(flat, residual, out, stochastic, seed_t, flags)
+    res_flat = residual.view(-1) if residual is not None else None
+    nonfinite = []
+    for r in range(rows):
+        res = res_flat[r * c:(r + 1) * c] if res_flat is not None else None
+        _, nf = encode_with_feedback(flat[r * c:(r + 1) * c], res, stochastic=stochastic, generator=generator,
+                                     backend=bk, out=out[r])
+        nonfinite.append(nf.to(x.device))
+    flag = nonfinite[0] if rows == 1 else torch.stack(nonfinite).any()
+    if flags is not None:
+        flags.zero_()
+        flags[:, 0] = flag.to(torch.uint8)
+    return flag

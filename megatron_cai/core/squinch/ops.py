@@ -14,12 +14,13 @@ from torch import Tensor
 from . import cpu_kernels
 
 
-def _triton():
+def triton_kernels():
+    """The Triton kernels module (an error naming the missing package without triton)."""
     try:
-        from . import triton_kernels
+        from . import triton_kernels as module
     except ImportError as e:  # pragma: no cover - triton is a test/gpu extra
         raise RuntimeError(f"squinch: backend='triton' needs the triton package ({e})") from e
-    return triton_kernels
+    return module
 
 
 @torch.library.custom_op("megatron_cai::squinch_encode", mutates_args=("residual", "payload"))
@@ -30,7 +31,7 @@ def encode(grad: Tensor, residual: Tensor | None, payload: Tensor, stochastic: b
     if backend == "cpu":
         seed_int = int(seed.item()) if seed is not None else 0  # inside the op: the C kernel takes a number
         return torch.tensor(cpu_kernels.encode_into(grad, residual, payload, stochastic, seed_int))
-    return _triton().encode_into(grad, residual, payload, stochastic, seed)
+    return triton_kernels().encode_into(grad, residual, payload, stochastic, seed)
 
 
 @encode.register_fake
@@ -44,7 +45,7 @@ def decode(payloads: Tensor, numel: int, out: Tensor, accumulate: bool, backend:
     if backend == "cpu":
         cpu_kernels.decode_into(payloads, numel, out, accumulate)
     else:
-        _triton().decode_into(payloads, numel, out, accumulate)
+        triton_kernels().decode_into(payloads, numel, out, accumulate)
 
 
 @decode.register_fake

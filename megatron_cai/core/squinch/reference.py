@@ -137,8 +137,8 @@ def encode_with_feedback(
     return payload.reshape(-1), nonfinite
 
 
-def decode_accumulate(payloads: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Reference decode-accumulate: out += ((d_0 + d_1) + ...) + d_{W-1}, all in fp32."""
+def decode_sum(payloads: torch.Tensor, out: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
+    """Reference decode-sum: s = ((d_0 + d_1) + ...) + d_{W-1} in fp32; out = s, or out += s."""
     numel = out.numel()
     if payloads.dim() != 2:
         raise ValueError(f"squinch: payloads must be [W, nbytes], got shape {tuple(payloads.shape)}")
@@ -148,5 +148,14 @@ def decode_accumulate(payloads: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     s = _decode_blocks(payloads[0])
     for w in range(1, payloads.shape[0]):
         s = s + _decode_blocks(payloads[w])
-    out.view(-1).add_(s.reshape(-1)[:numel])
+    s = s.reshape(-1)[:numel]
+    if accumulate:
+        out.view(-1).add_(s)
+    else:
+        out.view(-1).copy_(s)
     return out
+
+
+def decode_accumulate(payloads: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Reference decode-accumulate: out += ((d_0 + d_1) + ...) + d_{W-1}, all in fp32."""
+    return decode_sum(payloads, out, accumulate=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -23,11 +24,22 @@ from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.blocked_attention import blocked_attention
 from megatron_cai.core.transformer.zreg import inject_zreg
 
-__all__ = ["ALIASES", "BACKENDS", "attend", "default_backend", "eager_attention", "flex_attention_intervals"]
+__all__ = ["ALIASES", "BACKENDS", "SplitSequenceAttention", "attend", "default_backend", "eager_attention",
+           "flex_attention_intervals"]
 
 BACKENDS = ("eager", "blocked", "flex", "triton")
 ALIASES = {"cpu": "blocked"}
 FLEX_BLOCK = 128
+
+
+@runtime_checkable
+class SplitSequenceAttention(Protocol):
+    """The visibility of a sequence split over ranks (context parallelism: ``core.context_parallel``'s
+    ``ContextParallelVisibility``). An attention layer hands it this rank's q, k, v and gets the attention
+    of its queries over every key of the sequence they can see: ``(out in q.dtype, lse fp32)``."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str, zreg_coeff: float = 0.0,
+               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def default_backend(device: torch.device) -> str:

@@ -17,7 +17,7 @@ from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
-__all__ = ["blocked_attention"]
+__all__ = ["blocked_attention", "blocked_backward", "blocked_forward", "blocked_prepare"]
 
 
 class _Plan:
@@ -72,87 +72,112 @@ def _q_block(x_b: torch.Tensor, qs: int, qe: int, kv_heads: int) -> torch.Tensor
     return x_b[:, qs:qe].reshape(kv_heads, (h // kv_heads) * (qe - qs), d)
 
 
+def _tile(state, b: int, qs: int, qe: int, keys, needs_mask: bool):
+    """Scores ``[kv_heads, group * rows, n_keys]`` of batch row b's query rows qs..qe-1 against the gathered
+    keys (scaled; invisible pairs at -inf when the tile is partial), with the query block and the gathered
+    K and V."""
+    qf, kf, vf, start, limit, pos, window, plan = state
+    kv_heads = kf.shape[1]
+    group = qf.shape[1] // kv_heads
+    kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
+    qb = _q_block(qf[b], qs, qe, kv_heads)
+    s = torch.matmul(qb, kb.transpose(1, 2)).mul_(1.0 / math.sqrt(qf.shape[-1]))
+    if needs_mask:
+        pos_b = pos[b] if pos is not None else None
+        mask = _tile_mask(start[b], limit[b], pos_b, window, qs + plan.offset, qe + plan.offset, keys)
+        s.view(kv_heads, group, qe - qs, -1).masked_fill_(~mask, float("-inf"))
+    return s, qb, kb, vb
+
+
+def _tiles(state):
+    """Every query block with keys to visit, as ``(b, qs, qe, keys, scores, q block, K, V)`` (:func:`_tile`)."""
+    for b, row in enumerate(state[-1].steps):
+        for qs, qe, keys, needs_mask in row:
+            if keys is not None:
+                yield (b, qs, qe, keys, *_tile(state, b, qs, qe, keys, needs_mask))
+
+
+def blocked_prepare(q, k, v, start, limit, position_ids, window, block_q: int, block_k: int):
+    """The tiling of one call (which key tiles each query block visits) and its inputs in the compute
+    dtype (fp32, fp64 for fp64 inputs): the ``state`` that :func:`blocked_forward` and
+    :func:`blocked_backward` run on."""
+    cd = _compute_dtype(q.dtype)
+    pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
+    plan = _Plan(start, limit, window, pos, block_q, block_k, q.shape[2])
+    return q.to(cd), k.to(cd), v.to(cd), start, limit, pos, window, plan
+
+
+def blocked_forward(q, k, v, start, limit, position_ids, window, block_q: int, block_k: int):
+    """Forward over the tiles that may hold visible pairs: ``(out, lse, state)`` in the compute dtype;
+    ``state`` (:func:`blocked_prepare`) is what :func:`blocked_backward` needs besides the gradients."""
+    state = blocked_prepare(q, k, v, start, limit, position_ids, window, block_q, block_k)
+    qf = state[0]
+    bsz, heads, seq_q, dim = q.shape
+    out = torch.zeros(bsz, heads, seq_q, dim, dtype=qf.dtype, device=q.device)
+    lse = torch.full((bsz, heads, seq_q), float("-inf"), dtype=qf.dtype, device=q.device)
+    for b, qs, qe, _, s, _, _, vb in _tiles(state):
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = s.sub_(m).exp_()
+        z = p.sum(-1, keepdim=True)
+        o = torch.matmul(p, vb).div_(torch.where(z > 0, z, torch.ones_like(z)))
+        out[b, :, qs:qe] = o.view(heads, qe - qs, dim)
+        lse[b, :, qs:qe] = (z.log() + m).view(heads, qe - qs)
+    return out, lse, state
+
+
+def blocked_backward(state, grad_out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor):
+    """``(dq, dk, dv)`` in the compute dtype for the tiles of :func:`blocked_forward`'s ``state``.
+
+    ``lse`` normalises the probabilities (``P = exp(S - lse)``) and ``delta`` is ``D_i`` of
+    ``dS = P * (dP - D)``: this call's own, or those of a softmax merged over several key sets
+    (context parallelism), so that each set's gradients are the exact share of the merged attention."""
+    qf, kf, vf = state[0], state[1], state[2]
+    bsz, heads, seq_q, dim = qf.shape
+    kv_heads = kf.shape[1]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(dim)
+    cd = qf.dtype
+    do = grad_out.to(cd)
+    delta = delta.to(cd)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(cd)
+    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    for b, qs, qe, keys, s, qb, kb, vb in _tiles(state):
+        rows = qe - qs
+        dob = _q_block(do[b], qs, qe, kv_heads)
+        p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
+        dvb = torch.matmul(p.transpose(1, 2), dob)
+        dp = torch.matmul(dob, vb.transpose(1, 2))
+        ds = p.mul_(dp.sub_(delta[b, :, qs:qe].reshape(kv_heads, group * rows, 1))).mul_(scale)
+        dq[b, :, qs:qe] = torch.matmul(ds, kb).view(heads, rows, dim)
+        dkb = torch.matmul(ds.transpose(1, 2), qb)
+        if isinstance(keys, slice):
+            dk[b, :, keys] += dkb
+            dv[b, :, keys] += dvb
+        else:
+            dk[b].index_add_(1, keys, dkb)
+            dv[b].index_add_(1, keys, dvb)
+    return dq, dk, dv
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _forward(q, k, v, start, limit, position_ids, window, block_q, block_k):
-    """``(out, lse)`` in the compute dtype (fp32, fp64 for fp64 inputs)."""
-    cd = _compute_dtype(q.dtype)
-    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
-    bsz, heads, seq_q, dim = q.shape
-    kv_heads = k.shape[1]
-    group = heads // kv_heads
-    scale = 1.0 / math.sqrt(dim)
-    pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
-    plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
-    off = plan.offset
-    out = torch.zeros(bsz, heads, seq_q, dim, dtype=cd, device=q.device)
-    lse = torch.full((bsz, heads, seq_q), float("-inf"), dtype=cd, device=q.device)
-    for b in range(bsz):
-        for qs, qe, keys, needs_mask in plan.steps[b]:
-            if keys is None:
-                continue
-            rows = qe - qs
-            kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
-            s = torch.matmul(_q_block(qf[b], qs, qe, kv_heads), kb.transpose(1, 2)).mul_(scale)
-            if needs_mask:
-                pos_b = pos[b] if pos is not None else None
-                mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
-                s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            p = s.sub_(m).exp_()
-            z = p.sum(-1, keepdim=True)
-            o = torch.matmul(p, vb).div_(torch.where(z > 0, z, torch.ones_like(z)))
-            out[b, :, qs:qe] = o.view(heads, rows, dim)
-            lse[b, :, qs:qe] = (z.log() + m).view(heads, rows)
+    """``(out, lse)`` in the compute dtype (the custom op's forward)."""
+    out, lse, _ = blocked_forward(q, k, v, start, limit, position_ids, window, block_q, block_k)
     return out, lse
 
 
 def _backward(grad_out, grad_lse, q, k, v, out, lse, start, limit, position_ids, window, coeff, block_q, block_k):
-    """``(dq, dk, dv)`` in the input dtypes; flash-style, the probabilities recomputed from ``lse``."""
-    cd = out.dtype
-    qf, kf, vf = q.to(cd), k.to(cd), v.to(cd)
-    bsz, heads, seq_q, dim = qf.shape
-    kv_heads = kf.shape[1]
-    group = heads // kv_heads
-    scale = 1.0 / math.sqrt(dim)
-    pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
-    plan = _Plan(start, limit, window, pos, block_q, block_k, seq_q)
-    off = plan.offset
+    """``(dq, dk, dv)`` in the input dtypes (the custom op's backward; the tiling is planned again)."""
+    state = blocked_prepare(q, k, v, start, limit, position_ids, window, block_q, block_k)
+    delta = (grad_out.to(out.dtype) * out).sum(-1)  # D_i
     dlse = zreg_lse_grad(lse, coeff, grad_lse)
-    do = grad_out.to(cd)
-    delta = (do * out).sum(-1)  # D_i
     if dlse is not None:
-        delta = delta - dlse.to(cd)
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-    for b in range(bsz):
-        for qs, qe, keys, needs_mask in plan.steps[b]:
-            if keys is None:
-                continue
-            rows = qe - qs
-            kb, vb = _gather(kf[b], keys), _gather(vf[b], keys)
-            qb = _q_block(qf[b], qs, qe, kv_heads)
-            dob = _q_block(do[b], qs, qe, kv_heads)
-            s = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)
-            if needs_mask:
-                pos_b = pos[b] if pos is not None else None
-                mask = _tile_mask(start[b], limit[b], pos_b, window, qs + off, qe + off, keys)
-                s.view(kv_heads, group, rows, -1).masked_fill_(~mask, float("-inf"))
-            p = s.sub_(lse_safe[b, :, qs:qe].reshape(kv_heads, group * rows, 1)).exp_()
-            dvb = torch.matmul(p.transpose(1, 2), dob)
-            dp = torch.matmul(dob, vb.transpose(1, 2))
-            ds = p.mul_(dp.sub_(delta[b, :, qs:qe].reshape(kv_heads, group * rows, 1))).mul_(scale)
-            dq[b, :, qs:qe] = torch.matmul(ds, kb).view(heads, rows, dim)
-            dkb = torch.matmul(ds.transpose(1, 2), qb)
-            if isinstance(keys, slice):
-                dk[b, :, keys] += dkb
-                dv[b, :, keys] += dvb
-            else:
-                dk[b].index_add_(1, keys, dkb)
-                dv[b].index_add_(1, keys, dvb)
+        delta = delta - dlse.to(out.dtype)
+    dq, dk, dv = blocked_backward(state, grad_out, lse, delta)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

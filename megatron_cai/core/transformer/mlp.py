@@ -1,12 +1,13 @@
 """The feed-forward block: fc1 (column parallel) -> activation -> fc2 (row parallel).
 
-Activations: ``relu2`` (squared ReLU, Character.ai's choice and the default), ``swiglu`` (fc1 holds the
-gate and up projections as two sections), ``gelu`` (tanh approximation, as GPT-2).
+Activations: ``gelu_erf`` (GeLU, Megatron-LM's default MLP), ``gelu_tanh`` (its tanh approximation, as GPT-2
+and Megatron-LM's fused bias-GeLU kernel), ``relu2`` (squared ReLU, Character.ai's choice) and ``swiglu`` (fc1
+holds the gate and up projections as two sections).
 
 Quantization-aware training with ``--qat-clamp weight-rms``: ``forward(x, input_rms)`` takes the lazy
 prediction of RMS(x) (from the preceding norm's weights) for fc1, and hands fc2 the prediction of its
 input derived from fc1's weights and the activation (``dynamic_clamp.FFNHiddenRMS``: closed form for
-relu2, Gaussian integrals computed numerically for gelu and swiglu). Other clamp rules ignore both.
+relu2, Gaussian integrals computed numerically for the GeLUs and swiglu). Other clamp rules ignore both.
 """
 from __future__ import annotations
 
@@ -43,6 +44,6 @@ class MLP(nn.Module):
         elif self.activation == "relu2":
             h = relu2(h)
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         hidden_rms = None if input_rms is None else FFNHiddenRMS(self.linear_fc1, self.activation, input_rms)
         return self.linear_fc2(h, predicted_input_rms=hidden_rms)

@@ -1,7 +1,9 @@
 """Multi-head self-attention with GQA/MQA, RoPE and tensor parallelism (heads split over TP ranks).
 
 The core attention goes through ``core.transformer.attention.attend`` (visibility intervals, Z-Reg);
-plain causal attention without Z-Reg takes torch's scaled_dot_product_attention fast path.
+plain causal attention without Z-Reg takes torch's scaled_dot_product_attention fast path. Under context
+parallelism the visibility is an ``attention.SplitSequenceAttention`` (the sequence split over CP ranks:
+``core.context_parallel.ContextParallelVisibility``), whose ``attend`` runs the cross-rank attention.
 
 Quantization-aware training with ``--qat-clamp weight-rms``: ``input_rms`` (the lazy prediction of the
 input's RMS from the preceding norm's weights) goes to linear_q and linear_kv. linear_proj gets no
@@ -77,9 +79,9 @@ class SelfAttention(nn.Module):
             self.kv_group_index = ps.get_tensor_model_parallel_rank() // ranks_per_group
         sp = config.sequence_parallel
         q_size, kv_size = config.num_attention_heads * self.head_dim, groups * self.head_dim
-        self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.add_bias_linear,
+        self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.qkv_bias,
                                              init_method=init_method, sequence_parallel=sp)
-        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.add_bias_linear,
+        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
                                               init_method=init_method, sections=[kv_size, kv_size],
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
@@ -143,15 +145,20 @@ class SelfAttention(nn.Module):
             return self._interval_attention(q, k, v, visibility, position_ids, dropout)
 
     def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
-        from .attention import attend  # the visibility-interval backends
+        from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
 
         cfg = self.config
+        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
+        if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
+            backend = cfg.attention_backend or default_backend(q.device)
+            out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
+                                         window=cfg.window_size)
+            return out, lse
         if visibility is None:
             t = k.shape[2]
             idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
             visibility = (idx, torch.full_like(idx, t))
         start, limit = visibility
-        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
         # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
         window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,

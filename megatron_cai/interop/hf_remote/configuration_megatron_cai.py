@@ -25,7 +25,7 @@ class MegatronCaiConfig(PretrainedConfig):
     rotary_base: float = 10000.0
     normalization: str = "LayerNorm"        # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1e-5
-    activation: str = "relu2"               # relu2 | swiglu | gelu (tanh approximation)
+    activation: str = "relu2"               # relu2 | swiglu | gelu_erf | gelu_tanh ("gelu" in older exports)
     add_bias_linear: bool = True
     window_size: int | None = None
     tie_word_embeddings: bool = True

@@ -78,8 +78,8 @@ class MegatronCaiMLP(nn.Module):
             h = F.silu(self.gate_proj(x)) * h
         elif self.activation == "relu2":
             h = F.relu(h).square()
-        else:
-            h = F.gelu(h, approximate="tanh")
+        else:  # gelu_erf; gelu_tanh (called "gelu" by exports made before erf GeLU existed)
+            h = F.gelu(h, approximate="none" if self.activation == "gelu_erf" else "tanh")
         return self.down_proj(h)
 
 

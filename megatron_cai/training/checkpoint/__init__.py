@@ -8,6 +8,8 @@ Behind it, modules named for what they hold:
 - ``async_save``: ``--async-save``, the background writer and its staging buffers;
 - ``metadata``: ``metadata.json``, format detection, the checks a resume makes;
 - ``run_dirs``: ``iter_XXXXXXX`` directories, publishing a save, the guards against overwriting a run;
+- ``run_lock``: one job per ``--save`` (rank 0's ``fcntl`` lock, held for the job's life);
+- ``integrity``: every file's content hash, computed as it is written, verified on load;
 - ``file_io``: reads and writes whose errors name the file and the rank;
 - ``reshard``: the layout-free (canonical) form and resharding torch-format checkpoints;
 - ``format_conversion``: torch <-> torch_dist (``tools/convert_checkpoint.py --target-ckpt-format``).
@@ -15,10 +17,20 @@ Behind it, modules named for what they hold:
 Code outside this package imports only the names below (``test_code_structure.py`` checks it).
 """
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .checkpointer import Checkpointer, resolve_load_format
+from .checkpointer import Checkpointer, open_run_dirs, resolve_load_format, verify_checkpoint, warn_if_short_of_space
 from .dcp_pieces import read_dcp_metadata
-from .file_io import CheckpointError, CheckpointIOError, load_torch, save_torch, write_json, write_text
-from .format_conversion import dist_to_torch, torch_to_dist
+from .file_io import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    CheckpointError,
+    CheckpointIOError,
+    load_torch,
+    save_torch,
+    write_json,
+    write_text,
+)
+from .format_conversion import dist_to_torch, load_any_canonical, torch_to_dist
+from .integrity import MANIFEST, verify_iteration
 from .metadata import TORCH, TORCH_DIST, detect_format, read_metadata, refuse_megatron_lm_checkpoint, tp_layout
 from .reshard import (
     OUTPUT_WEIGHT,
@@ -31,7 +43,17 @@ from .reshard import (
     save_resharded,
     target_layout,
 )
-from .run_dirs import TRACKER, check_conversion_target, check_run_dirs, iteration_dir, read_tracker
+from .run_dirs import (
+    TRACKER,
+    check_conversion_target,
+    check_run_dirs,
+    iteration_dir,
+    last_verifying_iteration,
+    list_iterations,
+    read_tracker,
+    same_path,
+)
+from .run_lock import RunLock
 from .torch_format import load_torch_checkpoint, rank_dir_name
 
 __all__ = [
@@ -40,5 +62,7 @@ __all__ = [
     "check_run_dirs", "detect_format", "dist_to_torch", "fit_vocab_rows", "iteration_dir", "load_canonical",
     "load_torch", "load_torch_checkpoint", "rank_dir_name", "read_dcp_metadata", "read_metadata", "read_tracker",
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
-    "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text",
+    "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
+    "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
+    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
 ]

@@ -39,14 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ...core import device as device_mod
 from ...core import parallel_state as ps
 from . import dist_format as dc
-from .dcp_pieces import Pieces, PiecesSavePlanner, describe_dcp_error
-from .file_io import CheckpointError
+from .dcp_pieces import Pieces, dcp_save
+from .file_io import CheckpointError, FileHash
 from .run_dirs import IterationPaths, begin_save
 from .torch_format import StagedCheckpoint, finalize_staged, write_staged
 
@@ -180,8 +178,9 @@ class AsyncSave(IterationPaths):
     root: str
     iteration: int
     check: Callable[[], bool]
-    write: Callable[[], None]
-    finalize: Callable[[], str]
+    write: Callable[[], dict[str, FileHash]]
+    finalize: Callable[[dict[str, FileHash]], str]
+    records: dict[str, FileHash] = field(default_factory=dict)  # what this rank wrote, hashed as written
     thread: threading.Thread | None = None
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
@@ -191,10 +190,11 @@ class AsyncSave(IterationPaths):
     finished: float | None = None
 
 
-def _write_torch(staged: StagedCheckpoint) -> None:
-    write_staged(staged)
+def _write_torch(staged: StagedCheckpoint) -> dict[str, FileHash]:
+    records = write_staged(staged)
     for path in staged.files:
         verify_torch_file(path)
+    return records
 
 
 class AsyncCheckpointSaver:
@@ -209,7 +209,7 @@ class AsyncCheckpointSaver:
         self.in_flight: AsyncSave | None = None
         self.group = None
         if ckpt_format == "torch_dist" and dist.is_initialized() and dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo")  # collective: every rank builds the saver
+            self.group = ps.new_group(backend="gloo")  # collective: every rank builds the saver
 
     def submit(self, staged: StagedCheckpoint, owned: tuple[str, ...] = ()) -> None:
         """torch format: copy this rank's payloads into the staging buffers and start writing them.
@@ -218,11 +218,12 @@ class AsyncCheckpointSaver:
         staged.files = {path: self.cache.stage(obj, os.path.basename(path), owned)
                         for path, obj in staged.files.items()}
         self._start(AsyncSave(staged.root, staged.iteration, check=lambda: staged_state_finite(staged),
-                              write=lambda: _write_torch(staged), finalize=lambda: finalize_staged(staged)))
+                              write=lambda: _write_torch(staged),
+                              finalize=lambda records: finalize_staged(staged, records)))
 
     def submit_dist(self, root: str, iteration: int, model_chunks, optimizer, scheduler, train_config, state: dict,
                     param_layout: dict, *, reducer_states: list[dict] | None = None, save_optim: bool = True,
-                    tokenizer_files: list[str] | None = None) -> None:
+                    tokenizer_files: list[str] | None = None, overwrite: bool = False) -> None:
         """torch_dist format (collective): ``run_dirs.begin_save`` and ``build_state_dict`` as a
         synchronous save; the state dict is staged and ``dcp.save`` of it runs in the writer thread, over
         this saver's own gloo group; rank 0 then writes ``metadata.json``."""
@@ -234,19 +235,15 @@ class AsyncCheckpointSaver:
         staged = self.cache.stage(sd, "dcp", owned=(dc.EXP_AVG, dc.EXP_AVG_SQ) if private else ())
         dp_kind = "fsdp2" if dc.is_fsdp(model_chunks) else "ddp"
 
-        def write() -> None:
-            try:  # as dcp_pieces.dcp_save, over this saver's own process group
-                dcp.save(staged, checkpoint_id=tmp, planner=PiecesSavePlanner(), process_group=self.group)
-            except CheckpointException as e:
-                rank = sorted(e.failures)[0]
-                exc = e.failures[rank][0] if isinstance(e.failures[rank], tuple) else e.failures[rank]
-                raise CheckpointError(f"cannot write torch_dist checkpoint {tmp} on rank {rank}: "
-                                      f"{describe_dcp_error(exc)}; the previous checkpoint stays current") from None
+        def write() -> dict[str, FileHash]:
+            records = dcp_save(staged, tmp, process_group=self.group)  # over this saver's own process group
             if ps.get_rank() == 0:
-                dc.write_metadata(tmp, iteration, train_config, param_layout, dp_kind, tokenizer_files)
+                records.update(dc.write_metadata(tmp, iteration, train_config, param_layout, dp_kind,
+                                                 tokenizer_files))
+            return records
 
         self._start(AsyncSave(root, iteration, check=lambda: dist_state_finite(staged), write=write,
-                              finalize=lambda: dc.finish_save(root, iteration, tmp)))
+                              finalize=lambda records: dc.finish_save(root, iteration, tmp, records, overwrite)))
 
     def _start(self, job: AsyncSave) -> None:
         if self.in_flight is not None:
@@ -263,7 +260,7 @@ class AsyncCheckpointSaver:
             if not job.check():
                 job.non_finite = True
                 return
-            job.write()
+            job.records = job.write()
         except BaseException as e:  # noqa: BLE001 - handed to the main thread at the next finalize
             job.error = e
         finally:
@@ -301,7 +298,7 @@ class AsyncCheckpointSaver:
             if ps.get_rank() == 0:
                 shutil.rmtree(job.tmp, ignore_errors=True)
         else:
-            job.finalize()
+            job.finalize(job.records)  # collective: the hashes go to rank 0, which publishes
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         return job

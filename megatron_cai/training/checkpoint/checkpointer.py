@@ -9,6 +9,9 @@ It dispatches on the run's :class:`~megatron_cai.training.config.CheckpointConfi
 - ``torch_dist``, ``--async-save``: :meth:`.async_save.AsyncCheckpointSaver.submit_dist`;
 
 and, on load, on what the ``--load`` directory holds (``--ckpt-format``, ``--auto-detect-ckpt-format``).
+Before anything is read, every file of the iteration is checked against its content hash (the files
+split over the ranks, :mod:`.integrity`), and the tokenizer's content hash against this run's.
+A save never replaces a published iteration unless ``--overwrite-checkpoints`` (then it is moved aside).
 The Trainer keeps the policy: when to save, and refusing to save non-finite state.
 """
 from __future__ import annotations
@@ -16,16 +19,28 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from ...core import parallel_state as ps
-from ..config import TrainConfig
+from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
 from . import dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
 from .dcp_pieces import DCP_METADATA
-from .file_io import CheckpointError
-from .metadata import TORCH_DIST, detect_format, refuse_megatron_lm_checkpoint
-from .run_dirs import TRACKER, iteration_dir, read_tracker
+from .file_io import ALGORITHMS, CheckpointError
+from .integrity import Mismatch, read_manifest, verify_share
+from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
+from .run_dirs import (
+    TRACKER,
+    check_paths,
+    check_run_dirs,
+    directory_bytes,
+    free_space_warning,
+    iteration_dir,
+    last_verifying_iteration,
+    read_tracker,
+)
+from .run_lock import RunLock
 
 
 class Checkpointer:
@@ -58,6 +73,7 @@ class Checkpointer:
         :meth:`finalize_async` publishes it."""
         ckpt, cfg = self.config.checkpoint, self.config
         it = state["iteration"]
+        self._refuse_existing(ckpt.save, it, ckpt.overwrite_checkpoints)
         tok = cfg.tokenizer.tokenizer_model
         tok_files = [tok] if tok else []
         sharded = ckpt.ckpt_format == TORCH_DIST
@@ -65,22 +81,37 @@ class Checkpointer:
             if sharded:
                 self.async_saver.submit_dist(ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
                                              state, self.param_layout, reducer_states=reducer_states,
-                                             save_optim=ckpt.save_optim, tokenizer_files=tok_files)
+                                             save_optim=ckpt.save_optim, tokenizer_files=tok_files,
+                                             overwrite=ckpt.overwrite_checkpoints)
             else:
                 private = getattr(self.optimizer, "state_dict_copies", False)  # its state needs no staging copy
                 staged = torch_format.stage_checkpoint(
                     ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state,
                     reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
                     optimizer_views=private)
+                staged.overwrite = ckpt.overwrite_checkpoints
                 self.async_saver.submit(staged, owned=("optimizer",) if private else ())
             return None
         if sharded:
             return dist_format.save_dist_checkpoint(
                 ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state, self.param_layout,
-                reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files)
+                reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
+                overwrite=ckpt.overwrite_checkpoints)
         return torch_format.save_torch_checkpoint(ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
-                                            state, reducer_states=reducer_states, save_optim=ckpt.save_optim,
-                                            tokenizer_files=tok_files)
+                                                  state, reducer_states=reducer_states, save_optim=ckpt.save_optim,
+                                                  tokenizer_files=tok_files, overwrite=ckpt.overwrite_checkpoints)
+
+    @staticmethod
+    def _refuse_existing(root: str, iteration: int, overwrite: bool) -> None:
+        """Collective: a published ``iter_XXXXXXX`` in ``--save`` is never replaced without
+        ``--overwrite-checkpoints`` (rank 0 looks; every rank raises alike)."""
+        exists = [os.path.isdir(iteration_dir(root, iteration)) if ps.get_rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(exists, src=0)
+        if exists[0] and not overwrite:
+            raise CheckpointError(f"--save {root} already holds {os.path.basename(iteration_dir(root, iteration))}, "
+                                  f"which this run did not write: not replacing it (pass --overwrite-checkpoints to "
+                                  f"move it aside, or choose another --save directory)")
 
     def finalize_async(self, blocking: bool = False) -> AsyncSave | None:
         """Collective: publish the ``--async-save`` in flight once every rank has written it (see
@@ -101,6 +132,9 @@ class Checkpointer:
             return {}
         refuse_megatron_lm_checkpoint(root, iteration)
         fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
+        verify_checkpoint(root, iteration)  # collective: every file against its content hash
+        check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
+                        allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
         if fmt == TORCH_DIST:
             return dist_format.load_dist_checkpoint(
                 root, iteration, self.model_chunks, self.optimizer, self.scheduler, self.config.model,
@@ -136,3 +170,67 @@ def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect
         if ps.get_rank() == 0:
             safe_print(f" --auto-detect-ckpt-format: {d} is a {found} checkpoint; reading it as such")
     return found
+
+
+def verify_checkpoint(root: str, iteration: int) -> None:
+    """Collective: check every file of ``iter_XXXXXXX`` against its recorded content hash, the files split
+    over the ranks. A file that does not verify is one error (every rank raises it, rank 0 prints it)
+    naming the file, the rank that checked it, the expected and found hashes, and the last iteration that
+    verifies. A checkpoint without hashes (saved before they were recorded) loads with one line."""
+    d = iteration_dir(root, iteration)
+    rank, world = ps.get_rank(), ps.get_world_size()
+    manifest = read_manifest(d)  # a damaged manifest is an error on every rank alike
+    if manifest is None or manifest["algorithm"] not in ALGORITHMS:
+        if rank == 0:
+            why = ("carries no content hashes (saved before they were recorded)" if manifest is None else
+                   f"was hashed with {manifest['algorithm']}, which needs the xxhash package (pip install xxhash)")
+            safe_print(f" checkpoint {d} {why}: its files are not verified")
+        return
+    bad: list[Mismatch] = verify_share(d, manifest, rank, world)
+    if world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = [m for part in everyone for m in part]
+    if not bad:
+        return
+    good = last_verifying_iteration(root, iteration) if rank == 0 else None
+    more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
+    last = (f"the last iteration that verifies is iter_{good:07d}: resume it with --load {root} --ckpt-step {good}"
+            if good is not None else "no earlier iteration in this directory verifies")
+    raise CheckpointError(f"{bad[0].describe()}{more}; {last}")
+
+
+def open_run_dirs(ckpt: CheckpointConfig) -> RunLock | None:
+    """Collective start-up checks of ``--save`` and ``--load``: rank 0 checks the paths (``--save``
+    writable or creatable, ``--load`` readable) and takes the run lock on ``--save`` (held until the job
+    ends); then every rank checks that nothing would start fresh or overwrite a run
+    (:func:`.run_dirs.check_run_dirs`). Every rank raises the same error."""
+    lock, error = None, [None]
+    if ps.get_rank() == 0:
+        try:
+            check_paths(ckpt.load, ckpt.save)
+            if ckpt.save:
+                lock = RunLock.acquire(ckpt.save, log=safe_print)
+        except CheckpointError as e:
+            error = [str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(error[0])
+    check_run_dirs(ckpt.load, ckpt.save, ckpt.ckpt_step, finetune=ckpt.finetune, overwrite=ckpt.overwrite_checkpoints)
+    return lock
+
+
+def warn_if_short_of_space(ckpt: CheckpointConfig, estimated_bytes: int) -> None:
+    """Rank 0: one warning when ``--save`` has less free space than a checkpoint needs (the size of the
+    checkpoint being resumed when there is one, else ``estimated_bytes``)."""
+    if not ckpt.save or ps.get_rank() != 0:
+        return
+    expected = estimated_bytes
+    resumed = ckpt.ckpt_step if ckpt.ckpt_step is not None else (read_tracker(ckpt.load) if ckpt.load and
+                                                                   os.path.isdir(ckpt.load) else None)
+    if resumed is not None and os.path.isdir(iteration_dir(ckpt.load, resumed)):
+        expected = directory_bytes(iteration_dir(ckpt.load, resumed))
+    line = free_space_warning(ckpt.save, expected)
+    if line:
+        safe_print(f" {line}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -31,7 +32,8 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.tensor_parallel.utils import section_sizes
-from .file_io import CheckpointError
+from .file_io import CheckpointError, FileHash, describe_write_error
+from .integrity import HashingFileSystemWriter
 
 DCP_METADATA = ".metadata"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -184,17 +186,22 @@ def row_sharded(t) -> bool:
 
 
 
-def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
-    """``dcp.save`` with our planner; a failed write is an error naming the directory and the rank; the
-    partial directory is never published (no rename, no tracker)."""
+def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False, process_group=None) -> dict[str, FileHash]:
+    """``dcp.save`` with our planner; returns the content hashes of the files this rank wrote (its
+    ``.distcp``, and DCP's ``.metadata`` on the coordinator), computed as they were written. A failed
+    write is an error naming the directory, the rank and the cause; the partial directory is never
+    published (no rename, no tracker)."""
+    writer = HashingFileSystemWriter(path)
     try:
         with _quiet(no_dist):
-            dcp.save(sd, checkpoint_id=path, planner=PiecesSavePlanner(), no_dist=no_dist)
+            dcp.save(sd, storage_writer=writer, planner=PiecesSavePlanner(), no_dist=no_dist,
+                     process_group=process_group)
     except CheckpointException as e:
         ranks = sorted(e.failures)
-        why = describe_dcp_error(e.failures[ranks[0]][0])
+        exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
         raise CheckpointError(f"cannot write torch_dist checkpoint {path} on rank {ranks[0]}: "
-                              f"{why}; the previous checkpoint stays current") from None
+                              f"{describe_dcp_error(exc, path)}; the previous checkpoint stays current") from None
+    return writer.records
 
 
 @contextlib.contextmanager
@@ -236,9 +243,20 @@ def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
                               f"{describe_dcp_error(e)}") from None
 
 
-def describe_dcp_error(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}"
+def describe_dcp_error(exc: BaseException, path: str | None = None) -> str:
+    """One clause for a failure inside DCP: the cause (no space, permission, truncated file) when known."""
+    if path is not None and isinstance(exc, (OSError, RuntimeError)):
+        text = describe_write_error(path, exc, 1 << 20)  # torch's writer failing with < 1 MiB free: a full disk
+        if "no space left" in text or isinstance(exc, OSError):
+            return text.split(": ", 1)[1] if ": " in text else text
+    if isinstance(exc, (EOFError, pickle.UnpicklingError)) or "unexpected pos" in str(exc) \
+            or "PytorchStreamReader failed" in str(exc):
+        return f"a file of the checkpoint is truncated or corrupt ({type(exc).__name__}: {_first_line(exc)})"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
 
 
 def _process_rank() -> int:

@@ -30,11 +30,12 @@ virtual-PP may all change with no conversion step.
   stage's copy (``output_layer.weight``) is loaded from it, Adam moments included.
 - ``common`` (rank 0): iteration, consumed samples (the data loader's position), the other counters, the
   LR scheduler, the optimizer step and hyper-parameters (and the fp16 loss scaler).
-- ``rank_state.tpTT.ppPPP.dpDDD`` (each rank): its RNG states and its gradient reducer state (Squinch
-  error-feedback residuals, per bucket or per FSDP2 unit). They are restored exactly when the layout
-  (TP, PP, virtual PP, DP) is the saved one; in another layout they have no meaning: the residuals are
-  dropped (one logged line; the first step runs without error feedback) and the RNG keeps this run's
-  start-up seeding, as a fresh run with the same ``--seed`` (one logged line), as Megatron-LM does.
+- ``rank_state.tpTT.ppPPP.dpDDD`` (each rank; DDD is its index in the DP x CP group): its RNG states and
+  its gradient reducer state (Squinch error-feedback residuals, per bucket or per FSDP2 unit). They are
+  restored exactly when the layout (TP, PP, virtual PP, DP, CP) is the saved one; in another layout they
+  have no meaning: the residuals are dropped (one logged line; the first step runs without error
+  feedback) and the RNG keeps this run's start-up seeding, as a fresh run with the same ``--seed`` (one
+  logged line), as Megatron-LM does.
 
 Which format a ``--load`` directory holds, and ``--auto-detect-ckpt-format``, are the dispatch's
 (:mod:`.checkpointer`).
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ...core import device as device_mod
 from ...core import parallel_state as ps
+from ...core.distributed.contracts import ModelChunk
 from ...core.models.gpt.config import GPTConfig
 from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.tensor_parallel.random import get_rng_tracker
@@ -66,7 +68,8 @@ from .dcp_pieces import (
     row_sharded,
     save_pieces,
 )
-from .file_io import CheckpointError, payload_nbytes, write_json
+from .file_io import CheckpointError, FileHash, payload_nbytes, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     TORCH_DIST,
@@ -86,12 +89,8 @@ RANK_STATE = "rank_state."
 
 
 # ------------------------------------------------------------------------------------ model access
-def is_fsdp(model_chunks) -> bool:
+def is_fsdp(model_chunks: list[ModelChunk]) -> bool:
     return model_chunks[0].data_parallel_kind == "fsdp2"
-
-
-def _module(m):
-    return getattr(m, "module", m)
 
 
 def _tied(config: GPTConfig) -> bool:
@@ -107,7 +106,7 @@ def local_weights(model_chunks) -> tuple[dict[str, torch.Tensor], dict[str, torc
     """(parameters, buffers) of this rank by global name: TP-local tensors, or FSDP2's DTensors."""
     params, buffers = {}, {}
     for m in model_chunks:
-        module = _module(m)
+        module = m.module
         names = {n for n, _ in module.named_parameters()}
         for n, p in module.named_parameters():
             params[n] = p.detach()
@@ -121,12 +120,12 @@ def optimizer_state(model_chunks, optimizer) -> dict:
     """``{"step", "hyper", "param_state": {name: {"exp_avg", "exp_avg_sq"}}}``: TP-local tensors (the
     distributed optimizer's flat DP shards are gathered over DP: collective), or FSDP2's DTensors."""
     if not is_fsdp(model_chunks):
-        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        names = [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
         return optimizer.state_dict(names)
     opt = optimizer.optimizer
     param_state, step = {}, 0
     for m in model_chunks:
-        for n, p in _module(m).named_parameters():
+        for n, p in m.module.named_parameters():
             st = opt.state.get(p, {})
             if "exp_avg" in st:
                 step = int(st["step"])
@@ -151,7 +150,21 @@ def current_layout() -> dict:
     return {"tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
-            "data_parallel_size": ps.get_data_parallel_world_size()}
+            "data_parallel_size": ps.get_data_parallel_world_size(),
+            "context_parallel_size": ps.get_context_parallel_world_size()}
+
+
+def saved_layout(meta: dict) -> dict:
+    """The checkpoint's layout in :func:`current_layout`'s keys (checkpoints from before context
+    parallelism have CP = 1)."""
+    return {k: meta.get(k, 1 if k == "context_parallel_size" else None) for k in current_layout()}
+
+
+def this_rank_key() -> str:
+    """This rank's per-rank state key; its ``dp`` is the rank's index in the DP x CP group (the DP rank
+    when CP is 1), the group whose ranks hold the same weights."""
+    return rank_key(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
+                    ps.get_data_parallel_rank(with_context_parallel=True))
 
 
 # ------------------------------------------------------------------------------------------- save
@@ -181,44 +194,46 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
     if ps.get_rank() == 0:
         sd[COMMON] = common
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
-    sd[rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())] = {
+    sd[this_rank_key()] = {
         "rng": rng, "reducers": reducer_states if reducer_states and any(reducer_states) else None,
         "data_parallel_kind": "fsdp2" if is_fsdp(model_chunks) else "ddp"}
     return sd
 
 
 def write_metadata(tmp: str, iteration: int, train_config: TrainConfig, param_layout: dict, dp_kind: str,
-                   tokenizer_files: list[str] | None = None) -> None:
-    """metadata.json (and the tokenizer copy) of a torch_dist checkpoint; rank 0 only."""
+                   tokenizer_files: list[str] | None = None) -> dict[str, FileHash]:
+    """metadata.json (and the tokenizer copy) of a torch_dist checkpoint; rank 0 only. Their content hashes."""
     meta = run_metadata(iteration, train_config)
     meta.update({"ckpt_format": FORMAT, "data_parallel_kind": dp_kind, "param_layout": param_layout})
-    write_json(os.path.join(tmp, "metadata.json"), meta)
-    copy_tokenizer_files(tmp, tokenizer_files)
+    path = os.path.abspath(os.path.join(tmp, "metadata.json"))
+    return {path: write_json(path, meta), **copy_tokenizer_files(tmp, tokenizer_files)}
 
 
-def finish_save(root: str, iteration: int, tmp: str) -> str:
-    """Once every rank has written: rename ``tmp`` to ``iter_XXXXXXX`` and write the tracker (collective)."""
-    barrier()
+def finish_save(root: str, iteration: int, tmp: str, records: dict[str, FileHash], overwrite: bool = False) -> str:
+    """Once every rank has written: gather the content hashes to rank 0, which writes them, renames ``tmp``
+    to ``iter_XXXXXXX`` and writes the tracker (collective)."""
+    everyone = gather_records(records)
     if ps.get_rank() == 0:
         if not os.path.isfile(os.path.join(tmp, DCP_METADATA)):
             raise CheckpointError(f"{tmp} has no {DCP_METADATA} after the save: not publishing it")
-        publish(root, iteration)  # the same iteration saved again replaces it (as the torch format does)
+        publish(root, iteration, everyone, overwrite=overwrite)
     barrier()
     return iteration_dir(root, iteration)
 
 
 def save_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                          state: dict, param_layout: dict, *, reducer_states: list[dict] | None = None,
-                         save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+                         save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                         overwrite: bool = False) -> str:
     """Write a torch_dist checkpoint (collective); returns the iteration directory."""
     tmp = begin_save(root, iteration)
     sd = build_state_dict(model_chunks, optimizer, scheduler, train_config.model, state, param_layout,
                           reducer_states=reducer_states, save_optim=save_optim)
-    dcp_save(sd, tmp)
+    records = dcp_save(sd, tmp)
     if ps.get_rank() == 0:
-        write_metadata(tmp, iteration, train_config, param_layout, "fsdp2" if is_fsdp(model_chunks) else "ddp",
-                       tokenizer_files)
-    return finish_save(root, iteration, tmp)
+        records.update(write_metadata(tmp, iteration, train_config, param_layout,
+                                      "fsdp2" if is_fsdp(model_chunks) else "ddp", tokenizer_files))
+    return finish_save(root, iteration, tmp, records, overwrite)
 
 
 # ------------------------------------------------------------------------------------------- load
@@ -233,7 +248,7 @@ class _Targets:
 
 
 def same_layout(meta: dict) -> bool:
-    return all(meta.get(k) == v for k, v in current_layout().items())
+    return saved_layout(meta) == current_layout()
 
 
 def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, config: GPTConfig,
@@ -276,7 +291,7 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     need_common = COMMON in saved
     if need_common:
         sd[COMMON] = None
-    key = rank_key(tp_rank, ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+    key = this_rank_key()
     layout_same = same_layout(meta)
     if layout_same and key in saved and isinstance(saved[key], BytesStorageMetadata):
         sd[key] = None
@@ -306,13 +321,13 @@ def _copy_shared_tied(sd: dict, tg: _Targets, config: GPTConfig) -> None:
 def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng: bool, reducers,
                         model_chunks) -> None:
     """RNG and reducer state: exactly in the saved layout, else dropped with one line (module docstring)."""
-    saved_layout = tuple(meta.get(k) for k in current_layout())
+    saved = tuple(saved_layout(meta).values())
     here = tuple(current_layout().values())
     squinch_saved = bool((meta.get("args") or {}).get("squinch"))
     if rank_state is None:
-        if ps.get_rank() == 0 and saved_layout != here:
+        if ps.get_rank() == 0 and saved != here:
             what = "RNG state" + (" and Squinch error-feedback residuals" if squinch_saved else "")
-            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP) = {saved_layout}, this run uses {here}: "
+            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP) = {saved}, this run uses {here}: "
                        f"its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed start-up "
                        f"state{'; the first step runs without residuals' if squinch_saved else ''})")
         return
@@ -346,7 +361,7 @@ def apply_weights(model_chunks, params: dict[str, torch.Tensor], buffers: dict[s
     """Copy TP-local tensors into the model (into this rank's DP shard under FSDP2)."""
     with torch.no_grad():
         for m in model_chunks:
-            module = _module(m)
+            module = m.module
             for n, p in module.named_parameters():
                 _copy_into(p, params[n])
             for n, b in module.named_buffers():
@@ -373,14 +388,14 @@ def _copy_into(dst: torch.Tensor, data: torch.Tensor) -> None:
 def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
     """Load ``{"step", "hyper", "param_state"}`` (TP-local moments) into either optimizer."""
     if not is_fsdp(model_chunks):
-        names = [{id(p): n for n, p in _module(m).named_parameters()} for m in model_chunks]
+        names = [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
         optimizer.load_state_dict(state, names)
         return
     from torch.optim.optimizer import _get_scalar_dtype
 
     opt = optimizer.optimizer
     for m in model_chunks:
-        for n, p in _module(m).named_parameters():
+        for n, p in m.module.named_parameters():
             st = {"step": torch.tensor(float(state["step"]), dtype=_get_scalar_dtype()),
                   "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                   "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}

@@ -19,7 +19,7 @@ from ...core.models.gpt.config import GPTConfig
 from .dcp_pieces import dcp_load, dcp_save, read_dcp_metadata
 from .dist_format import COMMON, EXP_AVG, EXP_AVG_SQ, FORMAT, RANK_STATE, rank_key
 from .file_io import load_torch
-from .metadata import FORMAT_VERSION, read_metadata
+from .metadata import FORMAT_VERSION, TORCH_DIST, detect_format, read_metadata
 from .reshard import (
     CanonicalCheckpoint,
     ConversionError,
@@ -111,6 +111,20 @@ def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: b
     tok = os.path.join(path, "tokenizer")
     ck.tokenizer_dir = tok if os.path.isdir(tok) else None
     return ck
+
+
+def load_any_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True) -> CanonicalCheckpoint:
+    """Either format's checkpoint (``iter_XXXXXXX`` at ``step``, else the tracker's) in canonical form, in one
+    process, after checking its files against their content hashes (``tools/generate.py``, the HF export)."""
+    from .checkpointer import verify_checkpoint
+
+    iteration = step if step is not None else read_tracker(root)
+    if iteration is None:
+        raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
+    verify_checkpoint(root, iteration)
+    if detect_format(root, iteration) == TORCH_DIST:
+        return load_dist_canonical(root, iteration, load_optimizer=load_optimizer)
+    return load_canonical(root, iteration, load_optimizer=load_optimizer)
 
 
 def dist_to_torch(load: str, save: str, step: int | None = None, *, tp: int | None = None, pp: int | None = None,

@@ -12,13 +12,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
+
+from torch import nn
 
 from ...core import parallel_state as ps
 from ...core.models.gpt.config import GPTConfig
-from ..config import TrainConfig, config_diff
+from ..config import TokenizerConfig, TrainConfig, config_diff
+from ..errors import safe_print
 from .dcp_pieces import DCP_METADATA
-from .file_io import CheckpointError, read_json
+from .file_io import DEFAULT_ALGORITHM, CheckpointError, FileHash, copy_hashed, hash_file, new_hasher, read_json
 from .run_dirs import iteration_dir
 
 FORMAT_VERSION = 1
@@ -33,9 +35,45 @@ def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(),
+            "context_parallel_size": ps.get_context_parallel_world_size(),
             "model_config": train_config.model.to_dict(),
             "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
-            "args": train_config.flags}
+            "args": train_config.flags,
+            "tokenizer_hash": tokenizer_content_hash(train_config.tokenizer)}
+
+
+def tokenizer_content_hash(tokenizer: TokenizerConfig) -> str | None:
+    """A content hash of the tokenizer's files (model, vocab and merge files; every file of a directory);
+    None for a tokenizer without files (``NullTokenizer``, mock data)."""
+    files: list[str] = []
+    for path in (tokenizer.tokenizer_model, tokenizer.vocab_file, tokenizer.merge_file):
+        if path and os.path.isdir(path):
+            files += sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+        elif path and os.path.isfile(path):
+            files.append(path)
+    if not files:
+        return None
+    h = new_hasher()
+    for f in files:
+        h.update(hash_file(f).digest.encode())
+    return f"{DEFAULT_ALGORITHM}:{h.hexdigest()}"
+
+
+def check_tokenizer(meta: dict, tokenizer: TokenizerConfig, where: str, allowed: bool, log=safe_print) -> None:
+    """The tokenizer's content hash against the one the checkpoint was saved with: a difference is an error
+    unless ``allowed`` (``--finetune``, ``--allow-tokenizer-change``), then one line says so."""
+    saved, here = meta.get("tokenizer_hash"), tokenizer_content_hash(tokenizer)
+    if saved is None or here is None or saved == here or saved.split(":")[0] != here.split(":")[0]:
+        return
+    files = ", ".join(p for p in (tokenizer.tokenizer_model, tokenizer.vocab_file, tokenizer.merge_file) if p)
+    what = (f"the tokenizer ({files}) is not the one checkpoint {where} was trained with: its content hash is "
+            f"{here}, the checkpoint's {saved}")
+    if not allowed:
+        raise CheckpointError(f"{what}; token ids would change meaning. Use the tokenizer the run was trained "
+                              f"with (a copy is in {os.path.join(where, 'tokenizer')}), or pass "
+                              f"--allow-tokenizer-change (or --finetune) to go on with this one")
+    if ps.get_rank() == 0:
+        log(f" WARNING: {what} (going on: --allow-tokenizer-change / --finetune)")
 
 
 def read_metadata(root: str, iteration: int) -> dict:
@@ -110,23 +148,26 @@ def refuse_megatron_lm_checkpoint(root: str, iteration: int) -> None:
                               f"(docs/conversion.md)")
 
 
-def tp_layout(model_chunks) -> dict[str, dict]:
-    """Each parameter's TP split (``tp_dim``, ``tp_sections``) and full shape, by name: what resharding and
-    the torch_dist format need (read before FSDP2 replaces the parameters)."""
+def tp_layout(modules: list[nn.Module]) -> dict[str, dict]:
+    """Each parameter's TP split (``tp_dim``, ``tp_sections``) and full shape, by name, over the (unwrapped)
+    model chunks: what resharding and the torch_dist format need (read before FSDP2 replaces the parameters)."""
     out = {}
-    for m in model_chunks:
-        for n, p in getattr(m, "module", m).named_parameters():
+    for m in modules:
+        for n, p in m.named_parameters():
             out[n] = {"tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
                       "full_shape": list(getattr(p, "full_shape", p.shape))}
     return out
 
 
-def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> None:
-    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing)."""
+def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> dict[str, FileHash]:
+    """Copy the tokenizer files into ``ckpt_dir/tokenizer`` (none: nothing); their content hashes by path."""
+    out: dict[str, FileHash] = {}
     if not tokenizer_files:
-        return
+        return out
     tok_dir = os.path.join(ckpt_dir, "tokenizer")
     os.makedirs(tok_dir, exist_ok=True)
     for src in tokenizer_files:
         if src and os.path.isfile(src):
-            shutil.copy2(src, tok_dir)
+            dst = os.path.abspath(os.path.join(tok_dir, os.path.basename(src)))
+            out[dst] = copy_hashed(src, dst)
+    return out

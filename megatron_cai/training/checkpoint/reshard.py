@@ -42,6 +42,7 @@ from ...core.models.gpt.config import GPTConfig
 from ...core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
 from ...core.parallel_state import ParallelLayoutError, check_layout
 from ...core.tensor_parallel.utils import shard_tensor, unshard_tensor
+from ..errors import UserError
 from ..tokenizer import vocab_size_with_padding
 from .file_io import CheckpointError, load_torch, save_torch, write_json
 from .metadata import FORMAT_VERSION, read_metadata
@@ -53,7 +54,7 @@ VOCAB_PARAMS = (WORD_EMBEDDINGS, OUTPUT_WEIGHT)
 _PAYLOAD_KEYS = ("model", "optimizer", "opt_param_scheduler", "rng_state", "tp_layout", "model_config")
 
 
-class ConversionError(RuntimeError):
+class ConversionError(UserError, RuntimeError):
     """A checkpoint that cannot be converted as asked; the message says why."""
 
 

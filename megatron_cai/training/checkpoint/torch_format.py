@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from ...core import device as device_mod
 from ...core import parallel_state as ps
+from ...core.distributed.contracts import ModelChunk
 from ...core.models.gpt.config import GPTConfig
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
 from ..errors import safe_print
-from .file_io import CheckpointError, load_torch, save_torch, write_json
+from .file_io import CheckpointError, FileHash, load_torch, save_torch, write_json
+from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     check_version_and_architecture,
@@ -47,16 +49,17 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
 
-def param_names(model_chunks) -> list[dict[int, str]]:
+def param_names(model_chunks: list[ModelChunk]) -> list[dict[int, str]]:
     """Per chunk, parameter id -> name in the (unwrapped) model's state dict."""
-    return [{id(p): n for n, p in getattr(m, "module", m).named_parameters()} for m in model_chunks]
+    return [{id(p): n for n, p in m.module.named_parameters()} for m in model_chunks]
 
 
 def _gather_over_dp(obj: Any) -> list[Any]:
-    if ps.get_data_parallel_world_size() == 1:
+    """``obj`` of every rank of this rank's DP x CP group (the ranks holding the same weights), in order."""
+    if ps.get_data_parallel_world_size(with_context_parallel=True) == 1:
         return [obj]
-    out: list[Any] = [None] * ps.get_data_parallel_world_size()
-    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group())
+    out: list[Any] = [None] * ps.get_data_parallel_world_size(with_context_parallel=True)
+    dist.all_gather_object(out, obj, group=ps.get_data_parallel_group(with_context_parallel=True))
     return out
 
 
@@ -72,6 +75,7 @@ class StagedCheckpoint(IterationPaths):
     files: dict[str, Any]                       # path -> object for torch.save
     meta: dict | None = None                    # metadata.json (rank 0)
     tokenizer_files: list[str] = field(default_factory=list)
+    overwrite: bool = False                     # --overwrite-checkpoints: an existing iteration is moved aside
 
 
 def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
@@ -86,7 +90,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     config = train_config.model
     tmp = begin_save(root, iteration)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    dp_rank = ps.get_data_parallel_rank()
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)  # files per DP x CP rank
     rdir = os.path.join(tmp, rank_dir_name(tp_rank, pp_rank, ps.get_pipeline_model_parallel_world_size()))
     names = param_names(model_chunks)
     optim_state = None
@@ -99,11 +103,11 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
         payload = {
             "checkpoint_version": FORMAT_VERSION,
             "iteration": iteration,
-            "model": {f"model{i}": getattr(m, "module", m).state_dict() for i, m in enumerate(model_chunks)},
+            "model": {f"model{i}": m.module.state_dict() for i, m in enumerate(model_chunks)},
             "optimizer": optim_state,
             "opt_param_scheduler": scheduler.state_dict(),
             "rng_state": all_rng,
-            "tp_layout": tp_layout(model_chunks),
+            "tp_layout": tp_layout([m.module for m in model_chunks]),
             "model_config": config.to_dict(),
             **state,
         }
@@ -116,32 +120,40 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     return staged
 
 
-def write_staged(staged: StagedCheckpoint) -> None:
-    """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread)."""
+def write_staged(staged: StagedCheckpoint) -> dict[str, FileHash]:
+    """Write this rank's files into ``iter_XXXXXXX.tmp``; no collectives (safe in a background thread).
+    Returns their content hashes, computed as they were written (:mod:`.integrity`)."""
+    records = {}
     for path, obj in staged.files.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        save_torch(obj, path)  # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
+        # atomic; an I/O error names the file, the rank and (ENOSPC) the bytes needed
+        records[os.path.abspath(path)] = save_torch(obj, path)
     if staged.meta is not None:
-        write_json(os.path.join(staged.tmp, "metadata.json"), staged.meta)
-        copy_tokenizer_files(staged.tmp, staged.tokenizer_files)
+        meta_path = os.path.join(staged.tmp, "metadata.json")
+        records[os.path.abspath(meta_path)] = write_json(meta_path, staged.meta)
+        records.update(copy_tokenizer_files(staged.tmp, staged.tokenizer_files))
+    return records
 
 
-def finalize_staged(staged: StagedCheckpoint) -> str:
-    """Rank 0, once every rank's write has finished: rename ``.tmp`` into place, then move the tracker."""
+def finalize_staged(staged: StagedCheckpoint, records: dict[str, FileHash]) -> str:
+    """Collective, once every rank's write has finished: gather the content hashes to rank 0, which writes
+    them, renames ``.tmp`` into place and then moves the tracker."""
+    everyone = gather_records(records)
     if ps.get_rank() == 0:
-        publish(staged.root, staged.iteration)
+        publish(staged.root, staged.iteration, everyone, overwrite=staged.overwrite)
     return staged.final
 
 
 def save_torch_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, train_config: TrainConfig,
                     state: dict, reducer_states: list[dict] | None = None,
-                    save_optim: bool = True, tokenizer_files: list[str] | None = None) -> str:
+                    save_optim: bool = True, tokenizer_files: list[str] | None = None,
+                    overwrite: bool = False) -> str:
     """Collective: every rank must call it. ``state`` holds iteration counters (consumed samples...)."""
     staged = stage_checkpoint(root, iteration, model_chunks, optimizer, scheduler, train_config, state,
                               reducer_states, save_optim, tokenizer_files)
-    write_staged(staged)
-    barrier()
-    final = finalize_staged(staged)
+    staged.overwrite = overwrite
+    records = write_staged(staged)
+    final = finalize_staged(staged, records)
     barrier()
     return final
 
@@ -186,7 +198,7 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
     for sd in payload["model"].values():
         merged.update(sd)
     for m in model_chunks:
-        module = getattr(m, "module", m)
+        module = m.module
         own = module.state_dict()
         params = {n for n, _ in module.named_parameters()}
         missing = [k for k in own if k not in merged]
@@ -205,13 +217,14 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
     if load_rng and payload.get("rng_state"):  # none in checkpoints imported from Hugging Face
         rngs = payload["rng_state"]
-        dp_rank = ps.get_data_parallel_rank()
+        dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         rng = rngs[dp_rank] if dp_rank < len(rngs) else rngs[0]
         device_mod.set_rng_state(rng)
         get_rng_tracker().set_states(rng["tracker"])
     if reducers:
-        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank():03d}.pt")
-        same_dp = meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
+        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank(with_context_parallel=True):03d}.pt")
+        same_dp = (meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
+                   and meta.get("context_parallel_size", 1) == ps.get_context_parallel_world_size())
         dropped = reducer_state_dropped(rpath, same_dp, reducers, meta)
         if dropped:
             if ps.get_rank() == 0:

@@ -65,7 +65,7 @@ def test_tree_training_with_zreg_single_process(tmp_path):
         mean, mx = tb[f"attention-lse/layer{layer}-mean"], tb[f"attention-lse/layer{layer}-max"]
         assert len(mean) == len(mx) == 4
         assert all(math.isfinite(a) and math.isfinite(b) and a <= b for a, b in zip(mean, mx))
-    assert tb["lm-loss"] == pytest.approx(zreg)
+    assert tb["lm loss"] == pytest.approx(zreg)  # Megatron-LM's tag, every iteration
     # Plain packed documents take the same visibility path (lse statistics exist only there).
     assert "attention-lse/layer0-mean" in r["tb2"]
     assert all(math.isfinite(h["lm loss"]) for h in r["plain"]["history"])

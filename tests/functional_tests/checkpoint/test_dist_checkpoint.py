@@ -18,7 +18,8 @@ sys.path.insert(0, TOOLS)
 
 # GQA (2 query groups: K/V split over TP=2), SwiGLU (fused [gate, up] fc1 sections), tied embeddings (a
 # copy on the last pipeline stage), vocabulary padding that depends on TP (100 -> 104 at TP 1, 112 at TP 2).
-BASE = [a for a in EQUIV_BASE if a not in ("--train-iters", "5")] + ["--swiglu", "--ckpt-format", "torch_dist"]
+BASE = [a for a in EQUIV_BASE if a not in ("--train-iters", "5", "--squared-relu")] + ["--swiglu", "--ckpt-format",
+                                                                                        "torch_dist"]
 ITERS, HALF = 10, 5
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]

@@ -1,5 +1,5 @@
 """Distillation in the training loop: the loss against a hand-written reference, alpha = 0 is the plain run,
-TP = 2 and PP = 2 match one process (offline and online), online samples = the dump's, mismatches refused."""
+TP = 2, PP = 2 and CP = 2 match one process (offline and online), online samples = the dump's, mismatches refused."""
 import math
 
 import pytest
@@ -141,14 +141,15 @@ def _parallel_worker(rank, world_size, runs):
     return out
 
 
-def test_tp2_and_pp2_match_one_process(setup):
+def test_tp2_pp2_and_cp2_match_one_process(setup):
     prefix, teacher, stores = setup
     modes = {"offline-priority": ["--distill-samples", stores["gumbel"], "--distill-alpha", "0.5"],
              "offline-topk": ["--distill-samples", stores["topk"], "--distill-estimator", "topk",
                               "--distill-alpha", "0.5"],
              "online-gumbel": ["--distill-teacher-load", teacher, "--distill-alpha", "0.5", "--distill-k", "8"],
              "online-full": ["--distill-teacher-load", teacher, "--distill-estimator", "full", "--distill-alpha", "1"]}
-    layouts = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+    layouts = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
+               "cp2": ["--context-parallel-size", "2"]}  # CP: teacher samples split like the tokens
     runs = [(mode, layout) for mode in modes for layout in layouts if (mode, layout) != ("offline-topk", "pp2")]
     results = run_distributed(_parallel_worker, 2, ([train_argv(prefix, ITERS, modes[m] + layouts[lay])
                                                      for m, lay in runs],))

@@ -8,6 +8,7 @@
     FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
                             (default 3), then saves
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
+    FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -39,7 +40,7 @@ def install() -> None:
     nan_state = {"on": False}
 
     def faulty_save(obj, f, *args, **kwargs):
-        name = str(f)
+        name = getattr(f, "name", None) or str(f)  # checkpoint files are written through a hashing stream
         if env.get("FAULT_ENOSPC") and env["FAULT_ENOSPC"] in name:
             def fail():
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -60,13 +61,16 @@ def install() -> None:
     real_dcp_save = dcp.save
 
     def faulty_dcp_save(state_dict, *args, checkpoint_id=None, **kwargs):
-        if env.get("FAULT_HANG_SAVE") and env["FAULT_HANG_SAVE"] in str(checkpoint_id):
+        target = checkpoint_id or getattr(kwargs.get("storage_writer"), "path", None)
+        if env.get("FAULT_HANG_SAVE") and env["FAULT_HANG_SAVE"] in str(target):
+            checkpoint_id = target
             def hang():
                 print(f"FAULT: saving {checkpoint_id}", file=sys.stderr, flush=True)
                 time.sleep(600)
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             return _partial_write_then(os.path.join(str(checkpoint_id), f"__{rank}_0.distcp"), hang)
-        return real_dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs)
+        return real_dcp_save(state_dict, *args, checkpoint_id=checkpoint_id, **kwargs) if checkpoint_id else \
+            real_dcp_save(state_dict, *args, **kwargs)
 
     dcp.save = faulty_dcp_save
 
@@ -80,13 +84,16 @@ def install() -> None:
         nan_state["on"] = bool(start) and rank_ok and (it == start if env.get("FAULT_NAN_ONCE") else it >= start)
         if env.get("FAULT_ITER_SLEEP"):
             time.sleep(float(env["FAULT_ITER_SLEEP"]))
+        if env.get("FAULT_PAUSE_AT") and it == int(env["FAULT_PAUSE_AT"]):
+            while not os.path.exists(env["FAULT_PAUSE_UNTIL"]):
+                time.sleep(0.1)
         return real_step(self)
 
     training.Trainer.train_step = train_step
     real_loss = pretrain_gpt.loss_func
 
-    def loss_func(loss_mask, output):
-        loss, stats = real_loss(loss_mask, output)
+    def loss_func(loss_mask, output, **kwargs):
+        loss, stats = real_loss(loss_mask, output, **kwargs)
         if nan_state["on"]:
             loss = loss * float("nan")
             stats = {"lm loss": loss.detach()}

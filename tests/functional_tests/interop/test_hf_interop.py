@@ -10,7 +10,7 @@ import pytest
 import torch
 from testlib import TOOLS
 from testlib.distributed import run_distributed
-from testlib.train import TINY_MODEL, train
+from testlib.train import TINY_MODEL, train, with_activation
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -29,7 +29,8 @@ CONFIGS = {  # name: (flags, expected architecture)
     "default": (["--group-query-attention", "--num-query-groups", "2"], "nemotron"),
     "llama": (["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--group-query-attention",
                "--num-query-groups", "1", "--untie-embeddings-and-output-weights"], "llama"),
-    "gpt2": (["--position-embedding-type", "learned_absolute", "--activation", "gelu"], "gpt2"),
+    "gpt2": (["--position-embedding-type", "learned_absolute", "--activation", "gelu_tanh"], "gpt2"),
+    "gpt2_erf": (["--position-embedding-type", "learned_absolute", "--activation", "gelu"], "gpt2"),
 }
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 
@@ -40,7 +41,8 @@ def _quiet(*a, **k):
 
 def _train_all(rank, world_size, root):
     for name, (flags, _) in CONFIGS.items():
-        train(COMMON + TP2PP2 + flags + ["--save", os.path.join(root, name)], world_size)
+        base = with_activation(COMMON) if any(f in flags for f in ("--swiglu", "--activation")) else COMMON
+        train(base + TP2PP2 + flags + ["--save", os.path.join(root, name)], world_size)
     return True
 
 

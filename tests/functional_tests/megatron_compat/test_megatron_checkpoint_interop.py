@@ -20,18 +20,18 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import sys
 import typing
+from types import SimpleNamespace
 
 import pytest
 import torch
-from testlib import ROOT
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f
 pytest.importorskip("megatron.core")
 pytest.importorskip("megatron.training.arguments")
 
+from testlib import mcore_cpu  # noqa: E402
 from testlib.distributed import run_distributed  # noqa: E402
 
 VOCAB, DIVISIBLE, SEQ, ITERATION = 60, 8, 16, 7
@@ -54,55 +54,17 @@ LAYOUTS = {
 
 # ------------------------------------------------------------------------------ megatron-core side
 def _shim_cpu() -> None:
-    if not hasattr(typing, "override"):
-        typing.override = lambda f: f
-    torch.cuda.current_device = lambda: "cpu"
-    import megatron.core.tensor_parallel.random as mrandom
-
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
-    torch.cuda.manual_seed = lambda seed: None
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.current_stream = lambda *a, **k: None  # read, not used, by megatron DDP's grad sync (no overlap)
-    for p in (ROOT, os.path.join(ROOT, "tools")):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    mcore_cpu.shim_cpu()
 
 
 def _megatron_args(flags: list[str], tp: int, extra: list[str] = (), world: int | None = None):
     """Megatron-LM's args for these flags, through its own parser and validate_args."""
-    import megatron.training.arguments as margs
-    from megatron.training.vocab_utils import calculate_padded_vocab_size
-
-    margs.get_device_arch_version = lambda: 9  # validate_args asks the (absent) GPU
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    argv = sys.argv
-    sys.argv = ["pretrain_gpt.py", *COMMON, *flags, "--tensor-model-parallel-size", str(tp), *extra]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            args = margs.parse_args()
-            args.world_size = world or tp
-            margs.validate_args(args, {})
-    finally:
-        sys.argv = argv
-    args.padded_vocab_size = calculate_padded_vocab_size(VOCAB, DIVISIBLE, tp, logging_enabled=False)
-    return args
+    return mcore_cpu.megatron_args([*COMMON, *flags, "--tensor-model-parallel-size", str(tp), *extra], world or tp,
+                                   padded_vocab=(VOCAB, DIVISIBLE, tp))
 
 
 def _megatron_model(args, pre_process: bool = True, post_process: bool = True):
-    """megatron-core's GPTModel as Megatron-LM's GPT builder makes it (local spec)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.training.argument_utils import core_transformer_config_from_args
-
-    config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    tied = not args.untie_embeddings_and_output_weights
-    return GPTModel(config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process, parallel_output=True,
-                    share_embeddings_and_output_weights=tied,
-                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                    rotary_base=args.rotary_base)
+    return mcore_cpu.megatron_model(args, pre_process, post_process)
 
 
 def _perturb(model, rank: int) -> None:
@@ -189,7 +151,8 @@ def _our_model(root: str, tp: int):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = GPTConfig.from_dict(read_metadata(root, ITERATION)["model_config"])
     model = GPTModel(config)
-    counters = load_torch_checkpoint(root, [model], None, None, config, load_optim=False, load_rng=False)
+    chunk = SimpleNamespace(module=model)  # the loader reads ModelChunk.module only
+    counters = load_torch_checkpoint(root, [chunk], None, None, config, load_optim=False, load_rng=False)
     return model.eval(), counters
 
 
@@ -262,23 +225,7 @@ def test_logit_parity_both_ways(layout, tp, tmp_path):
 STEPS = 5
 
 
-class _CpuTorch:
-    """``torch`` for megatron-core's optimizer modules, with ``device='cuda'`` tensors made on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def _cpu(kw):
-        if str(kw.get("device", "")).startswith("cuda"):
-            kw["device"] = "cpu"
-        return kw
-
-    def tensor(self, *a, **kw):
-        return torch.tensor(*a, **self._cpu(kw))
-
-    def zeros(self, *a, **kw):
-        return torch.zeros(*a, **self._cpu(kw))
+_CpuTorch = mcore_cpu.CpuTorch
 
 
 def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -349,7 +296,7 @@ def _training_worker(rank: int, world: int, tmp: str, layout: str) -> dict:
     if rank == 0:
         _convert(["--from-megatron", "--load", meg, "--save", ours_dir])
     torch.distributed.barrier()
-    from train_utils import train
+    from testlib.train import train
 
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.interop.hf import pretrain_flags
@@ -571,9 +518,8 @@ def test_transformer_engine_names_round_trip(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"num_experts": 8}, "--num-experts"),
-    ({"bias_gelu_fusion": False, "swiglu": False}, "erf GeLU"),
     ({"rotary_interleaved": True}, "--rotary-interleaved"),
-    ({"add_qkv_bias": True}, "--add-qkv-bias"),
+    ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
 def test_unrepresentable_megatron_options_are_refused(change, message):
     import argparse

@@ -9,13 +9,10 @@ which land with the numerics/tokenizer half of issue 17 (branch mnum).
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-from testlib.megatron_scripts import GPT3, LLAMA, ROOT, run_script
+from testlib.megatron_scripts import GPT3, LLAMA, demo_corpus, preprocess, run_script
 
 SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["128"],
          "--num-attention-heads": ["4"], "--num-query-groups": ["2"], "--kv-channels": ["16"],
@@ -27,33 +24,15 @@ LLAMA_SIZES = {**SIZES, "--micro-batch-size": ["1"], "--global-batch-size": ["2"
                "--lr-decay-samples": ["4"], "--lr-warmup-samples": ["1"]}
 
 
-def _tool(name: str, *args) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / name), *map(str, args)], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """The demo corpus, a byte-level BPE trained on it (GPT-2 vocab.json/merges.txt and tokenizer.json)."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tmp = tmp_path_factory.mktemp("corpus")
-    jsonl = tmp / "demo.jsonl"
-    _tool("make_demo_corpus.py", "--output", jsonl, "--max-mb", "0.15")
-    texts = [json.loads(line)["text"] for line in open(jsonl, encoding="utf-8")]
-    bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=600, special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(tmp))  # vocab.json, merges.txt (GPT-2's files)
-    bpe.save(str(tmp / "tokenizer.json"))
-    return {"dir": tmp, "jsonl": jsonl}
+    pytest.importorskip("tokenizers")
+    return demo_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _preprocess(corpus, name: str, *tokenizer_flags) -> str:
-    prefix = corpus["dir"] / name
-    _tool("preprocess_data.py", "--input", corpus["jsonl"], "--output-prefix", prefix, "--append-eod",
-          "--workers", 1, *tokenizer_flags)
-    return f"{prefix}_text_document"
+    return preprocess(corpus, name, *tokenizer_flags)
 
 
 def _trained(proc, tracker, iterations: int = 2) -> None:
@@ -89,3 +68,11 @@ def test_llama3_8b_fp8_script_trains_with_its_torch_dist_checkpoints(corpus, tmp
 def test_llama3_8b_fp8_script_with_mock_data(tmp_path):
     proc = run_script(LLAMA, [], tmp_path, {**LLAMA_SIZES, "--ckpt-format": ["torch"]})
     _trained(proc, tmp_path / "checkpoints" / "llama3_8b_fp8" / "latest_checkpointed_iteration.txt")
+
+
+def test_llama3_8b_fp8_script_with_context_parallel_size_2(tmp_path):
+    """The script's own --context-parallel-size (CP_SIZE), set to 2 on two gloo ranks: trains and saves."""
+    overrides = {**LLAMA_SIZES, "--context-parallel-size": ["2"], "--ckpt-format": ["torch"]}
+    proc = run_script(LLAMA, [], tmp_path, overrides, nproc=2)
+    _trained(proc, tmp_path / "checkpoints" / "llama3_8b_fp8" / "latest_checkpointed_iteration.txt")
+    assert "CP=2" in proc.stdout

@@ -10,7 +10,7 @@ from testlib.train import last_stage_history, train
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from functional_tests.parallel.test_parallel_equivalence import BASE
-from megatron_cai.core.distributed.squinch_collectives import padded_chunk
+from megatron_cai.core.distributed.squinch_collectives import padded_chunk, row_nbytes
 from megatron_cai.core.distributed.squinch_fsdp import SquinchReduceScatter
 from megatron_cai.core.squinch import decode, encode_with_feedback
 from megatron_cai.training.arguments import ArgumentError, parse_config
@@ -115,7 +115,8 @@ def test_squinch_hook_equals_independent_encode_decode(world, chunk):
         for s, got in enumerate(_tensors(res[r]["outs"])):  # step 2 carries step 1's error feedback
             assert torch.equal(got, expected[r][s]), f"rank {r} step {s + 1}"
     row = padded_chunk(chunk)
-    assert res[0]["bytes"] == 2 * (world - 1) * (1 + row * 6 // 8)  # flag byte + 6 bits per element per row
+    # per row: 6 bits per element, the flag byte, zero padding to 16 bytes (docs/squinch-format.md)
+    assert res[0]["bytes"] == 2 * (world - 1) * row_nbytes(row) == 2 * (world - 1) * 16 * -(-(1 + row * 6 // 8) // 16)
 
 
 class _Recorder(ReduceScatter):

@@ -14,7 +14,7 @@ from testlib.train import last_stage_history, train
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from functional_tests.parallel.test_parallel_equivalence import BASE
-from megatron_cai.core.distributed.squinch_collectives import padded_chunk
+from megatron_cai.core.distributed.squinch_collectives import padded_chunk, row_nbytes
 from megatron_cai.core.distributed.squinch_fsdp import SquinchReduceScatter
 from megatron_cai.core.squinch import decode, encode_with_feedback
 
@@ -82,7 +82,7 @@ def test_cross_node_all_reduce_equals_independent_encode_decode(numel):
             for s in range(2):
                 assert torch.equal(torch.from_numpy(res[w]["outs"][s]), expected[s]), f"rank {w} step {s + 1}"
     row = padded_chunk(-(-numel // 2))
-    per_call = 2 * (1 + row * 6 // 8)  # all-to-all: one row of 2; all-gather: the owner's row to 1 peer
+    per_call = 2 * row_nbytes(row)  # all-to-all: one row of 2; all-gather: the owner's row to 1 peer
     assert res[0]["bytes"] == res[0]["inter"] == 2 * per_call
 
 
@@ -150,7 +150,7 @@ def test_training_cross_node_part_exact_and_bytes_inter_node():
                 for s in range(2):
                     assert torch.equal(torch.from_numpy(c[s][1]), expected[s]), f"{unit} rank {w} step {s + 1}"
         for x, _ in res[0]["ar"][unit]:
-            inter_expected += 2 * (1 + padded_chunk(-(-x.size // 2)) * 6 // 8)
+            inter_expected += 2 * row_nbytes(padded_chunk(-(-x.size // 2)))
         for numel, size in res[0]["rs"][unit]:
             assert size == 2  # the reduce-scatter runs inside the node
             intra_expected += (size - 1) * numel * 4 // size

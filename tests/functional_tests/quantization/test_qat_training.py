@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from testlib.distributed import run_distributed
-from testlib.train import TINY_MODEL, last_stage_history, train
+from testlib.train import TINY_MODEL, last_stage_history, train, with_activation
 
 from megatron_cai.core.quantization.qat_linear import GemmInputQuantizer
 from megatron_cai.training import checkpoint
@@ -115,7 +115,8 @@ def _clamp_of_full_layer(name: str, tp: list[dict]) -> torch.Tensor:
 
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tp2_matches_tp1(case):
-    argv = TP_MODEL + ["--qat", "int8"] + TP_CASES[case]
+    argv = with_activation(TP_MODEL + ["--qat", "int8"] + TP_CASES[case]) if "--swiglu" in TP_CASES[case] else \
+        TP_MODEL + ["--qat", "int8"] + TP_CASES[case]
     ref = run_distributed(_worker, 1, (argv,))
     tp = run_distributed(_worker, 2, (argv + ["--tensor-model-parallel-size", "2"],))
     rule = TP_CASES[case][1]

@@ -1,5 +1,6 @@
 """--decoupled-lr: the input embedding and output layer step at their own rate (Adam's first step moves each
-element by about the learning rate, so the largest change per parameter reads off the rate it got)."""
+element by about the learning rate, so the largest change per parameter reads off the rate it got), with the
+DDP optimizer and with FSDP2 (the Megatron-FSDP Llama 3 script sets --decoupled-lr)."""
 import pytest
 from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, train
@@ -14,16 +15,22 @@ def _worker(rank, world_size, argv):
 
     def hook(trainer):
         box["trainer"] = trainer
-        box["before"] = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+        box["before"] = {n: _full(p).clone() for n, p in trainer.model[0].module.named_parameters()}
 
     train(argv, world_size, trainer_hook=hook)
     after = dict(box["trainer"].model[0].module.named_parameters())
-    return {n: (after[n].detach() - b).abs().max().item() for n, b in box["before"].items()}
+    return {n: (_full(after[n]) - b).abs().max().item() for n, b in box["before"].items()}
 
 
-@pytest.mark.parametrize("untie", [False, True])
-def test_embedding_and_output_use_decoupled_lr(untie):
+def _full(p):
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2: a DTensor shard
+
+
+@pytest.mark.parametrize("untie, fsdp", [(False, False), (True, False), (True, True)])
+def test_embedding_and_output_use_decoupled_lr(untie, fsdp):
     extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    extra += ["--use-torch-fsdp2"] if fsdp else []
     change = run_distributed(_worker, 1, (ARGS + extra + ["--decoupled-lr", "4e-3"],))[0]
     special = [n for n in change if "word_embeddings" in n or "output_layer" in n]
     assert len(special) == (2 if untie else 1)

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 
 import pytest
+from testlib.interpreted import run_interpreted
 
 
 @pytest.fixture(scope="module")
 def result():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return run_interpreted(__file__, timeout=300)
 
 
 def test_triton_tree_losses_and_gradients_equal_branches_alone(result):

@@ -24,7 +24,15 @@ def test_check_run_dirs_cases(tmp_path):
     assert run_dirs.list_iterations(run) == [2, 4]
     with pytest.raises(CheckpointError, match=r"iter_0000002, iter_0000004 but no .*--ckpt-step 4"):
         run_dirs.check_run_dirs(run, run)
-    run_dirs.check_run_dirs(run, run, step=2)  # an explicit step loads
+    with pytest.raises(CheckpointError, match=r"after the one this run resumes: iter_0000004;.*--overwrite-chec"):
+        run_dirs.check_run_dirs(run, run, step=2)  # an explicit step loads, but iteration 4 would be replaced
+    run_dirs.check_run_dirs(run, run, step=2, overwrite=True)
+    run_dirs.check_run_dirs(run, run, step=4)
+    other = _mk_run(tmp_path / "other", [3, 5])  # another run's directory as --save
+    with pytest.raises(CheckpointError, match=r"of another run \(this run resumes iteration 4 .*iter_0000005"):
+        run_dirs.check_run_dirs(run, other, step=4)
+    with pytest.raises(CheckpointError, match="--finetune.*iter_0000003, iter_0000005"):
+        run_dirs.check_run_dirs(run, other, step=4, finetune=True)
     with pytest.raises(CheckpointError, match="already holds checkpoints"):
         run_dirs.check_run_dirs(None, run)
     fresh = str(tmp_path / "requeue")

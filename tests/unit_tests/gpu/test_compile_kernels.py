@@ -1,6 +1,9 @@
 """Ahead-of-time compile check of the Triton kernels (tools/compile_kernels.py) with the real compiler,
 on this CPU machine: the CI subset passes on sm_89 (pinning the bf16 head-dim-128 dK/dV shared-memory
-fix), and the check fails on a broken table row (an oversized block; a spilling configuration).
+fix), the Hopper subset passes on sm_90 with the validation machine's Triton (3.6.0, installed by
+tests/run.sh into .ci/triton-3.6.0, which shadows the venv's Triton on PYTHONPATH) and compiles the
+sm_90 table rows and 16-byte Squinch accesses, and the check fails on a broken table row (an oversized
+block; a spilling configuration).
 
 Runs in subprocesses without TRITON_INTERPRET (the kernels must be real JIT functions). Compiled
 kernels and ptxas results are cached by Triton (TRITON_CACHE_DIR), so reruns take seconds.
@@ -51,6 +54,45 @@ def test_ci_subset_compiles_without_spills_within_sm89_limits(ci_run) -> None:
     tiles = kc.attention_tiles("bwd_dkdv", torch.bfloat16, 128, kc.Target.for_capability(89))
     assert dkdv["config"] == f"bf16 d128 {tiles}"
     assert dkdv["shared_bytes"] <= dkdv["declared_smem"] <= 101376
+
+
+TRITON_36 = os.environ.get("MEGATRON_CAI_TRITON_36") or os.path.join(ROOT, ".ci", "triton-3.6.0")
+
+
+def test_hopper_subset_compiles_for_sm90_with_the_validation_machines_triton(tmp_path) -> None:
+    pytest.importorskip("triton")
+    if not os.path.isdir(os.path.join(TRITON_36, "triton")):
+        if os.environ.get("MEGATRON_CAI_TRITON_36"):
+            pytest.fail(f"MEGATRON_CAI_TRITON_36={TRITON_36} holds no triton package")
+        pytest.skip("triton 3.6.0 is not installed in .ci/triton-3.6.0 (tests/run.sh installs it)")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([TRITON_36, env["PYTHONPATH"]])
+    out = tmp_path / "hopper"
+    proc = subprocess.run([sys.executable, TOOL, "--targets", "sm_90", "--subset", "hopper", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["summary"]["triton"] == "3.6.0"
+    kernels = result["kernels"]
+    assert {r["kernel"] for r in kernels} == {"_fwd_kernel", "_bwd_delta_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel",
+                                              "_encode_kernel", "_decode_kernel"}
+    for r in kernels:  # every head dim here is <= 128: no spill anywhere
+        assert r["problems"] == [] and r["spill_bytes"] == 0 and r["shared_bytes"] <= 232448, r
+    configs = {r["config"] for r in kernels}
+    import torch
+
+    from megatron_cai.core import kernel_configs as kc
+
+    for dim in (64, 128):  # the Hopper rows of the table are what compiled, with and without a window
+        for name in kc.ATTENTION_KERNELS:
+            tiles = kc.attention_tiles(name, torch.bfloat16, dim, kc.Target.for_capability(90))
+            assert f"bf16 d{dim} {tiles}" in configs and f"bf16 d{dim} {tiles} window" in configs
+    # full blocks unmasked: 16-byte loads of the gradient and residual, 16-byte residual / decode stores
+    enc = next(r for r in kernels if r["kernel"] == "_encode_kernel" and "g_ptr:fp32,r_ptr:fp32" in r["config"]
+               and "HAS_RES=1" in r["config"] and "N_ALIGNED=1" in r["config"])
+    assert enc["wide_loads"] >= 2 and enc["wide_stores"] >= 1, enc
+    dec = next(r for r in kernels if r["kernel"] == "_decode_kernel" and "N_ALIGNED=1" in r["config"])
+    assert dec["wide_stores"] >= 1, dec
 
 
 _BROKEN = """

@@ -56,7 +56,21 @@ def test_fwd_and_dq_rows_that_disagree_on_tiles_are_one_clear_error(monkeypatch)
     monkeypatch.setitem(kc.ATTENTION_TABLE, ("dq", "16bit", 128), ((50_000, kc.Tiles(32, 64, 8, 2)),))
     with pytest.raises(RuntimeError, match="fwd and dq rows must agree"):
         kc.attention_tiles("bwd_dq", torch.bfloat16, 128, SM90)
-    assert kc.attention_tiles("fwd", torch.bfloat16, 128, SM90).block_m == 64
+    assert kc.attention_tiles("fwd", torch.bfloat16, 128, SM90).block_m == 128  # the Hopper row
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_hopper_rows_are_chosen_from_sm90_on_only(dim) -> None:
+    """sm_90 takes 128-row fwd / dQ tiles and 2-stage dK/dV; sm_80 (whose shared memory would fit them)
+    and sm_89 keep the generic rows."""
+    for cap in (80, 89, 90):
+        target = kc.Target.for_capability(cap)
+        fwd, dq, dkdv = (kc.attention_tiles(k, torch.bfloat16, dim, target) for k in kc.ATTENTION_KERNELS)
+        assert (fwd.block_m, fwd.block_n) == (dq.block_m, dq.block_n)
+        if cap >= 90:
+            assert fwd.block_m == 128 and fwd.num_stages == 3 and dq.num_stages == 2 and dkdv.num_stages == 2
+        else:
+            assert fwd.block_m == 64 and dkdv.num_stages == 1
 
 
 def test_no_candidate_or_too_wide_head_is_one_clear_error() -> None:
@@ -103,5 +117,8 @@ def test_every_table_row_is_enumerated_by_the_check() -> None:
         names = ("float32",) if kind == "fp32" else ("bfloat16", "float16")
         assert any(label.startswith(f"{n} d{dim} ") for n in names for label in labels), (role, kind, dim)
     squinch = [label for label, _, _ in triton_aot.squinch_cases()]
-    assert sum(label.startswith("encode") for label in squinch) == 2 * 3 * 3 * 2
-    assert sum(label.startswith("decode") for label in squinch) == 4
+    # (aligned, misaligned) x 3 input dtypes x 3 residuals x (deterministic, stochastic), plus the wire-row
+    # encoder (aligned; fp32 / bf16 gradients, no / fp32 residual, both roundings)
+    assert sum(label.startswith("encode") for label in squinch) == 2 * 3 * 3 * 2 + 2 * 2 * 2
+    assert sum(label.endswith("rows") for label in squinch) == 2 * 2 * 2 + 1  # and the flag-reading decode
+    assert sum(label.startswith("decode") for label in squinch) == 2 * 2 + 1

@@ -8,9 +8,11 @@ from testlib import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
 
 import overhead_rows  # noqa: E402
+import pytest  # noqa: E402
 import step_overhead  # noqa: E402  (overhead_rows put bench/ on the path)
 
 
+@pytest.mark.slow  # its rows wrap step_overhead's count_reads / optimizer_times, which CI runs (bench --quick)
 def test_rows_at_toy_size_on_cpu():
     import torch
 

@@ -138,7 +138,7 @@ def test_generate_cli_branches(tmp_path):
 
     sys.path.insert(0, TOOLS)
     import generate as generate_tool
-    from train_utils import TINY_MODEL, train
+    from testlib.train import TINY_MODEL, train
 
     from megatron_cai.inference.generation import load_model
 

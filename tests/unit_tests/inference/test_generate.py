@@ -18,7 +18,7 @@ CONFIGS = {
     "default_gqa": dict(num_query_groups=2),
     "llama_like_mqa": dict(normalization="RMSNorm", activation="swiglu", add_bias_linear=False, num_query_groups=1,
                            untie_embeddings_and_output_weights=True),
-    "gpt2_like": dict(position_embedding_type="learned_absolute", activation="gelu"),
+    "gpt2_like": dict(position_embedding_type="learned_absolute", activation="gelu_tanh"),
 }
 
 
@@ -107,7 +107,7 @@ def test_stops_at_eos_and_checks_position_limit():
 
 def test_generate_cli_on_a_trained_checkpoint(tmp_path):
     import generate as generate_tool
-    from train_utils import TINY_MODEL, train
+    from testlib.train import TINY_MODEL, train
 
     ckpt = str(tmp_path / "ckpt")
     train(TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",

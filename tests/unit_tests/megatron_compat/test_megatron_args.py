@@ -12,7 +12,6 @@ import typing
 
 import pytest
 
-from megatron_cai.training import megatron_compat as compat
 from megatron_cai.training.arguments import (
     ArgumentError,
     build_parser,
@@ -20,6 +19,7 @@ from megatron_cai.training.arguments import (
     parse_config,
     resolve_megatron_flags,
 )
+from megatron_cai.training.flags import megatron_compat as compat
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f
@@ -266,7 +266,10 @@ def test_aliases():
     assert resolved(["--no-position-embedding"]).position_embedding_type == "none"
     assert resolved(["--recompute-activations"]).recompute_granularity == "selective"
     assert resolved(["--squared-relu"]).activation == "relu2"
-    assert resolved(["--openai-gelu"]).activation == "gelu"
+    assert resolved(["--openai-gelu"]).activation == "gelu_tanh"
+    assert resolved([]).activation == "gelu_erf"  # Megatron-LM's MLP without a switch
+    assert resolved(["--activation", "gelu"]).activation == "gelu_erf"
+    assert resolved(["--activation", "relu2", "--squared-relu"]).activation == "relu2"  # the same choice twice
     with pytest.raises(ArgumentError, match="choose one"):
         resolved(["--swiglu", "--squared-relu"])
     with pytest.raises(ArgumentError, match="--overlap-param-gather needs"):

@@ -27,7 +27,9 @@ def _model(**kw) -> GPTModel:
 
 @pytest.mark.parametrize("kw", [
     {}, {"activation": "swiglu", "normalization": "RMSNorm", "num_query_groups": 1},
-    {"activation": "gelu", "position_embedding_type": "learned_absolute", "untie_embeddings_and_output_weights": True},
+    {"activation": "gelu_tanh", "position_embedding_type": "learned_absolute",
+     "untie_embeddings_and_output_weights": True},
+    {"activation": "gelu_erf", "add_qkv_bias": True, "add_bias_linear": False, "rope_scaling": True},
 ])
 def test_changing_a_future_token_changes_no_earlier_logit(kw):
     m = _model(**kw)

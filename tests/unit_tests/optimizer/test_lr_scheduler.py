@@ -8,7 +8,7 @@ from megatron_cai.core.optimizer.lr_scheduler import OptimizerParamScheduler
 from megatron_cai.training.arguments import parse_config
 from megatron_cai.training.config import ArgumentError
 
-BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16",
+BASE = ["--squared-relu", "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "16",
         "--num-attention-heads", "2", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-5"]
 
 

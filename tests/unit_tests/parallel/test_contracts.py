@@ -6,7 +6,7 @@ rely on the contract instead of probing, so a missing member must fail here, not
 from __future__ import annotations
 
 import torch
-from dist_utils import run_distributed
+from testlib.distributed import run_distributed
 
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.distributed.config import DDPConfig

@@ -42,6 +42,10 @@ def _np_gelu_tanh(h):
     return 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
 
 
+def _np_gelu_erf(h):
+    return 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
+
+
 def _np_silu(h):
     return h / (1 + np.exp(-h))
 
@@ -94,7 +98,8 @@ def _norm_prediction(norm, granularity: str) -> np.ndarray:
 @pytest.mark.parametrize("activation, normalization, bias, granularity", [
     ("relu2", "LayerNorm", True, "tensor"),
     ("relu2", "RMSNorm", True, "block"),
-    ("gelu", "LayerNorm", True, "row"),
+    ("gelu_tanh", "LayerNorm", True, "row"),
+    ("gelu_erf", "RMSNorm", True, "tensor"),
     ("swiglu", "RMSNorm", False, "tensor"),
 ])
 def test_weight_rms_predictions_reach_every_linear(activation, normalization, bias, granularity):
@@ -124,8 +129,9 @@ def test_weight_rms_predictions_reach_every_linear(activation, normalization, bi
 
         if activation == "relu2":  # E[relu(h)^4] = 3 s^4 / 2
             want = math.sqrt(1.5) * pre_rms(fc1.weight, fc1.bias) ** 2
-        elif activation == "gelu":
-            want = math.sqrt(_gaussian_ms(_np_gelu_tanh, pre_rms(fc1.weight, fc1.bias)))
+        elif activation in ("gelu_tanh", "gelu_erf"):
+            np_gelu = _np_gelu_tanh if activation == "gelu_tanh" else _np_gelu_erf
+            want = math.sqrt(_gaussian_ms(np_gelu, pre_rms(fc1.weight, fc1.bias)))
         else:
             w_gate, w_up = fc1.weight.chunk(2)
             want = math.sqrt(_gaussian_ms(_np_silu, pre_rms(w_gate, None))) * pre_rms(w_up, None)
@@ -145,7 +151,7 @@ def test_weight_rms_predictions_reach_every_linear(activation, normalization, bi
         np.testing.assert_allclose(got["c"].double().numpy(), ALPHA * want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("activation", ["relu2", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu2", "gelu_tanh", "gelu_erf", "swiglu"])
 def test_ffn_prediction_tracks_the_activation_at_random_weights(activation):
     """The premise of weight-rms: with weights not aligned to the input, the fc2-input RMS is predictable."""
     g = torch.Generator().manual_seed(6)
@@ -159,8 +165,8 @@ def test_ffn_prediction_tracks_the_activation_at_random_weights(activation):
     h = F.linear(x, w, b)
     if activation == "relu2":
         act = F.relu(h).square()
-    elif activation == "gelu":
-        act = F.gelu(h, approximate="tanh")
+    elif activation in ("gelu_tanh", "gelu_erf"):
+        act = F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
     else:
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up
@@ -171,7 +177,8 @@ def test_ffn_prediction_tracks_the_activation_at_random_weights(activation):
 @pytest.mark.parametrize("s", [0.05, 1.0, 7.0])
 def test_gaussian_activation_rms_against_numerical_integration(s):
     assert float(dc.gaussian_activation_rms(lambda h: h, s)) == pytest.approx(s, rel=1e-6)
-    for torch_fn, np_fn in ((F.silu, _np_silu), (lambda h: F.gelu(h, approximate="tanh"), _np_gelu_tanh)):
+    for torch_fn, np_fn in ((F.silu, _np_silu), (lambda h: F.gelu(h, approximate="tanh"), _np_gelu_tanh),
+                            (F.gelu, _np_gelu_erf)):
         want = math.sqrt(_gaussian_ms(np_fn, s))
         assert float(dc.gaussian_activation_rms(torch_fn, s)) == pytest.approx(want, rel=1e-5)
     with pytest.raises(ValueError, match="activation"):
@@ -200,22 +207,31 @@ def _argv(*extra: str) -> list[str]:
     return ["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--num-layers", "2", *extra]
 
 
-def test_transformer_engine_impl_fails_at_start_up_with_a_clear_message(capsys):
+def test_transformer_engine_impl_runs_locally_with_one_line_where_te_cannot(capsys):
+    """--transformer-impl transformer_engine (every recent Megatron-LM script sets it): Transformer Engine runs
+    the FP8 GEMMs where it is installed (CUDA); otherwise, and in other precisions, the local implementation
+    runs, with one start-up line saying so (it used to be refused)."""
     import pretrain_gpt
-    from megatron_cai.training.arguments import ArgumentError, parse_config
+    from megatron_cai.training.arguments import parse_config
 
-    with pytest.raises(ArgumentError, match="use it with --qat fp8"):
-        parse_config(_argv("--transformer-impl", "transformer_engine", "--qat", "int8"), world_size=1)
-    if gb.transformer_engine_available():
-        with pytest.raises(ArgumentError, match="CUDA only"):
-            parse_config(_argv("--transformer-impl", "transformer_engine", "--qat", "fp8", "--device", "cpu"),
-                       world_size=1)
-        return
-    argv = _argv("--transformer-impl", "transformer_engine", "--qat", "fp8")
-    with pytest.raises(ArgumentError, match="needs Transformer Engine .* not installed"):
-        parse_config(argv, world_size=1)
-    assert pretrain_gpt.main(argv) == 2
-    assert "Transformer Engine" in capsys.readouterr().err
+    bf16 = parse_config(_argv("--transformer-impl", "transformer_engine", "--bf16"), world_size=1)
+    assert bf16.model.qat.fmt == "none" and bf16.flags["transformer_impl"] == "transformer_engine"
+    assert bf16.logging.megatron_notes == [" > --transformer-impl transformer_engine: the local implementation runs "
+                                           "(bf16: PyTorch's GEMMs, the same math; Transformer Engine is used here "
+                                           "for FP8 GEMMs only)"]
+    int8 = parse_config(_argv("--transformer-impl", "transformer_engine", "--qat", "int8"), world_size=1)
+    assert int8.model.qat.gemm_backend == "fake" and len(int8.logging.megatron_notes) == 1
+    fp8 = _argv("--transformer-impl", "transformer_engine", "--qat", "fp8", "--device", "cpu")
+    cfg = parse_config(fp8, world_size=1)
+    assert cfg.model.qat.gemm_backend == "fake"
+    why = "runs on CUDA only" if gb.transformer_engine_available() else "is not installed"
+    assert cfg.logging.megatron_notes == [f" > --transformer-impl transformer_engine: Transformer Engine {why}; "
+                                          "FP8 training runs our fake-quantized FP8 QAT (--transformer-impl local)"]
+    assert pretrain_gpt.main(fp8 + ["--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "8",
+                                    "--max-position-embeddings", "8", "--micro-batch-size", "1", "--eval-iters",
+                                    "0", "--num-workers", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith(" > --transformer-impl transformer_engine:") for line in lines) == 1
     assert parse_config(_argv("--qat", "fp8"), world_size=1).model.qat.gemm_backend == "fake"
 
 
@@ -243,7 +259,7 @@ def test_te_linear_is_an_fp8_gemm_with_gradients_to_our_weight():
 @pytest.mark.gpu
 def test_training_with_transformer_engine_fp8():
     pytest.importorskip("transformer_engine")
-    from train_utils import train
+    from testlib.train import train
 
     argv = _argv("--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
                  "--max-position-embeddings", "16", "--micro-batch-size", "4", "--make-vocab-size-divisible-by",

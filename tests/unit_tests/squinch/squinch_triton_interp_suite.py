@@ -110,3 +110,56 @@ def test_triton_empty():
     p, nf = squinch.encode_with_feedback(torch.zeros(0), torch.zeros(0), backend="triton")
     assert p.numel() == 0 and not bool(nf)
     assert squinch.decode(p, 0, backend="triton").numel() == 0
+
+
+# ---- the collectives' wire rows: one launch for every row -----------------------------------------------
+def _wire(rows: int, chunk: int) -> torch.Tensor:
+    from megatron_cai.core.distributed.squinch_collectives import row_nbytes
+
+    return torch.full((rows, row_nbytes(chunk)), 0xAB, dtype=torch.uint8)  # garbage the encoder must overwrite
+
+
+@pytest.mark.parametrize("rows,chunk", [(3, 2056), (2, 8), (5, 1024)])  # full programs + a masked tail; tiny
+def test_triton_encode_rows_equals_row_by_row_reference(rows, chunk):
+    from megatron_cai.core.distributed.squinch_collectives import encode_rows
+
+    g = torch.Generator().manual_seed(rows * chunk)
+    x = torch.randn(rows * chunk, generator=g) * torch.logspace(-4, 2, rows * chunk)
+    r0 = torch.randn(rows * chunk, generator=g) * 1e-3
+    r_tri, r_ref = r0.clone(), r0.clone()
+    tri = encode_rows(x, rows, r_tri, out=_wire(rows, chunk), backend="triton")
+    ref = encode_rows(x, rows, r_ref, out=_wire(rows, chunk), backend="torch")
+    assert torch.equal(tri, ref) and oracle.same_bits(r_tri, r_ref)
+    p = squinch.payload_nbytes(chunk)
+    for r in range(rows):  # payload first (16-byte aligned row), then flag 0, then zero padding
+        assert bytes(tri[r, :p].tolist()) == oracle.encode(oracle.values(x[r * chunk:(r + 1) * chunk]
+                                                                          + r0[r * chunk:(r + 1) * chunk]))
+    assert tri[:, p:].eq(0).all() and tri.shape[1] % 16 == 0
+
+
+def test_triton_row_flags_and_scratch_reset():
+    """A NaN in one row flags every row (and the next, finite, call is clean: the scratch was reset)."""
+    from megatron_cai.core.distributed.squinch_collectives import decode_rows_into, decode_sum_into, encode_rows
+
+    rows, chunk = 4, 1032
+    x = torch.randn(rows * chunk)
+    x[2 * chunk + 1030] = float("nan")
+    send = encode_rows(x, rows, None, backend="triton")
+    p = squinch.payload_nbytes(chunk)
+    assert send[:, p].tolist() == [1] * rows and send[:, p + 1:].eq(0).all()
+    out = torch.zeros(chunk)
+    decode_sum_into(send, out, backend="triton")
+    assert out.isnan().all()
+    full = torch.zeros(rows * chunk)
+    decode_rows_into(send, full, backend="triton")
+    assert full.isnan().all()
+    clean = encode_rows(torch.nan_to_num(x), rows, None, backend="triton")
+    assert clean[:, p].tolist() == [0] * rows
+    decode_sum_into(clean, out, backend="triton")
+    want = torch.zeros(chunk)
+    decode_sum_into(clean, want, backend="torch")
+    assert oracle.same_bits(out, want) and not out.isnan().any()
+    decode_rows_into(clean, full, backend="triton")
+    ref_full = torch.zeros(rows * chunk)
+    decode_rows_into(clean, ref_full, backend="torch")
+    assert oracle.same_bits(full, ref_full)

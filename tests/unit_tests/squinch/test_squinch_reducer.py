@@ -5,6 +5,7 @@ from testlib.distributed import run_distributed
 
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.distributed.grad_buffer import Bucket, bucket_padding
+from megatron_cai.core.distributed.squinch_collectives import row_nbytes
 from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
 from megatron_cai.core.squinch import decode, encode
 
@@ -16,11 +17,12 @@ def _grad(global_rank: int, numel: int, step: int) -> torch.Tensor:
     return torch.randn(numel, generator=g) * torch.logspace(-6, 0, numel).roll(global_rank)
 
 
-def _worker(rank, world, tp, pp, mode, steps, rpn):
-    ps.initialize_model_parallel(tp, pp, ranks_per_node=rpn)
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+def _worker(rank, world, tp, pp, mode, steps, rpn, cp=1):
+    """Squinch over the gradient-reduction group: DP, or DP x CP with context parallelism."""
+    ps.initialize_model_parallel(tp, pp, ranks_per_node=rpn, context_parallel_size=cp)
+    dp, dp_rank = ps.get_data_parallel_world_size(True), ps.get_data_parallel_rank(True)
     numel = N_BLOCKS * bucket_padding(dp)
-    reducer = SquinchReducer(ps.get_data_parallel_group(), dp, error_feedback=True, shard_only=mode.endswith("rs"),
+    reducer = SquinchReducer(ps.get_data_parallel_group(True), dp, error_feedback=True, shard_only=mode.endswith("rs"),
                              hierarchical=mode.startswith("hier"), backend="cpu")
     outs = []
     for step in range(steps):
@@ -28,7 +30,7 @@ def _worker(rank, world, tp, pp, mode, steps, rpn):
         bucket = Bucket(0, 0, numel, [], g.clone(), torch.zeros(numel), dp, dp_rank)
         reducer.reduce(bucket).wait()
         outs.append(bucket.grad_data.clone().numpy())  # by value: a tensor would travel as a file descriptor
-    return {"dp_ranks": ps.get_data_parallel_global_ranks(), "dp_rank": dp_rank, "outs": outs,
+    return {"dp_ranks": ps.get_data_parallel_global_ranks(True), "dp_rank": dp_rank, "outs": outs,
             "bytes": reducer.bytes_sent, "numel": numel}
 
 
@@ -59,12 +61,12 @@ def _expected_first_step(results, mode, world):
     return out
 
 
-@pytest.mark.parametrize("world,tp,pp,mode", [
-    (2, 1, 1, "rs"), (2, 1, 1, "ar"), (4, 1, 1, "rs"), (4, 1, 1, "ar"),
-    (4, 2, 1, "ar"), (4, 1, 2, "rs"),
+@pytest.mark.parametrize("world,tp,pp,mode,cp", [
+    (2, 1, 1, "rs", 1), (2, 1, 1, "ar", 1), (4, 1, 1, "rs", 1), (4, 1, 1, "ar", 1),
+    (4, 2, 1, "ar", 1), (4, 1, 2, "rs", 1), (4, 1, 1, "ar", 2),
 ])
-def test_matches_independent_encode_decode(world, tp, pp, mode):
-    results = run_distributed(_worker, world, (tp, pp, mode, 2, None))
+def test_matches_independent_encode_decode(world, tp, pp, mode, cp):
+    results = run_distributed(_worker, world, (tp, pp, mode, 2, None, cp))
     expected = _expected_first_step(results, mode, world)
     for res in results:
         kind, exp = expected[res["dp_rank"], tuple(res["dp_ranks"])]
@@ -100,10 +102,11 @@ def test_error_feedback_second_step():
         assert torch.equal(torch.from_numpy(res["outs"][1][r * c:(r + 1) * c]), _rs_expected(contribs, r, n))
 
 
-@pytest.mark.parametrize("mode", ["hier_rs", "hier_ar"])
-def test_hierarchical_two_nodes_of_two(mode):
-    """4 ranks as 2 simulated nodes of 2: exact sum inside the node, Squinch across nodes."""
-    results = run_distributed(_worker, 4, (1, 1, mode, 1, 2))
+@pytest.mark.parametrize("mode,cp", [("hier_rs", 1), ("hier_ar", 1), ("hier_ar", 2)])
+def test_hierarchical_two_nodes_of_two(mode, cp):
+    """4 ranks as 2 simulated nodes of 2: exact sum inside the node, Squinch across nodes. With CP = 2 the
+    DP x CP group reduces and each node holds one CP pair (the CP ranks are intra-node)."""
+    results = run_distributed(_worker, 4, (1, 1, mode, 1, 2, cp))
     n, L, M = 4, 2, 2
     numel = results[0]["numel"]
     c = numel // n
@@ -130,5 +133,6 @@ def test_wire_bytes_are_six_sixteenths_of_bf16():
     results = run_distributed(_worker, 4, (1, 1, "ar", 1, None))
     numel, n = results[0]["numel"], 4
     bf16_allreduce = 2 * (n - 1) * numel * 2 // n
-    flag_bytes = 2 * (n - 1)  # one flag byte per row sent, both phases
-    assert results[0]["bytes"] == bf16_allreduce * 6 // 16 + flag_bytes
+    row = row_nbytes(numel // n)  # 6 bits per element, the flag byte, zero padding to 16 bytes
+    assert results[0]["bytes"] == 2 * (n - 1) * row  # every row sent, both phases
+    assert 0 <= row - (numel // n) * 6 // 8 - 1 < 16 and results[0]["bytes"] > bf16_allreduce * 6 // 16

@@ -55,6 +55,43 @@ def test_the_grep_rules_catch_an_offender(tmp_path):
     assert re.search(r"\bargs\.", text) and re.search(r"getattr\(\s*args\b", text)
 
 
+# ------------------------------------------------------------------------------------ contracts
+# Model chunks and gradient reducers have written contracts (core.distributed.contracts): nothing asks one
+# what it is. Forbidden: getattr/hasattr for a contract member (getattr(m, "module", m), getattr(m,
+# "reducer", None), hasattr(r, "timers"), ...), and hasattr on a model chunk (hasattr(model, ...)).
+_CONTRACT_MEMBERS = ("module", "reducer", "set_is_last_microbatch", "zero_grad_buffer", "finish_grad_sync",
+                     "grad_comm_bytes", "data_parallel_kind", "carries_feedback", "holds_squinch_state", "timers",
+                     "comms", "step_skipped", "rescale_feedback", "inter_node_bytes_sent", "bytes_sent")
+_PROBES = (
+    r"\b(?:getattr|hasattr)\(\s*[^,()]+,\s*[\"'](?:" + "|".join(_CONTRACT_MEMBERS) + r")[\"']",
+    r"\bhasattr\(\s*(?:\w+\.)*(?:model\w*|chunk\w*|ddp|m)\s*,",
+)
+
+
+def _probes(text: str) -> list[int]:
+    """Line numbers of contract probes in ``text``."""
+    return sorted({text.count("\n", 0, m.start()) + 1 for p in _PROBES for m in re.finditer(p, text)})
+
+
+def test_nothing_probes_model_chunks_or_reducers_for_their_members():
+    offenders = [f"{os.path.relpath(path, ROOT)}:{line}: {open(path).read().splitlines()[line - 1].strip()}"
+                 for path in MODULES.values() for line in _probes(open(path).read())]
+    assert not offenders, "use the contracts in core/distributed/contracts.py, not probing:\n" + "\n".join(offenders)
+
+
+def test_the_probe_rule_catches_each_offender_and_spares_parameter_attributes():
+    offenders = ['getattr(m, "module", m)', "getattr( chunk ,'reducer', None)", 'hasattr(r, "timers")',
+                 'hasattr(model, "set_is_last_microbatch")', "hasattr(self.model_chunk, 'anything')",
+                 'hasattr(m, "buffer")', 'getattr(c, "holds_squinch_state", False)']
+    for text in offenders:
+        assert _probes(text) == [1], text
+    spared = ['getattr(p, "shared_embedding", False)', 'getattr(p, "tp_dim", None)', 'hasattr(tokens, "numpy")',
+              'getattr(work, "work", work)', 'getattr(m, "modules_to_save", None)', "m.module.named_parameters()"]
+    for text in spared:
+        assert _probes(text) == [], text
+    assert _probes("x = 1\ny = getattr(m, 'module', m)\n") == [2]
+
+
 # -------------------------------------------------------------------------------------- imports
 def _imports(name: str, path: str) -> set[str]:
     """Package modules that ``name`` imports anywhere in its source (module level or inside functions)."""
@@ -128,6 +165,54 @@ def test_the_cycle_finder_finds_a_planted_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _core_folder(module: str) -> str | None:
+    """The folder of ``core/`` (or its top-level module) that holds ``module``; None outside core."""
+    prefix = "megatron_cai.core."
+    return prefix + module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """{folder: {folder it imports: [the module-level imports that make the edge]}} inside core."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, targets in graph.items():
+        src = _core_folder(name)
+        for t in targets:
+            dst = _core_folder(t)
+            if src is not None and dst is not None and dst != src:
+                out.setdefault(src, {}).setdefault(dst, []).append(f"{name} -> {t}")
+    return out
+
+
+def _folder_cycles(graph: dict[str, set[str]]) -> list[str]:
+    folders = _folder_graph(graph)
+    report = []
+    for cycle in _cycles({f: set(edges) for f, edges in folders.items()}):
+        members = set(cycle)
+        edges = sorted(e for f in cycle for g, es in folders.get(f, {}).items() if g in members for e in es)
+        report.append(" <-> ".join(cycle) + ":\n    " + "\n    ".join(edges))
+    return report
+
+
+def test_no_two_folders_of_core_import_each_other():
+    """Each folder of core/ is a layer: none imports (through any of its modules) a folder that imports it
+    back, e.g. optimizer -> distributed -> optimizer."""
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    folders = _folder_graph(graph)
+    assert "megatron_cai.core.distributed" in folders["megatron_cai.core.optimizer"]  # the graph sees real edges
+    cycles = _folder_cycles(graph)
+    assert not cycles, "folder-level import circles in core/:\n" + "\n".join(cycles)
+
+
+def test_the_folder_check_finds_a_planted_circle_no_module_cycle_shows():
+    core = "megatron_cai.core."
+    graph = {core + "a.x": {core + "b.y"}, core + "b.y": set(), core + "b.z": {core + "a.w", core + "device"},
+             core + "a.w": set(), core + "device": set(), "megatron_cai.training.t": {core + "a.x"}}
+    assert _cycles(graph) == []  # no module imports itself back ...
+    assert _folder_cycles(graph) == [f"{core}a <-> {core}b:\n    {core}a.x -> {core}b.y\n    {core}b.z -> {core}a.w"]
+    del graph[core + "b.z"]
+    assert _folder_cycles(graph) == []
 
 
 # --------------------------------------------------------------------------- the checkpoint package
@@ -265,7 +350,8 @@ def test_nothing_sets_attributes_on_model_modules_from_outside_their_constructor
     import pretrain_gpt
     from megatron_cai.training.training import Trainer
 
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+    argv = ["--squared-relu",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
             "--vocab-size", "64", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "2", "--eval-interval", "1", "--eval-iters", "1", "--log-interval", "1",
             "--attention-zreg-coeff", "0.1", "--recompute-granularity", "full", "--qat", "int8", "--qat-clamp",
@@ -346,3 +432,72 @@ def test_nothing_in_the_repository_points_at_the_team_notes():
             if "shared/" in text:
                 hits.append(os.path.relpath(f, ROOT))
     assert not hits, hits
+
+
+# ------------------------------------------------------------------------------- the design map
+_MAP_ENTRY = re.compile(r"[\w.-]+(?:/[\w.-]+)*(?:\.py|/)")
+
+
+def _design_map(text: str) -> set[str]:
+    """Paths of the modules listed in the first code block of ``## Layers``: an indented tree, one entry per
+    line (``name.py`` or ``folder/``, then a description); deeper lines that start otherwise continue one."""
+    block = text[text.index("## Layers"):].split("```")[1]
+    stack: list[tuple[int, str]] = []  # (indent, folder path)
+    out = set()
+    for line in block.splitlines():
+        head = line.strip().split("  ")[0]
+        if not head or not _MAP_ENTRY.fullmatch(head):
+            continue
+        indent = len(line) - len(line.lstrip(" "))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = (stack[-1][1] if stack else "") + head
+        if head.endswith("/"):
+            stack.append((indent, path))
+        else:
+            out.add(path)
+    return out
+
+
+def test_the_design_map_lists_every_module():
+    mapped = {p for p in _design_map(open(os.path.join(ROOT, "docs", "design.md")).read())
+              if p.startswith("megatron_cai/")}
+    modules = {os.path.relpath(p, ROOT) for p in MODULES.values() if not p.endswith("__init__.py")}
+    assert len(modules) > 80
+    assert not modules - mapped, f"docs/design.md's map (## Layers) lacks {sorted(modules - mapped)}"
+    assert not mapped - modules, f"docs/design.md's map lists modules that do not exist: {sorted(mapped - modules)}"
+
+
+def test_the_design_map_reader_sees_a_missing_module():
+    text = ("## Layers\n```\nmegatron_cai/\n  core/             the library\n    device.py       devices\n"
+            "    models/gpt/\n      model.py      GPTModel: embedding -> layers\n                    (continued)\n"
+            "  training/\n    training.py     the loop\ntools/            scripts\n```\n")
+    assert _design_map(text) == {"megatron_cai/core/device.py", "megatron_cai/core/models/gpt/model.py",
+                                 "megatron_cai/training/training.py"}
+
+
+def test_training_has_at_most_14_top_level_modules():
+    """Issue 32's bound: each top-level module of training/ says what it holds (a package counts once)."""
+    top = os.path.join(PACKAGE, "training")
+    entries = sorted(n for n in os.listdir(top) if n != "__init__.py" and not n.startswith((".", "__"))
+                     and (n.endswith(".py") or os.path.isfile(os.path.join(top, n, "__init__.py"))))
+    assert "checkpoint" in entries and len(entries) <= 14, entries
+
+
+def _test_folders_without_init(tests_root: str) -> list[str]:
+    """Folders of unit_tests/ and functional_tests/ holding test modules but no ``__init__.py``."""
+    out = []
+    for top in ("unit_tests", "functional_tests"):
+        for dirpath, _, files in os.walk(os.path.join(tests_root, top)):
+            if any(f.endswith(".py") for f in files) and "__init__.py" not in files:
+                out.append(os.path.relpath(dirpath, tests_root))
+    return sorted(out)
+
+
+def test_every_test_folder_is_a_package(tmp_path):
+    """Test modules are imported by their dotted path (tests/unit_tests/<area>/...), so that two areas may hold
+    files of the same name; shared helpers live in tests/testlib/."""
+    assert _test_folders_without_init(os.path.join(ROOT, "tests")) == []
+    (tmp_path / "unit_tests" / "newarea").mkdir(parents=True)
+    (tmp_path / "unit_tests" / "newarea" / "test_x.py").write_text("")
+    assert _test_folders_without_init(str(tmp_path)) == ["unit_tests/newarea"]

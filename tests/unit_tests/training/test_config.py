@@ -31,7 +31,8 @@ from megatron_cai.training.training import Trainer
 
 FIXTURE = os.path.join(TESTS, "fixtures", "ckpt_main_db88585")
 # The flags the fixture was saved with (see tests/fixtures/README.md), minus the length and --save.
-FIXTURE_FLAGS = ["--mock-data", "--vocab-size", "60", "--make-vocab-size-divisible-by", "8", "--num-layers", "2",
+FIXTURE_FLAGS = ["--squared-relu",
+                 "--mock-data", "--vocab-size", "60", "--make-vocab-size-divisible-by", "8", "--num-layers", "2",
                  "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
                  "--max-position-embeddings", "8", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr",
                  "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0", "--eval-iters",
@@ -222,3 +223,12 @@ def test_recompute_granularity_is_a_model_config_field(granularity, forwards, mo
     assert len(calls) == forwards * cfg.num_layers
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_seq_length_may_not_exceed_max_position_embeddings():
+    """Megatron's start-up rule, for every position embedding type; equal is fine."""
+    base = ["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--max-position-embeddings", "32"]
+    for kind in ("rope", "learned_absolute"):
+        assert parse_config(base + ["--seq-length", "32", "--position-embedding-type", kind], world_size=1)
+        with pytest.raises(ArgumentError, match="--seq-length 64 is larger than --max-position-embeddings 32; raise"):
+            parse_config(base + ["--seq-length", "64", "--position-embedding-type", kind], world_size=1)

@@ -84,5 +84,3 @@ def test_divergence_flags_have_megatron_defaults():
     assert not off.training.divergence.check_for_nan_in_loss_and_grad and off.training.divergence.check_for_spiky_loss
     with pytest.raises(ArgumentError, match="max-consecutive-skipped-iterations"):
         parse_config(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
-    with pytest.raises(ArgumentError, match="--seq-length 64 is larger than --max-position-embeddings 32"):
-        parse_config(base + ["--seq-length", "64", "--max-position-embeddings", "32"], world_size=1)

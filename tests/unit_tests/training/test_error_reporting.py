@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetError
+from megatron_cai.core.parallel_state import ParallelLayoutError
 from megatron_cai.training import errors
-from megatron_cai.training.checkpoint import CheckpointIOError
+from megatron_cai.training.checkpoint import CheckpointError, CheckpointIOError, ConversionError
+from megatron_cai.training.config import ArgumentError
 from megatron_cai.training.divergence import DivergenceError
 
 
@@ -45,3 +47,16 @@ def test_safe_print_survives_a_closed_stream(monkeypatch):
     errors.safe_print("saved checkpoint")  # no exception
     assert sys.stdout is not closed
     errors.safe_print("and later lines go nowhere")
+
+
+@pytest.mark.parametrize("cls", [ArgumentError, CheckpointError, CheckpointIOError, ConversionError, errors.DataError,
+                                 DivergenceError, errors.RankLocalError, IndexedDatasetError, ParallelLayoutError])
+def test_every_user_fixable_error_is_known_to_run_cli(cls, capsys):
+    """The classes a user can act on (flags, data, checkpoints, layout, divergence): one line, exit 2, with no
+    list to keep in step: training's derive from UserError, core's two are named in KNOWN_ERRORS."""
+    def bad():
+        raise cls("what went wrong")
+
+    assert errors.run_cli(bad) == 2
+    assert capsys.readouterr().err == "error: what went wrong\n"
+    assert issubclass(cls, errors.KNOWN_ERRORS)

@@ -10,7 +10,7 @@ from testlib.distributed import free_port
 from megatron_cai.training.arguments import ArgumentError, parse_config
 from megatron_cai.training.initialize import discover_env, first_slurm_host
 
-MODEL = ["--mock-data", "--vocab-size", "50", "--num-layers", "2", "--hidden-size", "16",
+MODEL = ["--squared-relu", "--mock-data", "--vocab-size", "50", "--num-layers", "2", "--hidden-size", "16",
          "--num-attention-heads", "2", "--seq-length", "8", "--train-iters", "2"]
 
 

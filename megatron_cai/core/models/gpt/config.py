@@ -12,6 +12,10 @@ from typing import Any
 
 from ...quantization.qat_config import QATConfig
 
+ACTIVATIONS = ("relu2", "swiglu", "gelu_erf", "gelu_tanh")
+# saved configs (checkpoints, Hugging Face exports) before erf GeLU existed called the tanh GeLU "gelu"
+LEGACY_ACTIVATIONS = {"gelu": "gelu_tanh"}
+
 
 @dataclass
 class GPTConfig:
@@ -28,6 +32,8 @@ class GPTConfig:
     position_embedding_type: str = "rope"  # rope | learned_absolute | none
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0            # fraction of each head's dims that RoPE rotates
+    rope_scaling: bool = False             # Llama 3.x frequency scaling of RoPE (--use-rope-scaling)
+    rope_scaling_factor: float = 8.0       # its factor (--rope-scaling-factor, Megatron-LM's default 8)
     qk_layernorm: bool = False             # norm over head_dim on queries and keys (before RoPE)
     apply_layernorm_1p: bool = False       # zero-centred norm weights: scale by (1 + weight)
     recompute_granularity: str | None = None  # None | full | selective (core attention)
@@ -35,9 +41,12 @@ class GPTConfig:
     recompute_num_layers: int | None = None
     normalization: str = "LayerNorm"       # LayerNorm | RMSNorm
     layernorm_epsilon: float = 1e-5
-    activation: str = "relu2"              # relu2 | swiglu | gelu
+    # relu2 | swiglu | gelu_erf (Megatron-LM's default GeLU) | gelu_tanh (--openai-gelu). The dataclass default
+    # stays relu2 (what the model-level tests were written against); the flags' default is Megatron's gelu_erf.
+    activation: str = "relu2"
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False             # biases on the Q/K/V projections only (Qwen2; implied by add_bias_linear)
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -70,8 +79,11 @@ class GPTConfig:
                              f"num-query-groups {self.num_query_groups}")
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
+        if self.activation == "gelu":
+            raise ValueError("activation 'gelu' is ambiguous: 'gelu_erf' (Megatron-LM's GeLU) or 'gelu_tanh' "
+                             "(--openai-gelu)")
         choices = {"position_embedding_type": ("rope", "learned_absolute", "none"),
-                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ("relu2", "swiglu", "gelu"),
+                   "normalization": ("LayerNorm", "RMSNorm"), "activation": ACTIVATIONS,
                    "recompute_granularity": (None, "full", "selective"),
                    "recompute_method": (None, "uniform", "block")}
         for name, allowed in choices.items():
@@ -82,15 +94,25 @@ class GPTConfig:
     ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "ffn_hidden_size",
                            "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
                            "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
-                           "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent")
+                           "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
+                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the Q/K/V projections have biases (Megatron-LM: --add-qkv-bias, or every linear's bias)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """A config from its saved dict; names of earlier versions are read as they were meant."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        d = {k: v for k, v in d.items() if k in names}
+        if "activation" in d:
+            d["activation"] = LEGACY_ACTIVATIONS.get(d["activation"], d["activation"])
+        return cls(**d)
 
     def architecture_diff(self, other: GPTConfig) -> list[str]:
         """Names and values of the architecture fields where the two configs differ."""

@@ -121,7 +121,9 @@ class GPTModel(nn.Module):
             x = self.input_tensor
         rotary = None
         if self.config.position_embedding_type == "rope":
-            rotary = rotary_cos_sin(position_ids, rotary_dim(self.config), self.config.rotary_base)
+            c = self.config
+            rotary = rotary_cos_sin(position_ids, rotary_dim(c), c.rotary_base,
+                                    scaling_factor=c.rope_scaling_factor if c.rope_scaling else None)
         x = self.decoder(x, rotary, visibility, position_ids, kv_cache)
         if not self.post_process:
             return x

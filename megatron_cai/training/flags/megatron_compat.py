@@ -3,8 +3,9 @@
 Every flag of megatron-core 0.19.2's ``megatron/training/arguments.py`` that a dense GPT pretraining
 script commonly sets is one of: implemented (in ``arguments.py``), listed in ``NO_OP_FLAGS`` (parsed,
 named once at start-up as "accepted for Megatron-LM compatibility, no effect here"), or listed in
-``REFUSED_FLAGS`` (parsed, then refused with one line naming the flag and the reason unless its value is
-one that means the same thing here). Types, choices and defaults follow megatron-core's.
+``REFUSED_FLAGS`` (parsed, then refused, naming the flag and the reason, unless its value is one that means
+the same thing here; every refused flag of a command line is listed in one report, training/flags/report.py).
+Types, choices and defaults follow megatron-core's.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .report import FlagProblems
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ _FUSION = "a kernel-fusion / launch switch of Megatron's CUDA kernels; the same 
 _TE_FP8 = ("a Transformer Engine delayed-scaling knob; --fp8-format runs our FP8 QAT (dynamic clamps), "
            "which has no amax history")
 _DIST_CKPT = "a Megatron-LM dist_checkpointing knob; --ckpt-format torch_dist here is torch.distributed.checkpoint"
+_FSDP = ("a Megatron-FSDP tuning knob (buffers, NCCL registration, meta-device init); --use-megatron-fsdp runs on "
+         "PyTorch FSDP2 here, which manages its own buffers")
 
 NO_OP_FLAGS: list[CompatFlag] = [
     CompatFlag("--use-mcore-models", "Megatron's default model class; it is the only model here"),
@@ -77,6 +82,13 @@ NO_OP_FLAGS: list[CompatFlag] = [
                 "return_unexpected", "return_all", "ignore_all")),
     CompatFlag("--timing-log-option", "no per-operation timers here", None, str, "minmax", ("max", "minmax", "all")),
     CompatFlag("--nccl-communicator-config-path", "NCCL communicator tuning is not applied", None, str, None),
+    CompatFlag("--no-bias-swiglu-fusion", _FUSION),
+    *_switches(_FSDP, "--init-model-with-meta-device", "--use-nccl-ub", "--fsdp-double-buffer",
+               "--fsdp-manual-registration"),
+    CompatFlag("--use-persistent-ckpt-worker", "--async-save writes from a background thread here; there is no "
+               "worker process to keep"),
+    CompatFlag("--trust-remote-code", "tokenizers load from their files (tokenizer.json, .model) here; no remote "
+               "code is ever run"),
 ]
 
 _MOE = "no Mixture-of-Experts layers here (dense GPT only)"
@@ -86,8 +98,6 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--num-experts", _MOE, None, int, None),
     CompatFlag("--moe-router-topk", _MOE, None, int, 2),
     CompatFlag("--expert-model-parallel-size", _MOE, None, int, 1, allowed=(1,)),
-    CompatFlag("--context-parallel-size", "context parallelism is not implemented (use 1)", None, int, 1,
-               allowed=(1,)),
     CompatFlag("--use-checkpoint-args", "pass the model flags explicitly; they are checked against the checkpoint"),
     CompatFlag("--spec", "custom layer specs are not supported", "*", str, None),
     CompatFlag("--yaml-cfg", "YAML configuration is not supported; pass flags", None, str, None),
@@ -114,14 +124,9 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--end-weight-decay", "weight decay is constant (--weight-decay)", None, float, None),
     CompatFlag("--rotary-seq-len-interpolation-factor", "RoPE position interpolation is " + _NOT_YET,
                None, int, None, allowed=(1,)),
-    CompatFlag("--use-rope-scaling", "Llama 3.1 RoPE scaling is " + _NOT_YET),
-    CompatFlag("--add-qkv-bias", "a QKV-only bias is " + _NOT_YET + " (biases follow --disable-bias-linear)"),
     CompatFlag("--distribute-saved-activations", "distributing recomputed-layer inputs over TP is " + _NOT_YET),
     CompatFlag("--recompute-modules", "selective recompute covers core attention only", "+", str, None,
                allowed=(["core_attn"],)),
-    CompatFlag("--log-params-norm", _NOT_YET),
-    CompatFlag("--log-num-zeros-in-grad", _NOT_YET),
-    CompatFlag("--log-memory-to-tensorboard", _NOT_YET),
     CompatFlag("--num-virtual-stages-per-pipeline-rank", "use --num-layers-per-virtual-pipeline-stage",
                None, int, None),
     CompatFlag("--microbatch-group-size-per-virtual-pipeline-stage", _NOT_YET, None, int, None),
@@ -136,14 +141,10 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--data-parallel-random-init", "all data-parallel ranks start from the same weights here"),
     CompatFlag("--record-memory-history", _NOT_YET),
     CompatFlag("--deterministic-mode", "bit-exact determinism on GPU is not guaranteed here"),
-    CompatFlag("--step-batch-size-schedule", "use --rampup-batch-size", None, str, None),
     CompatFlag("--init-method-xavier-uniform", _NOT_YET),
     CompatFlag("--qk-l2-norm", _NOT_YET + "; --qk-layernorm is"),
     CompatFlag("--mtp-num-layers", "multi-token prediction is " + _NOT_YET, None, int, None),
     CompatFlag("--overlap-param-gather-with-optimizer-step", _NOT_YET + "; --overlap-param-gather is"),
-    CompatFlag("--override-opt_param-scheduler", "the LR schedule always comes from the checkpoint"),
-    CompatFlag("--use-checkpoint-opt_param-scheduler", "the LR schedule always comes from the checkpoint; "
-               "this flag is the default behaviour, but its value checks are not"),
     CompatFlag("--ckpt-convert-format", "use tools/convert_checkpoint.py", None, str, None, ("torch", "torch_dist")),
     CompatFlag("--fp8-recipe", "only the default recipe name is accepted; our FP8 path is QAT with dynamic clamps",
                None, str, "delayed", ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
@@ -164,16 +165,12 @@ def add_compat_arguments(parser: argparse.ArgumentParser) -> None:
                                    help=f.reason)
 
 
-class CompatError(ValueError):
-    """A refused Megatron-LM flag; the message names it and says why."""
-
-
-def check_compat(args: argparse.Namespace) -> list[str]:
-    """Raise CompatError for the first refused flag given; return the no-op flags given (in table order)."""
+def check_compat(args: argparse.Namespace, problems: FlagProblems) -> list[str]:
+    """Record every refused flag given in ``problems``; return the no-op flags given (in table order)."""
     for f in REFUSED_FLAGS:
         if f.given(args) and vars(args)[f.dest] not in f.allowed:
             value = "" if f.nargs == 0 else f" {vars(args)[f.dest]}"
-            raise CompatError(f"{f.flag}{value}: refused: {f.reason}")
+            problems.add("refused", f"{f.flag}{value}: {f.reason}")
     return [f.flag for f in NO_OP_FLAGS if f.given(args)]
 
 

@@ -1,0 +1,537 @@
+"""Squinch at cluster scale, from measurements here: phases, real runs, the model's error, the projection.
+
+One command runs the whole chain and writes every result file:
+
+  1. ``squinch_phases``: each collective alone over the shaped veth (4 links + loopback) and the codec
+     on this CPU; fits alpha/beta per link and collective, and the codec's rates;
+  2. a backward timeline per (model size, DP) (``--timing-log-level 2``: bucket sizes, when each is
+     ready, the end of backward, the time after the gradient sync);
+  3. the real set: training runs over the shaped veth (DP = 2, and DP = 4 as two hosts of two ranks;
+     two model sizes; several rates; overlap on and off; fp32 / bf16 / Squinch flat and hierarchical),
+     alternated within each group, --repeats x --steps; the finished rows of
+     ``squinch_bandwidth_rows_1.json`` are reused where they match (run id 1 only);
+  4. the model (``core/distributed/comm_model.py``) predicts every real row from 1 and 2 alone:
+     predicted / measured per row, median and max absolute error;
+  5. the quarter-bandwidth row for the large model: Squinch at B/4 against fp32 at B (B: the rate at
+     which fp32's gradient bytes take as long as the compute), measured and predicted;
+  6. ``squinch_cluster_projection`` (the model on H100-class clusters).
+
+    python bench/squinch_scale.py                        # run 1: ~20-25 min on a quiet 2-core machine
+    python bench/squinch_scale.py --run-id 2 --compare bench/results/squinch_scale.json
+                                                         # run 2, its own rows; exit 4 if a ratio moved > 5%
+    python bench/squinch_scale.py --quick                # a few minutes: toy sizes, writes bench/.cache/
+
+Resumable: finished phases, timelines and row groups are kept per run id
+(``bench/results/squinch_{phases,scale}_rows_<id>.json``); --fresh discards them. A configuration whose
+repeats spread more than --max-spread (10%) stops the run before anything of the real set is written
+(exit 3); ``--drop-noisy`` re-measures those groups. Writes bench/results/squinch_phases*,
+squinch_scale*, squinch_cluster_projection.* and the measured section of docs/squinch-performance.md.
+Needs root (ip netns, tc). Every timing is printed with the load average; take it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import harness as H
+import squinch_phases
+from harness.shaped_link import (
+    WAIT_ENV,
+    RowCache,
+    drift_lines,
+    link_name,
+    load,
+    paired_ratio,
+    rate_key,
+    run_job,
+    setup_link,
+    summary,
+    teardown_link,
+)
+from squinch_bandwidth import OVERLAP, SIZES  # the committed table's models and buckets
+
+from megatron_cai.core.distributed.comm_model import (
+    BackwardTimeline,
+    CodecCost,
+    OpCost,
+    ReducerMode,
+    Tier,
+    Topology,
+    predict,
+)
+
+CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra environment)
+    "fp32": ([], ReducerMode("fp32"), {}),
+    "bf16": (["--grad-reduce-in-bf16"], ReducerMode("bf16"), {}),
+    "squinch": (["--squinch"], ReducerMode("squinch"), {}),
+    "squinch_wait": (["--squinch"], ReducerMode("squinch", stages="wait"), WAIT_ENV),
+    "flat": (["--squinch"], ReducerMode("squinch"), {}),
+    "hierarchical": (["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
+                     ReducerMode("squinch", hierarchical=True), {}),
+}
+ROOT = H.ROOT
+TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
+ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
+ROW_FORMAT = 2  # bump when a cached timeline or group changes shape
+
+
+@dataclass(frozen=True)
+class Group:
+    """Configurations measured alternately on one link: a DP = 2 group's key is the one
+    squinch_bandwidth uses, so its finished rows are reused."""
+
+    size: str
+    dp: int
+    rate: float | None
+    overlap: bool
+    configs: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        if self.dp == 4:
+            return f"dp4|{self.size}|{rate_key(self.rate)}"
+        return f"dp2|{self.size}|{rate_key(self.rate)}|{self.overlap}"
+
+
+REAL_SET = (
+    Group("small", 2, 256, False, ("fp32", "bf16", "squinch")),
+    Group("small", 2, 256, True, ("fp32", "bf16", "squinch", "squinch_wait")),
+    Group("small", 2, 64, True, ("bf16", "squinch")),
+    Group("small", 2, 1000, True, ("bf16", "squinch")),
+    Group("large", 2, 1000, True, ("fp32", "bf16", "squinch")),
+    Group("large", 2, None, False, ("bf16", "squinch")),
+    Group("small", 4, 256, True, ("fp32", "bf16", "flat", "hierarchical")),
+    Group("small", 4, 64, True, ("flat", "hierarchical")),
+)
+QUICK_SET = (
+    Group("toy", 2, 64, False, ("fp32", "bf16", "squinch")),
+    Group("toy", 2, 64, True, ("fp32", "squinch", "squinch_wait")),
+    Group("toy", 4, 64, True, ("bf16", "flat", "hierarchical")),
+)
+PROFILE_RATE = 256  # Mbit/s: the timeline runs (bf16, overlap): little gloo CPU next to the compute
+
+
+def flags_of(group: Group, label: str) -> list[str]:
+    dp4 = ["--global-batch-size", "16"] if group.dp == 4 else []  # micro-batch 4 x DP 4
+    return SIZES[group.size] + CONFIGS[label][0] + (OVERLAP if group.overlap else []) + dp4
+
+
+# ------------------------------------------------------------------------------------ measurements
+TIMELINE_RE = re.compile(r"bucket (\d+): (\d+) elements ready at ([0-9.]+) \(compute ([0-9.]+)\)")
+ENDS_RE = re.compile(r"backward end ([0-9.]+) \(compute ([0-9.]+)\), sync end ([0-9.]+), step end ([0-9.]+) "
+                     r"\(after sync, compute ([0-9.]+)\)")
+
+
+def parse_timeline(log: str, warmup: int) -> dict:
+    """Medians over the steady iterations of the --timing-log-level 2 backward timeline (ms)."""
+    blocks = log.split(" backward timeline at iteration ")[1 + warmup:]
+    if not blocks:
+        raise RuntimeError("no backward timeline in the log (--timing-log-level 2)")
+    per_bucket: dict[int, list[tuple[int, float]]] = {}
+    ends = []
+    for b in blocks:
+        for i, n, _, comp in TIMELINE_RE.findall(b):
+            per_bucket.setdefault(int(i), []).append((int(n), float(comp)))
+        ends.append(tuple(map(float, ENDS_RE.search(b).groups())))
+    order = sorted(per_bucket, key=lambda i: statistics.median(c for _, c in per_bucket[i]))
+    med = statistics.median
+    return {"bucket_elems": [per_bucket[i][0][0] for i in order],
+            "ready_ms": [med(c for _, c in per_bucket[i]) for i in order],
+            "backward_end_ms": med(e[1] for e in ends), "after_sync_ms": med(e[4] for e in ends),
+            "raw_step_ms": med(e[3] for e in ends), "iterations": len(blocks)}
+
+
+def measure_timeline(size: str, dp: int, opts) -> dict:
+    setup_link(PROFILE_RATE)
+    flags = flags_of(Group(size, dp, PROFILE_RATE, True, ()), "bf16") + ["--timing-log-level", "2"]
+    r = run_job(flags, dp // 2, opts.steps, opts.warmup)
+    return {**parse_timeline(r["log"], opts.warmup), "load": load(), "profile": f"bf16, overlap, {PROFILE_RATE} Mbit/s"}
+
+
+def timeline_of(t: dict) -> BackwardTimeline:
+    ready = [min(r, t["backward_end_ms"]) / 1e3 for r in t["ready_ms"]]
+    return BackwardTimeline(tuple(t["bucket_elems"]), tuple(ready), t["backward_end_ms"] / 1e3,
+                            t["after_sync_ms"] / 1e3)
+
+
+def noisy_keys(rows: dict, limit: float) -> list[str]:
+    """Finished groups (and quarter rows) of a rows cache with a configuration spread above ``limit``."""
+    return [key for key, row in rows.items() if not key.startswith("timeline|")
+            and any(isinstance(v, dict) and v.get("spread", 0.0) > limit for v in row.values())]
+
+
+def measure_group(group: Group, labels: tuple[str, ...], opts, key: str) -> dict:
+    """The configurations ``labels`` of ``group``, alternated, ``opts.repeats`` times."""
+    setup_link(group.rate)
+    runs: dict[str, list[dict]] = {k: [] for k in labels}
+    for _ in range(opts.repeats):
+        for label in labels:
+            runs[label].append(run_job(flags_of(group, label), group.dp // 2, opts.steps, opts.warmup,
+                                       CONFIGS[label][2] or None))
+    print(f"  {key} {link_name(group.rate)}: " + ", ".join(
+        f"{k} {1e3 * statistics.median(r['step_s'] for r in v):.1f} ms" for k, v in runs.items()) + f" ({load()})",
+        flush=True)
+    return {"load": load(), **{label: summary(rs) for label, rs in runs.items()}}
+
+
+def group_rows(group: Group, opts, rows: RowCache, reuse: dict) -> dict:
+    """A group's summaries: from this run's rows, else the reusable rows plus what they lack."""
+    if group.key in rows.rows:
+        return rows.rows[group.key]
+    old = {k: v for k, v in reuse.get(group.key, {}).items() if k in group.configs}
+    missing = tuple(k for k in group.configs if k not in old)
+    store = group.key + ("|rest" if old else "")  # the part measured here, next to the reused part
+    new = rows.get(store, lambda: measure_group(group, missing, opts, group.key)) if missing else {}
+    if old:
+        print(f"  {group.key}: reused {', '.join(old)} from {opts.reuse}", flush=True)
+    return {**{k: {**v, "reused": True} for k, v in old.items()}, **{k: v for k, v in new.items() if k != "load"},
+            "load": new.get("load", "reused rows")}
+
+
+def quarter_group(size: str, timeline: dict, fp32_bytes: int, opts, rows: RowCache) -> dict:
+    """Squinch at B/4 against fp32 at B, both with overlap, the links alternating run by run."""
+    compute_s = (timeline["backward_end_ms"] + timeline["after_sync_ms"]) / 1e3
+    b_mbit = fp32_bytes * 8 / compute_s / 1e6
+
+    def measure():
+        runs: dict[str, list[dict]] = {"fp32": [], "squinch": []}
+        for _ in range(opts.repeats):
+            for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4)):
+                setup_link(rate)
+                runs[label].append(run_job(flags_of(Group(size, 2, rate, True, ()), label), 1, opts.steps,
+                                           opts.warmup))
+        return {"load": load(), **{k: summary(v) for k, v in runs.items()}}
+    res = rows.get(f"quarter-fp32|{size}|{b_mbit:.4g}", measure)
+    return {"size": size, "B_mbit": b_mbit, "compute_s": compute_s, "fp32_bytes": fp32_bytes, **res,
+            "squinch/fp32": paired_ratio(res, "squinch", "fp32")}
+
+
+# --------------------------------------------------------------------------------------- the model
+def op_costs(fits: dict) -> dict[str, OpCost]:
+    return {k: OpCost(f["alpha_s"], f["bytes_per_s"], issue_s=f["issue_s"], cpu_s_per_byte=f["cpu_s_per_byte"])
+            for k, f in fits.items()}
+
+
+def inter_tier(phases: dict, rate: float | None) -> Tier:
+    """The veth at ``rate``: its own fit if the phases measured it, else every collective's efficiency
+    (beta / rate) and alpha, medians over the shaped links measured, at this rate."""
+    links = phases["fits"]["links"]
+    if rate is None or rate_key(rate) in links:
+        fits = links[rate_key(rate)]
+    else:
+        shaped = [(float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback")]
+        fits = {name: {"alpha_s": statistics.median(v[name]["alpha_s"] for _, v in shaped),
+                       "bytes_per_s": rate * statistics.median(v[name]["bytes_per_s"] / r for r, v in shaped),
+                       **{k: statistics.median(v[name][k] for _, v in shaped) for k in ("issue_s", "cpu_s_per_byte")}}
+                for name in shaped[0][1]}
+    costs = op_costs(fits)
+    refill = rate * 1e6 / 8 if rate is not None else 0.0
+    return Tier(costs["allreduce_fp32"], costs, burst_bytes=TBF_BURST if rate is not None else 0.0,
+                refill_bytes_per_s=refill)
+
+
+def codec_of(phases: dict) -> CodecCost:
+    c = phases["fits"]["codec"]
+    return CodecCost(c["encode_elems_per_s"], c["decode_accumulate_elems_per_s"], c["decode_elems_per_s"],
+                     c["memory_bytes_per_s"], c["launch_s"], per_rank_launches=True, on_host=True)
+
+
+def predict_row(phases: dict, timeline: dict, dp: int, rate: float | None, overlap: bool, label: str):
+    loop = op_costs(phases["fits"]["links"]["loopback"])
+    topo = Topology(dp=dp, ranks_per_node=dp // 2, intra=Tier(loop["allreduce_fp32"], loop),
+                    inter=inter_tier(phases, rate), reduce_scatter="all_to_all")
+    mode = CONFIGS[label][1]
+    return predict(timeline_of(timeline), topo, codec_of(phases), ReducerMode(
+        mode.reducer, hierarchical=mode.hierarchical, overlap=overlap, stages=mode.stages))
+
+
+def validate(groups: list[tuple[Group, dict]], quarter: dict | None, timelines: dict, phases: dict) -> dict:
+    rows = []
+    for g, res in groups:
+        tl = timelines[f"{g.size}|{g.dp}"]
+        for label in g.configs:
+            p = predict_row(phases, tl, g.dp, g.rate, g.overlap, label)
+            m = res[label]["median_s"]
+            rows.append({"size": g.size, "dp": g.dp, "link": link_name(g.rate), "overlap": g.overlap,
+                         "config": label, "measured_s": m, "spread": res[label]["spread"],
+                         "reused": res[label].get("reused", False), "predicted_s": p.step_s,
+                         "ratio": p.step_s / m, "exposed_s": p.exposed_s, "compute_s": p.compute_s})
+    if quarter:
+        tl = timelines[f"{quarter['size']}|2"]
+        for label, rate in (("fp32", quarter["B_mbit"]), ("squinch", quarter["B_mbit"] / 4)):
+            p = predict_row(phases, tl, 2, rate, True, label)
+            m = quarter[label]["median_s"]
+            rows.append({"size": quarter["size"], "dp": 2, "link": link_name(round(rate, 1)), "overlap": True,
+                         "config": label + " (quarter)", "measured_s": m, "spread": quarter[label]["spread"],
+                         "reused": False, "predicted_s": p.step_s, "ratio": p.step_s / m,
+                         "exposed_s": p.exposed_s, "compute_s": p.compute_s})
+        q_pred = rows[-1]["predicted_s"] / rows[-2]["predicted_s"]
+        quarter["predicted squinch/fp32"] = q_pred
+    errs = [abs(r["ratio"] - 1) for r in rows]
+    return {"rows": rows, "median_abs_error": statistics.median(errs), "max_abs_error": max(errs)}
+
+
+# ------------------------------------------------------------------------------------------ report
+def ratios(res: dict) -> dict[str, float]:
+    """Every ratio of a run by a stable name: measured ratios within a group, predicted / measured."""
+    out = {}
+    for g in res["groups"]:
+        first = g["configs"][0]
+        for label in g["configs"][1:]:
+            out[f"{g['key']} {label}/{first}"] = g["rows"][label]["median_s"] / g["rows"][first]["median_s"]
+    if res.get("quarter"):
+        out[f"quarter {res['quarter']['size']} squinch(B/4)/fp32(B)"] = res["quarter"]["squinch/fp32"]["ratio"]
+    for r in res["validation"]["rows"]:
+        out[f"predicted/measured dp{r['dp']} {r['size']} {r['link']} overlap={r['overlap']} {r['config']}"] = r["ratio"]
+    return out
+
+
+def compare(first: dict, second: dict, limit: float) -> list[str]:
+    return drift_lines(ratios(first), ratios(second), limit)
+
+
+def report(res: dict) -> list[str]:
+    v = res["validation"]
+    L = ["# Squinch step time: the model against real runs over the shaped veth", "",
+         f"Run id {res['run_id']}; {res['settings']['repeats']} alternated repeats of {res['settings']['steps']} "
+         f"steady steps (after {res['settings']['warmup']}) per configuration; measured = median over repeats. "
+         f"The model sees only the phase fits (`squinch_phases`) and one backward timeline per model and DP. "
+         f"Machine before: {res['load_before']}; after: {res['load_after']}; wall time {res['wall_s'] / 60:.1f} min "
+         f"(phases {res['phases_wall_s'] / 60:.1f} min).", "",
+         f"**Model error over {len(v['rows'])} rows: median {100 * v['median_abs_error']:.1f}%, "
+         f"max {100 * v['max_abs_error']:.1f}%** (acceptance: 10% / 20%).", "",
+         "| DP | model | link | overlap | reducer | measured ms [spread] | predicted ms | predicted / measured |",
+         "|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        L.append(f"| {r['dp']} | {r['size']} | {r['link']} | {'yes' if r['overlap'] else 'no'} | {r['config']}"
+                 f"{' (reused)' if r['reused'] else ''} | {1e3 * r['measured_s']:.1f} [{100 * r['spread']:.0f}%] | "
+                 f"{1e3 * r['predicted_s']:.1f} | {r['ratio']:.3f} |")
+    q = res.get("quarter")
+    if q:
+        L += ["", f"## Quarter bandwidth, {q['size']} model: Squinch at B/4 against fp32 at B, with overlap", "",
+              f"B = {q['B_mbit']:.0f} Mbit/s (fp32's {q['fp32_bytes']} gradient bytes per step over the "
+              f"{1e3 * q['compute_s']:.0f} ms of compute). fp32 at B: {1e3 * q['fp32']['median_s']:.1f} ms; "
+              f"Squinch at B/4: {1e3 * q['squinch']['median_s']:.1f} ms; **ratio {q['squinch/fp32']['ratio']:.3f}** "
+              f"[{q['squinch/fp32']['min']:.3f}-{q['squinch/fp32']['max']:.3f}] (acceptance: <= 1.0); "
+              f"the model predicted {q['predicted squinch/fp32']:.3f}."]
+    L += ["", "## Backward timelines (the model's compute input; ms on the compute-only clock)", "",
+          "| model, DP | buckets | first ready | backward end | after the sync | raw step | profile |",
+          "|---|---|---|---|---|---|---|"]
+    for k, t in res["timelines"].items():
+        L.append(f"| {k.replace('|', ', DP ')} | {len(t['bucket_elems'])} ({sum(t['bucket_elems'])} el) | "
+                 f"{t['ready_ms'][0]:.1f} | {t['backward_end_ms']:.1f} | {t['after_sync_ms']:.1f} | "
+                 f"{t['raw_step_ms']:.1f} | {t['profile']} |")
+    if res.get("compare"):
+        L += ["", f"## Against {res['compare']['path']} (a ratio may move by at most "
+              f"{100 * res['compare']['limit']:.0f}%)", "", *[f"- {x}" for x in res["compare"]["lines"]]]
+    return L
+
+
+DOC = os.path.join(ROOT, "docs", "squinch-performance.md")
+DOC_BEGIN, DOC_END = "<!-- squinch_scale: begin -->", "<!-- squinch_scale: end -->"
+
+
+def doc_section(runs: list[dict], phases: dict) -> list[str]:
+    """The measured section of docs/squinch-performance.md: the fits of the first run's phases, and
+    every run's model error and quarter-bandwidth row."""
+    L = ["## Measured here", "", f"Phases: {phases['load_before']} (`bench/results/squinch_phases.md`). "
+         "alpha per algorithm step (us) / beta per direction (Mbit/s), per collective:", "",
+         "| link | fp32 all-reduce | bf16 all-reduce | fp32 reduce-scatter | all-to-all (uint8) | all-gather (uint8) |",
+         "|---|---|---|---|---|---|"]
+    for key, fits in phases["fits"]["links"].items():
+        cells = [fits[k] for k in ("allreduce_fp32", "allreduce_bf16", "reduce_scatter_fp32", "all_to_all",
+                                   "all_gather")]
+        L.append(f"| {squinch_phases.link_label(key)} | " + " | ".join(
+            f"{1e6 * f['alpha_s']:.0f} / {8 * f['bytes_per_s'] / 1e6:.0f}" for f in cells) + " |")
+    c = phases["fits"]["codec"]
+    L += ["", f"Codec on one CPU thread: encode with error feedback {c['encode_elems_per_s'] / 1e6:.0f} M el/s, "
+          f"decode-accumulate {c['decode_accumulate_elems_per_s'] / 1e6:.0f} M el/s, decode "
+          f"{c['decode_elems_per_s'] / 1e6:.0f} M el/s, {1e6 * c['launch_s']:.1f} us per call.", "",
+          "| run | rows | model error: median / max | Squinch at B/4 / fp32 at B (large model): measured / predicted "
+          "| wall time |", "|---|---|---|---|---|"]
+    for r in runs:
+        v, q = r["validation"], r["quarter"]
+        L.append(f"| {r['run_id']} | {len(v['rows'])} | {100 * v['median_abs_error']:.1f}% / "
+                 f"{100 * v['max_abs_error']:.1f}% | {q['squinch/fp32']['ratio']:.3f} / "
+                 f"{q['predicted squinch/fp32']:.3f} | {r['wall_s'] / 60:.1f} min |")
+        if r.get("compare"):
+            moved = [x for x in r["compare"]["lines"] if x.startswith("DRIFT")]
+            L.append(f"| {r['run_id']} vs {r['compare']['path']} | {len(r['compare']['lines'])} ratios | "
+                     f"{len(moved)} moved by more than {100 * r['compare']['limit']:.0f}% | | |")
+    return L + ["", "Per row: `bench/results/squinch_scale.md` (run 1) and `squinch_scale_run<id>.md`."]
+
+
+def update_doc(results_dir: str, phases: dict) -> None:
+    """Rewrite the measured section of the doc from every committed run of this bench."""
+    runs = []
+    for name in sorted(os.listdir(results_dir)):
+        if re.fullmatch(r"squinch_scale(_run\w+)?\.json", name):
+            with open(os.path.join(results_dir, name)) as f:
+                runs.append(json.load(f))
+    with open(DOC) as f:
+        text = f.read()
+    head, rest = text.split(DOC_BEGIN)
+    _, tail = rest.split(DOC_END)
+    with open(DOC, "w") as f:
+        f.write(head + DOC_BEGIN + "\n" + "\n".join(doc_section(runs, phases)) + "\n" + DOC_END + tail)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["validation"]["rows"]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for dp, marker in ((2, "o"), (4, "s")):
+        sel = [r for r in rows if r["dp"] == dp]
+        ax.scatter([1e3 * r["measured_s"] for r in sel], [1e3 * r["predicted_s"] for r in sel], marker=marker,
+                   label=f"DP = {dp}")
+    lo = min(1e3 * min(r["measured_s"], r["predicted_s"]) for r in rows) * 0.8
+    hi = max(1e3 * max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.25
+    for f, style in ((1.0, "-"), (1.1, ":"), (0.9, ":"), (1.2, "--"), (0.8, "--")):
+        ax.plot([lo, hi], [lo * f, hi * f], style, color="grey", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="measured step (ms)", ylabel="predicted step (ms)",
+           title="step-time model vs real runs (shaped veth)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _first_phases(results_dir: str, fallback: dict) -> dict:
+    path = os.path.join(results_dir, "squinch_phases.json")
+    if not os.path.exists(path):
+        return fallback
+    with open(path) as f:
+        return json.load(f)
+
+
+# -------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "squinch_scale", from_json=False)
+    squinch_phases.add_args(p)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
+    p.add_argument("--run-id", default="1")
+    p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
+    p.add_argument("--reuse", default=None, help="rows of squinch_bandwidth to reuse (default for run id 1: "
+                                                "bench/results/squinch_bandwidth_rows_1.json; 'none': measure all)")
+    p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
+    p.add_argument("--max-drift", type=float, default=0.05)
+    p.add_argument("--max-spread", type=float, default=0.10,
+                   help="a configuration whose repeats spread more than this is noisy: nothing is written (exit 3)")
+    p.add_argument("--drop-noisy", action="store_true",
+                   help="forget this run id's noisy groups first, so that they are measured again")
+    p.add_argument("--no-projection", action="store_true", help="skip squinch_cluster_projection")
+    out_default = p.get_default("out")
+    opts = p.parse_args(argv)  # its --quick (the chain over a shaped link, toy sizes) is set below
+    given_out = None if opts.out == out_default else opts.out
+    t_start = time.time()
+    where = "results"
+    if opts.quick:
+        squinch_phases.quick(opts)
+        opts.steps, opts.warmup, opts.repeats_real, where = 4, 2, 2, ".cache"
+    elif opts.repeats < 3 or opts.repeats_real < 3 or opts.steps < 20:
+        p.error("a measurement needs --repeats >= 3, --repeats-real >= 3 and --steps >= 20 (--quick for a smoke run)")
+    tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
+    suffix = "" if opts.run_id == "1" else f"_run{opts.run_id}"
+    results = os.path.join(ROOT, "bench", where)
+    out = given_out or os.path.join(results, "squinch_scale" + ("_quick" if opts.quick else suffix))
+    print(load(), flush=True)
+    res = {"run_id": opts.run_id, "load_before": load(), "settings": {
+        "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "phase_repeats": opts.repeats}}
+
+    # 1. phases
+    phase_rows = RowCache(os.path.join(results, f"squinch_phases_rows_{tag}.json"), squinch_phases.row_settings(opts),
+                          opts.fresh)
+    t0 = time.time()
+    phases = squinch_phases.run(opts, phase_rows)
+    res["phases_wall_s"] = time.time() - t0
+    squinch_phases.write(os.path.join(results, "squinch_phases" + ("_quick" if opts.quick else suffix)), phases)
+
+    # 2.-3. timelines and the real set
+    real = argparse.Namespace(repeats=opts.repeats_real, steps=opts.steps, warmup=opts.warmup, reuse=None)
+    settings = {k: getattr(real, k) for k in ROW_SETTINGS}
+    rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"), {"format": ROW_FORMAT, **settings},
+                    opts.fresh)
+    reuse_path = opts.reuse or (os.path.join(ROOT, "bench", "results", "squinch_bandwidth_rows_1.json")
+                                if opts.run_id == "1" and not opts.quick else "none")
+    reuse = {}
+    if reuse_path != "none" and os.path.exists(reuse_path):
+        with open(reuse_path) as f:
+            saved = json.load(f)
+        if json.loads(saved.get("settings", "{}")) == settings:
+            reuse, real.reuse = saved["rows"], os.path.relpath(reuse_path, ROOT)
+    groups = QUICK_SET if opts.quick else REAL_SET
+    if opts.drop_noisy:
+        for key in noisy_keys(rows.rows, opts.max_spread):
+            print(f"  dropping noisy {key}: measured again", flush=True)
+            del rows.rows[key]
+        rows.save()
+    big = "toy" if opts.quick else "large"
+    try:
+        timelines = {}
+        for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)}):
+            timelines[f"{size}|{dp}"] = rows.get(f"timeline|{size}|{dp}",
+                                                 lambda s=size, d=dp: measure_timeline(s, d, real))
+        measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
+        fp32_bytes = 4 * sum(timelines[f"{big}|2"]["bucket_elems"])  # all-reduce at n = 2: S per rank
+        quarter = quarter_group(big, timelines[f"{big}|2"], fp32_bytes, real, rows)
+    finally:
+        teardown_link()
+    res["timelines"] = timelines
+    res["groups"] = [{"key": g.key, "size": g.size, "dp": g.dp, "link": link_name(g.rate), "overlap": g.overlap,
+                      "configs": list(g.configs), "rows": r} for g, r in measured]
+    res["quarter"] = quarter
+
+    noisy = [f"{r['size']} DP {r['dp']} {r['link']} overlap={r['overlap']} {r['config']}: spread "
+             f"{100 * r['spread']:.0f}%" for r in validate(measured, quarter, timelines, phases)["rows"]
+             if r["spread"] > opts.max_spread and not r["reused"]]
+    if noisy and not opts.quick:
+        os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
+        with open(os.path.join(ROOT, "bench", ".cache", "squinch_scale_refused.json"), "w") as f:
+            json.dump({**res, "noisy": noisy}, f, indent=1)
+        print(f"\nNOT WRITING RESULTS: {len(noisy)} configuration(s) spread more than {100 * opts.max_spread:.0f}% "
+              f"over their repeats:\n  " + "\n  ".join(noisy) + f"\nre-measure them on a quiet machine: "
+              f"python bench/squinch_scale.py --run-id {opts.run_id} --drop-noisy", flush=True)
+        sys.exit(3)
+
+    # 4.-5. the model against them
+    res["validation"] = validate(measured, quarter, timelines, phases)
+    res["load_after"], res["wall_s"] = load(), time.time() - t_start
+    if opts.compare:
+        with open(opts.compare) as f:
+            lines = compare(json.load(f), res, opts.max_drift)
+        res["compare"] = {"path": os.path.relpath(opts.compare, ROOT), "limit": opts.max_drift, "lines": lines}
+    lines = report(res)
+    print("\n".join(lines), flush=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    plot(res, out + ".png")
+    print(f"wrote {out}.json, .md, .png")
+    if not opts.quick and given_out is None:
+        update_doc(results, phases if opts.run_id == "1" else _first_phases(results, phases))
+
+    # 6. the projection (the model on clusters; no measurement)
+    if not opts.no_projection:
+        import squinch_cluster_projection
+
+        squinch_cluster_projection.main(["--quick"] if opts.quick else [])
+    if res.get("compare") and any(x.startswith("DRIFT") for x in res["compare"]["lines"]):
+        sys.exit(4)
+
+
+if __name__ == "__main__":
+    main()

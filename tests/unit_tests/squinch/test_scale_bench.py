@@ -1,0 +1,172 @@
+"""The arithmetic of bench/squinch_phases.py and bench/squinch_scale.py, on synthetic measurements with
+known answers (the benches themselves need root and a quiet machine; their --quick runs are checked in
+test_scale_bench_quick.py)."""
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import squinch_phases as P  # noqa: E402
+import squinch_scale as S  # noqa: E402
+
+from megatron_cai.core.distributed.comm_timing import timeline_log_lines  # noqa: E402
+
+KIB = 1024
+
+
+def _link(alpha: float, beta: float, cpu: float, sizes=(64 * KIB, 1024 * KIB, 16384 * KIB)) -> dict:
+    """Samples of a link whose every collective takes steps x alpha + wire bytes / beta exactly."""
+    samples = {}
+    for op, dt in P.OPS:
+        name = P.op_key(op, dt)
+        samples[name] = {}
+        for s in sizes:
+            x = P.wire_bytes_at_2(op, s)
+            t = P.STEPS_AT_2[op] * alpha + x / beta
+            samples[name][str(s)] = {"median_s": t, "min_s": t, "max_s": t, "runs_s": [t], "issue_s": 1e-4,
+                                     "cpu_s": 2e-5 + cpu * x}
+    return {"rate_mbit": None, "loopback": False, "load": "", "samples": samples}
+
+
+def test_fit_link_recovers_alpha_beta_and_transport_cpu():
+    fits = P.fit_link(_link(alpha=3e-4, beta=2.5e7, cpu=4e-9))
+    assert set(fits) == {"allreduce_fp32", "allreduce_bf16", "reduce_scatter_fp32", "reduce_scatter_bf16",
+                         "all_to_all", "all_gather"}
+    for f in fits.values():
+        assert f["alpha_s"] == pytest.approx(3e-4, rel=1e-6)  # per step: the all-reduce's intercept is 2 steps
+        assert f["bytes_per_s"] == pytest.approx(2.5e7, rel=1e-6)
+        assert f["cpu_s_per_byte"] == pytest.approx(4e-9, rel=1e-3) and f["max_rel_residual"] < 1e-9
+
+
+def test_fit_line_never_returns_a_negative_latency():
+    # t = x / 10 - 1 (a burst made small messages look free): refit through the origin, weights 1/t:
+    # b = sum(x/t) / sum((x/t)^2) = (100/9 + 200/19 + 400/39) / ((100/9)^2 + (200/19)^2 + (400/39)^2)
+    a, b, _ = P.fit_line([100.0, 200.0, 400.0], [9.0, 19.0, 39.0])
+    q = (100 / 9, 200 / 19, 400 / 39)
+    assert a == 0.0 and b == pytest.approx(sum(q) / sum(v * v for v in q), rel=1e-9)
+
+
+def test_fit_codec_recovers_launch_and_rates():
+    launch, rates = 7e-6, {"encode": 5e8, "decode_accumulate": 9e8, "decode": 7e8, "memory": 4e9}
+    samples = []
+    for el in (65536, 1048576):
+        for kind, rows_list in (("encode", (1, 2, 16)), ("decode_accumulate", (2, 16)), ("decode", (2, 16)),
+                                ("memory", (1,))):
+            for rows in rows_list:
+                amount = el * 8 if kind == "memory" else el
+                t = P.codec_launches(kind, rows) * launch + amount / rates[kind]
+                samples.append({"kind": kind, "elements": el, "rows": rows, "median_s": t})
+    fit = P.fit_codec({"samples": samples})
+    assert fit["launch_s"] == pytest.approx(launch, rel=1e-6)
+    assert fit["encode_elems_per_s"] == pytest.approx(5e8, rel=1e-6)
+    assert fit["decode_accumulate_elems_per_s"] == pytest.approx(9e8, rel=1e-6)
+    assert fit["decode_elems_per_s"] == pytest.approx(7e8, rel=1e-6)
+    assert fit["memory_bytes_per_s"] == pytest.approx(4e9, rel=1e-6)
+    # comm_model's launch counts: encode of 16 rows = 18 launches, decode-accumulate 3, a copy 1
+    assert (P.codec_launches("encode", 16), P.codec_launches("decode_accumulate", 16),
+            P.codec_launches("memory", 1)) == (18, 3, 1)
+
+
+def test_timeline_lines_parse_back():
+    """The bench reads what training prints at --timing-log-level 2 (the producer's own formatter)."""
+    steps = []
+    for it, shift in ((1, 100.0), (2, 0.0), (3, 2.0), (4, 4.0)):  # iteration 1 is warm-up
+        t = {"steps": 1, "buckets": [(1, 5000, 20.0 + shift, 18.0 + shift), (0, 3000, 12.0 + shift, 11.0 + shift)],
+             "backward end": 30.0 + shift, "backward end compute": 27.0 + shift, "sync end": 40.0 + shift,
+             "step end": 45.0 + shift, "after sync": 5.0 + shift, "reducer host": 3.0}
+        steps += [f" iteration {it}/ 4 | elapsed time per iteration (ms): 1.0 |"] + timeline_log_lines(it, [t])
+    got = S.parse_timeline("\n".join(steps), warmup=1)
+    assert got["bucket_elems"] == [3000, 5000]  # in ready order
+    assert got["ready_ms"] == [13.0, 20.0] and got["backward_end_ms"] == 29.0 and got["after_sync_ms"] == 7.0
+    assert got["iterations"] == 3
+    tl = S.timeline_of(got)
+    assert tl.bucket_elems == (3000, 5000) and tl.ready_s == pytest.approx((0.013, 0.020))
+    assert tl.compute_s == pytest.approx(0.036)
+
+
+def _phases() -> dict:
+    links = {k: _link(2e-4, r * 1e6 / 8 * 0.9, 1e-9) for k, r in (("256", 256), ("64", 64))}
+    links["unshaped"] = _link(1e-4, 3e8, 1e-9)
+    links["loopback"] = _link(5e-5, 6e8, 1e-9)
+    codec = {"launch_s": 1e-5, "encode_elems_per_s": 5e8, "decode_accumulate_elems_per_s": 9e8,
+             "decode_elems_per_s": 7e8, "memory_bytes_per_s": 4e9}
+    return {"fits": {"links": {k: P.fit_link(v) for k, v in links.items()}, "codec": codec}}
+
+
+def test_inter_tier_between_measured_rates():
+    ph = _phases()
+    t128 = S.inter_tier(ph, 128)  # not measured: 90% of the rate, as at 64 and 256 Mbit/s
+    assert t128.cost("allreduce", "fp32").bytes_per_s == pytest.approx(0.9 * 128e6 / 8, rel=1e-6)
+    assert t128.cost("all_to_all", "uint8").alpha_s == pytest.approx(2e-4, rel=1e-6)
+    assert (t128.burst_bytes, t128.refill_bytes_per_s) == (64 * KIB, 16e6)
+    t256 = S.inter_tier(ph, 256)
+    assert t256.cost("all_gather", "uint8").bytes_per_s == pytest.approx(0.9 * 32e6, rel=1e-6)
+    unshaped = S.inter_tier(ph, None)
+    assert unshaped.burst_bytes == 0 and unshaped.cost("allreduce", "bf16").bytes_per_s == pytest.approx(3e8)
+
+
+def test_validation_rows_ratios_and_drift():
+    ph = _phases()
+    tl = {"bucket_elems": [100000, 100000], "ready_ms": [10.0, 20.0], "backward_end_ms": 25.0,
+          "after_sync_ms": 3.0, "raw_step_ms": 40.0, "profile": "synthetic"}
+    g = S.Group("small", 2, 256, True, ("fp32", "squinch"))
+    pred = {label: S.predict_row(ph, tl, 2, 256, True, label).step_s for label in g.configs}
+    meas = {label: {"median_s": 1.1 * pred[label], "spread": 0.01} for label in g.configs}  # the model 10% low
+    quarter = {"size": "small", "B_mbit": 500.0, "compute_s": 0.028, "fp32_bytes": 800000,
+               "fp32": {"median_s": 0.05, "spread": 0.0}, "squinch": {"median_s": 0.04, "spread": 0.0},
+               "squinch/fp32": {"ratio": 0.8, "min": 0.8, "max": 0.8}}
+    v = S.validate([(g, meas)], quarter, {"small|2": tl}, ph)
+    assert [r["ratio"] for r in v["rows"][:2]] == pytest.approx([1 / 1.1, 1 / 1.1])
+    assert len(v["rows"]) == 4 and v["max_abs_error"] >= v["median_abs_error"] > 0
+    assert quarter["predicted squinch/fp32"] == pytest.approx(v["rows"][3]["predicted_s"] / v["rows"][2]["predicted_s"])
+    res = {"groups": [{"key": g.key, "configs": list(g.configs), "rows": meas}], "quarter": quarter, "validation": v}
+    r = S.ratios(res)
+    assert r[f"{g.key} squinch/fp32"] == pytest.approx(pred["squinch"] / pred["fp32"])
+    moved = {**res, "quarter": {**quarter, "squinch/fp32": {"ratio": 0.85}}}
+    lines = S.compare(res, moved, 0.05)
+    assert [x for x in lines if x.startswith("DRIFT")] == ["DRIFT quarter small squinch(B/4)/fp32(B): 0.800 -> 0.850 "
+                                                            "(6.2%)"]
+
+
+def test_doc_section_is_rewritten_between_its_markers(tmp_path, monkeypatch):
+    ph = _phases()
+    ph["load_before"] = "load average 0.10"
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{S.DOC_BEGIN}\nold text\n{S.DOC_END}\noutro\n")
+    monkeypatch.setattr(S, "DOC", str(doc))
+    run = {"run_id": "1", "wall_s": 1200.0, "validation": {"rows": [{}] * 23, "median_abs_error": 0.04,
+                                                         "max_abs_error": 0.15},
+           "quarter": {"squinch/fp32": {"ratio": 0.912}, "predicted squinch/fp32": 0.9}}
+    run2 = {**run, "run_id": "2", "compare": {"path": "bench/results/squinch_scale.json", "limit": 0.05,
+                                              "lines": ["ok a: 1 -> 1 (0.0%)", "DRIFT b: 1 -> 2 (100.0%)"]}}
+    (tmp_path / "squinch_scale.json").write_text(__import__("json").dumps(run))
+    (tmp_path / "squinch_scale_run2.json").write_text(__import__("json").dumps(run2))
+    (tmp_path / "squinch_scale_quick.json").write_text("{}")  # not a run of record
+    for _ in range(2):  # idempotent
+        S.update_doc(str(tmp_path), ph)
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old text" not in text
+    assert text.count(S.DOC_BEGIN) == 1 and "| 1 | 23 | 4.0% / 15.0% | 0.912 / 0.900 | 20.0 min |" in text
+    assert "| 2 vs bench/results/squinch_scale.json | 2 ratios | 1 moved by more than 5% | | |" in text
+    assert "| 256 Mbit/s | 200 / 230 |" in text  # alpha 200 us per step, beta 0.9 x 256 Mbit/s
+
+
+def test_fit_link_bounds_beta_when_time_does_not_grow():
+    link = _link(alpha=1e-3, beta=1e9, cpu=0.0, sizes=(64 * KIB, 256 * KIB))
+    for by_size in link["samples"].values():  # noise: the larger message measured faster
+        by_size[str(256 * KIB)]["median_s"], by_size[str(64 * KIB)]["median_s"] = 1e-3, 2e-3
+    fits = P.fit_link(link)
+    f = fits["all_to_all"]  # wire bytes at n = 2: half the buffer
+    assert f["beta_is_bound"] and f["bytes_per_s"] == pytest.approx(128 * KIB / 1e-3)
+    assert fits["allreduce_fp32"]["bytes_per_s"] == pytest.approx(256 * KIB / 1e-3)
+
+
+def test_noisy_groups_are_named_for_a_remeasure():
+    rows = {"timeline|small|2": {"bucket_elems": [1]},
+            "dp2|small|256|False": {"load": "x", "fp32": {"spread": 0.02}, "bf16": {"spread": 0.12}},
+            "dp2|small|64|True|rest": {"load": "x", "fp32": {"spread": 0.03}},
+            "quarter-fp32|large|813": {"load": "x", "fp32": {"spread": 0.0}, "squinch": {"spread": 0.2}}}
+    assert S.noisy_keys(rows, 0.10) == ["dp2|small|256|False", "quarter-fp32|large|813"]
