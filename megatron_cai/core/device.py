@@ -202,6 +202,14 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None, asy
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
+def _sum_chunks_into(recv: torch.Tensor, output: torch.Tensor) -> None:
+    """output = recv[0] + recv[1] + ... in fp32, in rank order."""
+    acc = recv[0].float()
+    for chunk in recv[1:]:
+        acc = acc + chunk.float()
+    output.copy_(acc.view_as(output))
+
+
 class _SumOnWait:
     def __init__(self, work, recv: torch.Tensor, output: torch.Tensor) -> None:
         self.work, self.recv, self.output = work, recv, output
@@ -210,10 +218,7 @@ class _SumOnWait:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            acc = self.recv[0].float()
-            for chunk in self.recv[1:]:
-                acc = acc + chunk.float()
-            self.output.copy_(acc.view_as(self.output))
+            _sum_chunks_into(self.recv, self.output)
         return True
 
     def is_completed(self) -> bool:
@@ -224,10 +229,10 @@ def _a2a_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_
     world = dist.get_world_size(group)
     send = input.reshape(world, output.numel()).contiguous()
     recv = torch.empty_like(send)
-    handle = _SumOnWait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv, output)
     if async_op:
-        return handle
-    handle.wait()
+        return _SumOnWait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv, output)
+    dist.all_to_all_single(recv, send, group=group)  # synchronous: traceable under torch.compile
+    _sum_chunks_into(recv, output)
     return None
 
 

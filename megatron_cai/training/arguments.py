@@ -180,6 +180,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic garbage collection; collect every --manual-gc-interval steps")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="0: collect only at the end of training")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (inductor; off by default, as in torchtitan)")
     q = p.add_argument_group("quantization-aware training")
     q.add_argument("--qat", choices=["none", "int8", "fp8"], default="none")
     q.add_argument("--qat-clamp", choices=["absmax", "static", "rms", "weight-rms"], default="rms")
@@ -519,6 +521,7 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         empty_unused_memory_level=args.empty_unused_memory_level,
         manual_gc=args.manual_gc,
         manual_gc_interval=args.manual_gc_interval,
+        compile=args.compile,
     )
 
 

@@ -89,6 +89,7 @@ class TrainingConfig:
     empty_unused_memory_level: int = 0        # 1: empty the CUDA cache after each step; 2: also mid-step
     manual_gc: bool = False                   # no automatic Python GC; collect every manual_gc_interval steps
     manual_gc_interval: int = 0
+    compile: bool = False                     # torch.compile each transformer layer (core/transformer/compile.py)
 
 
 @dataclass

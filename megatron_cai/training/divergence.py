@@ -78,12 +78,6 @@ def all_ranks_true(local: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
-def stats_finite(stats: list[dict]) -> bool:
-    """Whether every loss value of this rank's micro-batches is finite (ranks without losses: True)."""
-    return all(bool(torch.isfinite(v.detach()).all()) for s in stats for v in s.values()
-               if isinstance(v, torch.Tensor))
-
-
 def state_finite(model_chunks: list[ModelChunk], optimizer, device: torch.device) -> bool:
     """Collective: whether all parameters and all Adam state on every rank are finite."""
     ok = True

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import signal
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,10 +30,11 @@ import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
+from ..core.datasets.device_prefetch import DevicePrefetcher
 from ..core.distributed.comm_timing import StepTimeline, timeline_log_lines, timing_log_lines, timing_scalars
 from ..core.distributed.ddp import DistributedDataParallel
 from ..core.distributed.fsdp import build_fsdp2
-from ..core.distributed.memory import max_over_ranks, memory_report
+from ..core.distributed.memory import MemoryReport, max_over_ranks, memory_report
 from ..core.distributed.reducers import build_reducer
 from ..core.models.gpt.model import build_model_chunks
 from ..core.num_microbatches_calculator import NumMicroBatchesCalculator
@@ -40,6 +42,7 @@ from ..core.optimizer.grad_scaler import build_grad_scaler
 from ..core.optimizer.lr_scheduler import OptimizerParamScheduler
 from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
+from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
 from . import divergence
 from .arguments import rebuild_for_world_size
@@ -61,6 +64,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
+from .step_readback import loss_means, read_step
 from .training_log import (
     IterationStats,
     log_line_timers,
@@ -100,11 +104,13 @@ class _ExitSignal:
     def _handler(self, signum, frame) -> None:
         self.received = True
 
-    def any_rank(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if ps.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+@dataclass(frozen=True)
+class StepResult:
+    losses: dict[str, float]  # averaged over micro-batches and DP (last pipeline stage; {} elsewhere)
+    grad_norm: float          # nan when some gradient was not finite
+    finite: bool              # the optimizer stepped (False: skipped on every rank)
+    exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
 
 
 def empty_device_cache(device: torch.device) -> None:
@@ -132,17 +138,19 @@ def per_token_loss_step(step_func: Callable, batches: list[dict], model_chunks: 
     by their number (Megatron-LM's rule), instead of the mean of per-micro-batch means.
 
     Each micro-batch's mean loss is weighted by n_mb * M * DP / N (N: tokens of the global batch), so that
-    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise."""
-    local = sum(float(b["loss_mask"].float().sum()) for b in batches)
-    total = torch.tensor([local], dtype=torch.float64, device=device)
+    the schedule's 1/M and the data-parallel mean turn it into sum / N; the logged stats likewise. The
+    weights stay on the device: nothing is read back before the forward pass."""
+    counts = [b["loss_mask"].float().sum().to(torch.float64) for b in batches]
+    total = torch.stack(counts).sum()
     dp = ps.get_data_parallel_world_size()
     if dp > 1:
         dist.all_reduce(total, group=ps.get_data_parallel_group())
-    scale = num_microbatches * dp / max(float(total.item()), 1.0)
+    scale = (num_microbatches * dp) / total.clamp_min(1.0)
+    weights = {id(b): (c * scale).float() for b, c in zip(batches, counts)}  # device scalars
 
     def step(data_iterator: _RecordingIterator, model):
         output, loss_func = step_func(data_iterator, model)
-        weight = float(data_iterator.last["loss_mask"].float().sum()) * scale
+        weight = weights[id(data_iterator.last)]
 
         def weighted(out):
             loss, stats = loss_func(out)
@@ -189,6 +197,9 @@ class Trainer:
         self.lse_stats = LseStatsCollector()
         vpp = config.parallel.virtual_pipeline_model_parallel_size
         chunks = build_model_chunks(model_cfg, run.seed, vpp, lse_stats=self.lse_stats)
+        if run.compile:  # --compile: each transformer layer, before DDP / FSDP2 wrap the chunks
+            for m in chunks:
+                compile_transformer_layers(m)
         dp = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
         # each parameter's TP split, read before FSDP2 replaces the parameters (torch_dist checkpoints)
         param_layout = tp_layout(chunks)
@@ -248,8 +259,9 @@ class Trainer:
                                                       train_ds=train_ds)
         self.forward_step_func = _bind_distiller(forward_step_func, self.distiller)
         self.train_ds, self.valid_ds, self.test_ds = train_ds, valid_ds, test_ds
-        self.train_iter = self._loader(train_ds, self.state.consumed_train_samples)
-        self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples)
+        # pinned host batches, copied to the device one step ahead (training) or when taken (validation)
+        self.train_iter = self._loader(train_ds, self.state.consumed_train_samples, lookahead=None)
+        self.valid_iter = self._loader(valid_ds, self.state.consumed_valid_samples, lookahead=False)
         log = config.logging
         self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
@@ -278,26 +290,24 @@ class Trainer:
             evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
         return (run.train_iters * gbs, evals * eval_gbs, log.eval_iters * eval_gbs)
 
-    def _loader(self, dataset, consumed: int):
+    def _loader(self, dataset, consumed: int, lookahead: bool | None = False) -> DevicePrefetcher | None:
+        """``lookahead``: copy the next step's micro-batches during this one (None: on accelerators)."""
         from ..core.datasets.data_samplers import build_pretraining_data_loader
 
         if dataset is None:
             return None
         loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
                                                ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                                               num_workers=self.config.data.num_workers)
-        return iter(loader)
+                                               num_workers=self.config.data.num_workers,
+                                               pin_memory=self.device.type == "cuda")
+        return DevicePrefetcher(iter(loader), self.device, lookahead=lookahead)
 
-    def _next_microbatches(self, iterator) -> list[dict]:
-        batches = []
-        for _ in range(self.num_microbatches):
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                raise RuntimeError("the dataset ran out of samples; it was built for fewer iterations than "
-                                   "requested (rebuild the index cache or lower --train-iters)") from None
-            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
-        return batches
+    def _next_microbatches(self, prefetcher: DevicePrefetcher) -> list[dict]:
+        try:
+            return prefetcher.take(self.num_microbatches)
+        except StopIteration:
+            raise RuntimeError("the dataset ran out of samples; it was built for fewer iterations than "
+                               "requested (rebuild the index cache or lower --train-iters)") from None
 
     def _forward_context(self):
         run = self.config.training
@@ -334,8 +344,10 @@ class Trainer:
                                      forward_only=forward_only, forward_context=self._forward_context)
 
     # ---------------------------------------------------------------------------------------- step
-    def train_step(self) -> tuple[dict[str, float], float, bool]:
-        """One iteration: forward/backward over the micro-batches, grad sync, clip, update."""
+    def train_step(self) -> StepResult:
+        """One iteration: forward/backward over the micro-batches, grad sync, clip, update.
+
+        Reads the device once (``step_readback.read_step``), after the gradient-norm reduction."""
         for t in self.timelines:
             t.step_start()
         for m in self.model:
@@ -355,8 +367,11 @@ class Trainer:
             empty_device_cache(self.device)
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        grad_norm, finite = self.optimizer.clip_and_check(self.config.optimizer.clip_grad)
-        # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective)
+        read = read_step(self.optimizer.local_norm_sq(), stats, self.exit_signal.received, self.device)
+        finite = math.isfinite(read.grad_norm)
+        if finite:
+            self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
+        # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective, one more read)
         self.num_zeros_in_grad = (float(self.optimizer.num_zeros_in_grad())
                                   if self.config.logging.log_num_zeros_in_grad else None)
         if self.grad_scaler is not None:
@@ -366,7 +381,7 @@ class Trainer:
                 for m in self.model:
                     m.reducer.rescale_feedback(self.grad_scaler.scale / old_scale)
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
-            finite = divergence.all_ranks_true(finite and divergence.stats_finite(stats), self.device)
+            finite = finite and not read.nonfinite_loss
         if finite:
             self.optimizer.step(self.scheduler.get_lr(), self.scheduler.get_lr(decoupled=True))
             self.scheduler.step(self.microbatches.running_global_batch_size)  # in samples, as Megatron's
@@ -375,26 +390,19 @@ class Trainer:
                 m.reducer.step_skipped()
         if level >= 1:
             empty_device_cache(self.device)
-        averaged = self._average_stats(stats)
         self._mark_timelines("step end")
-        return averaged, grad_norm, finite
+        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested)
 
     def _mark_timelines(self, name: str) -> None:
         for t in self.timelines:
             t.mark(name)
 
     def _average_stats(self, stats: list[dict]) -> dict[str, float]:
-        if not ps.is_pipeline_last_stage(ignore_virtual=True):
-            return {}
-        keys = stats[0].keys() if stats else []
-        vec = torch.stack([torch.stack([s[k].float() for s in stats]).mean() for k in keys]) if keys else None
-        if vec is None:
-            return {}
-        dp_cp = ps.get_data_parallel_world_size(with_context_parallel=True)  # CP ranks hold shares of a mean
-        if dp_cp > 1:
-            dist.all_reduce(vec, group=ps.get_data_parallel_group(with_context_parallel=True))
-            vec /= dp_cp
-        return {k: v.item() for k, v in zip(keys, vec)}
+        """Each statistic's mean over micro-batches and DP x CP ranks (CP ranks hold shares of a mean), read
+        back (validation)."""
+        keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
+                                 ps.get_data_parallel_world_size(with_context_parallel=True))
+        return dict(zip(keys, means.tolist())) if means is not None else {}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -480,7 +488,8 @@ class Trainer:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
-            losses, grad_norm, finite = self.train_step()
+            step = self.train_step()
+            losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
@@ -503,8 +512,6 @@ class Trainer:
             loss_scale = {"loss scale": self.grad_scaler.scale} if self.grad_scaler else {}
             history.append({**losses, "grad norm": grad_norm, "lr": lr, "skipped": not finite,
                             "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
-            if len(history) == 1:
-                st.extra["memory"] = self._log_memory("after the first iteration")
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
                 gc.collect()
             stats = self._iteration_stats(losses, grad_norm, finite, batch)
@@ -526,7 +533,7 @@ class Trainer:
                 self.save()
             elif np_interval and st.iteration % np_interval == 0:  # Megatron-LM: the persistent save wins
                 self.save(non_persistent=True)
-            if self.exit_signal.any_rank(self.device):
+            if step.exit_requested:
                 self.save()  # the checkpoint first: a failing log write must not lose it
                 print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")
                 break
@@ -541,6 +548,8 @@ class Trainer:
         else:
             if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
                 self.save()
+        if "memory" not in st.extra:  # no iteration logged
+            st.extra["memory"] = self._log_memory("at the end of training")
         self.finalize_async_save(blocking=True)  # exit paths and the end of training wait for the write
         self.optimizer.finish_param_sync()
         self.profiler.close()
@@ -569,14 +578,19 @@ class Trainer:
 
     def _log(self, window: LogWindow, stats: IterationStats, comm_bytes: int, first: bool) -> None:
         run, log, st = self.config.training, self.config.logging, self.state
-        device_mod.synchronize(self.device)
+        # the read waits for the queued work, so the window's time below covers it
+        # Megatron-LM's memory report comes with the first log line; st.extra keeps this rank's figures
+        mine = memory_report(self.model, self.optimizer, self.device) if "memory" not in st.extra else None
+        extra, most = self._log_readback(mine)
+        if mine is not None:
+            print_rank_0(most.line("max over ranks, at the first log"))
+            st.extra["memory"] = mine.to_dict()
         elapsed = window.seconds_per_iteration()
         tps = stats.batch_size * self.config.model.seq_length / max(elapsed, 1e-9)
         throughput = None
         if log.log_throughput:
             flops = gpt_flops_per_iteration(self.config.model, run.global_batch_size)
             throughput = flops / (elapsed * 1e12 * self.config.parallel.world_size)
-        extra = self._lse_stats()
         line_extra = None
         if extra:
             line_extra = {"attention lse mean": sum(v for k, v in extra.items() if k.endswith("-mean"))
@@ -606,35 +620,45 @@ class Trainer:
                                        log.log_validation_ppl_to_tensorboard))
         self.wandb.log({f"{k} validation": v for k, v in val.items()}, it)
 
-    def _lse_stats(self) -> dict[str, float]:
-        """Attention lse mean / max per layer in this iteration's last micro-batch (every rank calls it).
+    def _log_readback(self, memory: MemoryReport | None) -> tuple[dict[str, float], MemoryReport | None]:
+        """A logging iteration's one read (every rank calls it): the attention lse mean / max per layer in this
+        iteration's last micro-batch, and ``memory``'s figures maxed over ranks when given.
 
         Each layer's stats come from the ranks that hold it (its pipeline stage, every TP/DP rank): the
         mean is the mean of those ranks' means (equal row counts per rank), the max their max.
         """
         layers = self.config.model.num_layers
-        stats = torch.zeros(layers, 3, device=self.device)  # [sum of means, ranks, max]
-        stats[:, 2] = float("-inf")
+        sums = torch.zeros(layers, 2, device=self.device)  # [sum of means, ranks]
+        maxes = torch.full((layers,), float("-inf"), device=self.device)
         for layer, mean_max in self.lse_stats.per_layer().items():
             mean, mx = mean_max.to(self.device)
-            stats[layer] = torch.stack([mean, torch.ones_like(mean), mx])
+            sums[layer] = torch.stack([mean, torch.ones_like(mean)])
+            maxes[layer] = mx
+        maxes = maxes.to(torch.float64)
+        if memory is not None:
+            maxes = torch.cat([maxes, memory.as_tensor(self.device)])
         if ps.get_world_size() > 1:
-            sums, maxes = stats[:, :2].contiguous(), stats[:, 2].contiguous()
             dist.all_reduce(sums)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-            stats = torch.cat([sums, maxes.unsqueeze(1)], dim=1)
+        values = torch.cat([sums.to(torch.float64).flatten(), maxes]).tolist()
         out = {}
-        for layer, (total, ranks, mx) in enumerate(stats.cpu().tolist()):
+        for layer in range(layers):
+            total, ranks, mx = values[2 * layer], values[2 * layer + 1], values[2 * layers + layer]
             if ranks > 0:
                 out[f"attention-lse/layer{layer}-mean"] = total / ranks
                 out[f"attention-lse/layer{layer}-max"] = mx
-        return out
+        return out, memory.from_values(values[3 * layers:]) if memory is not None else None
 
 
 def _fp32(value: float | None) -> float | None:
     """A figure as Megatron-LM logs it: its reduce_max_stat_across_model_parallel_group rounds the learning rate,
-    the grad norm and the zero count through an fp32 tensor."""
-    return None if value is None else torch.tensor(value, dtype=torch.float32).item()
+    the grad norm and the zero count through an fp32 tensor (here through struct: no tensor, no device read)."""
+    if value is None:
+        return None
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's range: inf, as the fp32 tensor gives
+        return math.copysign(math.inf, value)
 
 
 def _bind_distiller(forward_step_func, distiller):

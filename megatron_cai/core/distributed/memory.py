@@ -36,6 +36,15 @@ class MemoryReport:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def as_tensor(self, device: torch.device) -> torch.Tensor:
+        """``[params, grads, optimizer, peak]`` (fp64) on ``device``, for a max over ranks."""
+        return torch.tensor([self.params, self.grads, self.optimizer, self.peak], dtype=torch.float64,
+                            device=device)
+
+    def from_values(self, values: list[float]) -> MemoryReport:
+        """A report of ``values`` (the four figures of :meth:`as_tensor`) with this one's peak kind."""
+        return MemoryReport(*(int(v) for v in values), self.peak_kind)
+
     def line(self, what: str = "per rank") -> str:
         return (f" memory ({what}): params {self.params / MiB:.2f} MiB | grads {self.grads / MiB:.2f} MiB | "
                 f"optimizer state {self.optimizer / MiB:.2f} MiB | total {self.model_state / MiB:.2f} MiB | "
@@ -75,7 +84,6 @@ def max_over_ranks(report: MemoryReport, device: torch.device) -> MemoryReport:
     """Each figure's maximum over all ranks (collective)."""
     if ps.get_world_size() == 1:
         return report
-    vec = torch.tensor([report.params, report.grads, report.optimizer, report.peak], dtype=torch.float64,
-                       device=device)
+    vec = report.as_tensor(device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    return MemoryReport(*(int(v) for v in vec.tolist()), report.peak_kind)
+    return report.from_values(vec.tolist())

@@ -3,7 +3,8 @@
 Each optimizer says which gradient tensors it owns (:meth:`GlobalNormClipping.owned_grads`: what it
 updates, and what clipping and ``--fp16``'s unscaling multiply) and which count in the global norm
 (:meth:`GlobalNormClipping.norm_grads`: each distinct gradient element once over all TP / PP / DP
-ranks). The norm is one fp64 sum of squares, all-reduced over the world: one host read per iteration.
+ranks). The norm is one fp64 sum of squares, all-reduced over the world; the training loop reads it back
+with the rest of its step decisions (``training/step_readback.py``), once per iteration.
 """
 from __future__ import annotations
 
@@ -54,12 +55,19 @@ class GlobalNormClipping(ABC):
         """Zero gradient elements over the distinct parameters (--log-num-zeros-in-grad; collective)."""
         return int(self._global_sum(self.norm_grads(), lambda g: (g == 0).sum().double()))
 
-    def grad_norm(self) -> float:
-        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite)."""
+    def local_norm_sq(self) -> torch.Tensor:
+        """This rank's share of the squared global norm: an fp64 device scalar, not reduced, not read."""
         total = torch.zeros((), dtype=torch.float64, device=self.grad_device())
         for g in self.norm_grads():
             g = g.float().reshape(-1)
             total += torch.dot(g, g).double()
+        return total
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite).
+
+        Reads the device (the training loop folds :meth:`local_norm_sq` into its one read-back instead)."""
+        total = self.local_norm_sq()
         if ps.get_world_size() > 1:
             dist.all_reduce(total)
         value = total.item()
@@ -71,13 +79,17 @@ class GlobalNormClipping(ABC):
         for g in self.owned_grads():
             g.mul_(factor)
 
+    def clip(self, norm: float, max_norm: float) -> None:
+        """Scale the gradients, whose global norm is the finite ``norm``, to ``max_norm`` (0: no clipping)."""
+        if max_norm > 0:
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                self.scale_grads(coeff)
+
     def clip_and_check(self, max_norm: float) -> tuple[float, bool]:
         """Compute the grad norm; scale grads to `max_norm` (0 = no clipping). Returns (norm, finite)."""
         norm = self.grad_norm()
         if not math.isfinite(norm):
             return norm, False
-        if max_norm > 0:
-            coeff = max_norm / (norm + 1e-6)
-            if coeff < 1.0:
-                self.scale_grads(coeff)
+        self.clip(norm, max_norm)
         return norm, True

@@ -1,7 +1,7 @@
 """AdamW over FSDP2's parameter shards (``--use-torch-fsdp2``).
 
-``torch.optim.AdamW`` updates the local DTensor shards; no weight decay on 1-D parameters (as
-Megatron). The global grad norm, clipping and non-finite check are the DDP path's
+``torch.optim.AdamW(fused=True)`` updates the local DTensor shards; no weight decay on 1-D parameters
+(as Megatron). The global grad norm, clipping and non-finite check are the DDP path's
 (``clip_grads.GlobalNormClipping``), over this rank's shards of the gradients that
 ``FullyShardedChunk.counted_in_norm`` counts.
 """
@@ -30,10 +30,11 @@ class FullyShardedAdamW(GlobalNormClipping):
                 groups.setdefault((c.meta[name].decay, decoupled), []).append(p)
                 if c.counted_in_norm(name):
                     self.counted.append(p)
+        # PyTorch's fused kernel over the local shards (one pass, no per-step host read of the step counts)
         self.optimizer = torch.optim.AdamW(
             [{"params": ps, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
              for (decay, decoupled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
-            lr=config.lr, betas=config.betas, eps=config.adam_eps, foreach=False)
+            lr=config.lr, betas=config.betas, eps=config.adam_eps, fused=True)
         self.all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def owned_grads(self):

@@ -3,12 +3,13 @@
 Parameters are fp32 (bf16 runs use autocast), so the flat ``param_data`` buffer *is* the fp32 master
 copy. The optimizer updates the buffer ranges it owns: everything, or with the distributed optimizer
 this rank's shard of every bucket, after which the shards are all-gathered. Adam state lives only
-for owned elements. The update is elementwise and matches ``torch.optim.AdamW``'s formula.
-No weight decay on 1-D parameters (norm weights and biases), as in Megatron.
+for owned elements. No weight decay on 1-D parameters (norm weights and biases), as in Megatron.
+
+The update is PyTorch's fused kernel (``torch._fused_adamw_``, ``torch._fused_sgd_``: one pass over
+memory, on CUDA and on the CPU), called once per parameter group of an owned range: the contiguous runs
+that share a learning rate (``--decoupled-lr`` for the embedding and output layer) and a weight decay.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -29,18 +30,55 @@ class _Chunk:
     """One owned contiguous buffer range of one model chunk, with its Adam state."""
 
     def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, decay_segments, norm_segments,
-                 decoupled_segments=(), decoupled_decay_segments=()) -> None:
+                 decoupled_segments=()) -> None:
         buf = ddp.buffer
         self.lo, self.hi = lo, hi
         self.param = buf.param_data[lo:hi]
         self.grad = buf.grad_data[lo:hi]
         self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=buf.param_data.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.decay = [(s - lo, e - lo) for s, e in _intersect(decay_segments, lo, hi)]
         self.norm = [(s - lo, e - lo) for s, e in _intersect(norm_segments, lo, hi)]
         # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
-        self.decoupled = [(s - lo, e - lo) for s, e in _intersect(list(decoupled_segments), lo, hi)]
-        self.decoupled_decay = [(s - lo, e - lo) for s, e in _intersect(list(decoupled_decay_segments), lo, hi)]
+        self.runs = _runs(hi - lo, [(s - lo, e - lo) for s, e in _intersect(decay_segments, lo, hi)],
+                          [(s - lo, e - lo) for s, e in _intersect(list(decoupled_segments), lo, hi)])
+
+
+def _runs(n: int, decay: list[tuple[int, int]], decoupled: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
+    """``[0, n)`` cut into maximal runs ``(start, end, decoupled, decay)`` of one learning rate and decay."""
+    cuts = sorted({0, n, *(x for seg in decay + decoupled for x in seg)})
+
+    def inside(x: int, segments) -> bool:
+        return any(s <= x < e for s, e in segments)
+
+    runs: list[list] = []
+    for s, e in zip(cuts, cuts[1:]):
+        key = (inside(s, decoupled), inside(s, decay))
+        if runs and runs[-1][1] == s and tuple(runs[-1][2:]) == key:
+            runs[-1][1] = e
+        else:
+            runs.append([s, e, *key])
+    return [tuple(r) for r in runs]
+
+
+class _Group:
+    """The tensors of one fused call: owned runs with the same learning rate kind and weight decay."""
+
+    def __init__(self, decoupled: bool, decay: bool) -> None:
+        self.decoupled, self.decay = decoupled, decay
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.exp_avgs: list[torch.Tensor] = []
+        self.exp_avg_sqs: list[torch.Tensor] = []
+
+    def add(self, c: _Chunk, s: int, e: int) -> None:
+        self.params.append(c.param[s:e])
+        self.grads.append(c.grad[s:e])
+        self.exp_avgs.append(c.exp_avg[s:e])
+        self.exp_avg_sqs.append(c.exp_avg_sq[s:e])
+
+    def fp32_grads(self) -> list[torch.Tensor]:
+        """The gradients as the kernels take them (fp32 copies of --grad-reduce-in-bf16 buffers)."""
+        return [g if g.dtype == torch.float32 else g.float() for g in self.grads]
 
 
 class DistributedAdamW(GlobalNormClipping):
@@ -72,8 +110,7 @@ class DistributedAdamW(GlobalNormClipping):
             def decoupled(p, special=special) -> bool:
                 return id(p) in special
 
-            decay = buf.segments(lambda p: p.dim() > 1 and not decoupled(p))
-            decoupled_decay = buf.segments(lambda p: p.dim() > 1 and decoupled(p))
+            decay = buf.segments(lambda p: p.dim() > 1)
             decoupled_all = buf.segments(decoupled)
 
             def counts(p, ddp=ddp) -> bool:
@@ -87,8 +124,13 @@ class DistributedAdamW(GlobalNormClipping):
             norm = buf.segments(counts)
             if not self.distributed and dp_rank != 0:
                 norm = []
-            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all, decoupled_decay)
+            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all)
                                 for lo, hi in buf.owned_ranges(self.distributed)])
+        self.groups: dict[tuple[bool, bool], _Group] = {}
+        for c in (c for chunk_list in self.chunks for c in chunk_list):
+            for s, e, dec, wd in c.runs:
+                self.groups.setdefault((dec, wd), _Group(dec, wd)).add(c, s, e)
+        self._step = torch.zeros((), dtype=torch.float32, device=self.grad_device())  # the kernels read it
         self.overlap_param_gather = config.overlap_param_gather and self.distributed
         self._pending: dict[tuple[int, int], tuple] = {}  # (chunk, bucket) -> (work, local shard)
         if self.overlap_param_gather:
@@ -110,52 +152,30 @@ class DistributedAdamW(GlobalNormClipping):
     # --------------------------------------------------------------------------------------- update
     @torch.no_grad()
     def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
-        """One AdamW update at `lr`; the embedding / output parameters at `decoupled_lr` when given."""
+        """One AdamW (or SGD) update at `lr`; the embedding / output parameters at `decoupled_lr` when given
+        (AdamW only, as before: SGD updates everything at `lr`)."""
         lr = self.lr if lr is None else lr
         lr_emb = lr if decoupled_lr is None else decoupled_lr
         self.step_count += 1
-        if self.kind == "sgd":
-            self._sgd_step(lr)
-            if self.distributed:
-                self._all_gather_params()
-            return
-        b1, b2 = self.betas
-        bc1 = 1 - b1 ** self.step_count
-        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
-        for chunk_list in self.chunks:
-            for c in chunk_list:
-                g = c.grad if c.grad.dtype == torch.float32 else c.grad.float()
-                if self.weight_decay:
-                    for s, e in c.decay:
-                        c.param[s:e].mul_(1 - lr * self.weight_decay)
-                    for s, e in c.decoupled_decay:
-                        c.param[s:e].mul_(1 - lr_emb * self.weight_decay)
-                c.exp_avg.lerp_(g, 1 - b1)
-                c.exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-                denom = (c.exp_avg_sq.sqrt() / bc2_sqrt).add_(self.eps)
-                c.param.addcdiv_(c.exp_avg, denom, value=-lr / bc1)
-                if lr_emb != lr:
-                    for s, e in c.decoupled:
-                        c.param[s:e].addcdiv_(c.exp_avg[s:e], denom[s:e], value=-(lr_emb - lr) / bc1)
+        self._step.fill_(self.step_count)
+        for g in self.groups.values():
+            wd = self.weight_decay if g.decay else 0.0
+            if self.kind == "sgd":
+                self._sgd(g, lr, wd)
+            else:
+                b1, b2 = self.betas
+                torch._fused_adamw_(g.params, g.fp32_grads(), g.exp_avgs, g.exp_avg_sqs, [],
+                                    [self._step] * len(g.params), lr=lr_emb if g.decoupled else lr, beta1=b1,
+                                    beta2=b2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
         if self.distributed:
             self._all_gather_params()
 
-    def _sgd_step(self, lr: float) -> None:
-        """torch.optim.SGD (dampening 0, no Nesterov): g += wd * p (matrices only); buf = m * buf + g
-        (buf = g on the first step); p -= lr * buf. The momentum buffer lives in exp_avg."""
-        for chunk_list in self.chunks:
-            for c in chunk_list:
-                g = c.grad.float().clone()
-                if self.weight_decay:
-                    for s, e in c.decay:
-                        g[s:e].add_(c.param[s:e], alpha=self.weight_decay)
-                if self.sgd_momentum:
-                    if self.step_count == 1:
-                        c.exp_avg.copy_(g)
-                    else:
-                        c.exp_avg.mul_(self.sgd_momentum).add_(g)
-                    g = c.exp_avg
-                c.param.add_(g, alpha=-lr)
+    def _sgd(self, g: _Group, lr: float, wd: float) -> None:
+        """torch.optim.SGD (dampening 0, no Nesterov): g' = g + wd * p; buf = m * buf + g' (buf = g' on the
+        first step); p -= lr * buf. The momentum buffer lives in exp_avg."""
+        bufs = g.exp_avgs if self.sgd_momentum else []
+        torch._fused_sgd_(g.params, g.fp32_grads(), bufs, weight_decay=wd, momentum=self.sgd_momentum, lr=lr,
+                          dampening=0.0, nesterov=False, maximize=False, is_first_step=self.step_count == 1)
 
     def _all_gather_params(self) -> None:
         group = ps.get_data_parallel_group(with_context_parallel=True)

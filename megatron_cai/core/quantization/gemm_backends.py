@@ -78,8 +78,14 @@ def gemm_codes(a: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tensor:
     """``a @ b.T`` in fp32 for code matrices a (M, K) and b (N, K) of dtype int8 or float8_e4m3fn.
 
     Zero-pads to the shape constraints of the kernels (M > 16 and K, N multiples of 8 for _int_mm;
-    K, N multiples of 16 for _scaled_mm) and slices the result back.
+    K, N multiples of 16 for _scaled_mm) and slices the result back. Runs as the custom op
+    ``megatron_cai::gemm_codes``: the padding and the layout retry stay out of a ``torch.compile`` graph.
     """
+    return _gemm_codes_op(a, b, fmt)
+
+
+@torch.library.custom_op("megatron_cai::gemm_codes", mutates_args=())
+def _gemm_codes_op(a: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
     if fmt == "int8":
@@ -96,7 +102,12 @@ def gemm_codes(a: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tensor:
     ap, bp = _pad(a, mp, kp).contiguous(), _pad(b, np_, kp).contiguous()
     one = torch.ones((), device=a.device, dtype=torch.float32)
     out = torch._scaled_mm(ap, bp.t(), one, one, out_dtype=torch.float32, use_fast_accum=False)
-    return out[:m, :n]
+    return out[:m, :n].contiguous()
+
+
+@_gemm_codes_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, fmt: str) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
 
 
 def _normalize_clamp(c: torch.Tensor, lead_shape: tuple[int, ...], granularity: str, nb: int) -> torch.Tensor:

@@ -125,12 +125,13 @@ class GemmInputQuantizer(nn.Module):
     def _static_c(self, which: str, x: torch.Tensor) -> torch.Tensor:
         buf = getattr(self, f"{which}_static_c")
         if not self._calibrated[which]:
-            if bool(torch.isnan(buf)):
-                group = self._input_static_group if which == "input" else self._weight_static_group
-                amax = group_absmax(x, "tensor", group=group)
-                if _tp_active(self.calibration_group):
-                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.calibration_group)
-                buf.copy_(amax.clamp_min(self.config.eps))
+            # A NaN buffer (never calibrated) takes this batch's absmax; the test runs on the device (no
+            # host sync, no graph break), so the statistic is reduced on every rank whether or not it is used.
+            group = self._input_static_group if which == "input" else self._weight_static_group
+            amax = group_absmax(x, "tensor", group=group)
+            if _tp_active(self.calibration_group):
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.calibration_group)
+            buf.copy_(torch.where(torch.isnan(buf), amax.clamp_min(self.config.eps), buf))
             self._calibrated[which] = True
         return buf
 

@@ -1,4 +1,5 @@
-"""Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton)."""
+"""Public Squinch v1 codec API: argument checks and backend dispatch (torch / cpu / triton; the single-
+payload cpu and triton kernels run as the custom ops of :mod:`.ops`, so compiled code traces through)."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +8,7 @@ import os
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, ops
 from . import format as fmt
 from . import reference as ref
 
@@ -23,14 +24,6 @@ def _triton_available() -> bool:
         log.warning("squinch: triton is not installed; CUDA tensors use the (slower) torch reference codec")
         return False
     return True
-
-
-def _triton():
-    try:
-        from . import triton_kernels
-    except ImportError as e:  # pragma: no cover - triton is a test/gpu extra
-        raise RuntimeError(f"squinch: backend='triton' needs the triton package ({e})") from e
-    return triton_kernels
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -115,13 +108,8 @@ def encode_with_feedback(
         payload.copy_(p)
         return payload, nonfinite
     g = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().view(-1)
-    if bk == "cpu":
-        seed = int(_seed(generator, grad.device).item()) if stochastic else 0
-        flag = cpu_kernels.encode_into(g, residual, payload, stochastic, seed)
-        return payload, torch.tensor(flag, dtype=torch.bool)
-    seed_t = _seed(generator, grad.device) if stochastic else None
-    nonfinite = _triton().encode_into(g, residual, payload, stochastic, seed_t)
-    return payload, nonfinite
+    seed = _seed(generator, grad.device) if stochastic else None
+    return payload, ops.encode(g, residual, payload, stochastic, seed, bk)
 
 
 def encode(
@@ -169,11 +157,7 @@ def decode(
     bk = resolve_backend(backend, payload.device)
     if bk == "torch":
         return ref.decode(payload, numel, out=out, accumulate=accumulate)
-    payload = payload.contiguous()
-    if bk == "cpu":
-        cpu_kernels.decode_into(payload, numel, out, accumulate)
-    else:
-        _triton().decode_into(payload, numel, out, accumulate)
+    ops.decode(payload.contiguous(), numel, out, accumulate, bk)
     return out
 
 
@@ -225,12 +209,12 @@ def decode_sum(
         payloads = payloads.contiguous()
     bk = resolve_backend(backend, out.device)
     if bk == "triton":
-        _triton().decode_into(payloads, numel, out, accumulate, flags)
+        ops.triton_kernels().decode_into(payloads, numel, out, accumulate, flags)
         return out
     if bk == "torch":
         ref.decode_sum(payloads, out, accumulate=accumulate)
     else:
-        cpu_kernels.decode_into(payloads, numel, out, accumulate)
+        ops.decode(payloads, numel, out, accumulate, bk)
     if flags is not None:
         out.masked_fill_(flags.ne(0).any(), float("nan"))
     return out
@@ -252,7 +236,7 @@ def decode_rows(
         payloads = payloads.contiguous()
     bk = resolve_backend(backend, out.device)
     if bk == "triton":
-        _triton().decode_into(payloads.unsqueeze(1), chunk, out, False, flags)
+        ops.triton_kernels().decode_into(payloads.unsqueeze(1), chunk, out, False, flags)
         return out
     flat = out.view(-1)
     for g in range(rows):
@@ -300,7 +284,7 @@ def encode_rows(
     bk = resolve_backend(backend, x.device)
     if bk == "triton":
         seed_t = _seed(generator, x.device) if stochastic else None
-        return _triton().encode_rows_into(flat, residual, out, stochastic, seed_t, flags)
+        return ops.triton_kernels().encode_rows_into(flat, residual, out, stochastic, seed_t, flags)
     res_flat = residual.view(-1) if residual is not None else None
     nonfinite = []
     for r in range(rows):

@@ -14,6 +14,7 @@ import math
 import torch
 
 from megatron_cai.core.transformer import attention_tiling
+from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["blocked_attention", "blocked_backward", "blocked_forward", "blocked_prepare"]
@@ -100,7 +101,7 @@ def blocked_prepare(q, k, v, start, limit, position_ids, window, block_q: int, b
     """The tiling of one call (which key tiles each query block visits) and its inputs in the compute
     dtype (fp32, fp64 for fp64 inputs): the ``state`` that :func:`blocked_forward` and
     :func:`blocked_backward` run on."""
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cd = _compute_dtype(q.dtype)
     pos = attention_tiling.key_positions(start, position_ids) if window is not None else None
     plan = _Plan(start, limit, window, pos, block_q, block_k, q.shape[2])
     return q.to(cd), k.to(cd), v.to(cd), start, limit, pos, window, plan
@@ -159,29 +160,29 @@ def blocked_backward(state, grad_out: torch.Tensor, lse: torch.Tensor, delta: to
     return dq, dk, dv
 
 
-class _BlockedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block_q, block_k):
-        ctx.set_materialize_grads(False)
-        out, lse, (qf, kf, vf, start, limit, pos, window, plan) = blocked_forward(
-            q, k, v, start, limit, position_ids, window, block_q, block_k)
-        ctx.save_for_backward(qf, kf, vf, out, lse, start, limit, pos)
-        ctx.plan, ctx.window, ctx.coeff, ctx.in_dtype = plan, window, coeff, q.dtype
-        return out.to(q.dtype), lse.to(torch.float32)
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        qf, kf, vf, out, lse, start, limit, pos = ctx.saved_tensors
-        dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        delta = (grad_out.to(out.dtype) * out).sum(-1)  # D_i
-        if dlse is not None:
-            delta = delta - dlse.to(out.dtype)
-        state = (qf, kf, vf, start, limit, pos, ctx.window, ctx.plan)
-        dq, dk, dv = blocked_backward(state, grad_out, lse, delta)
-        dt = ctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
+
+def _forward(q, k, v, start, limit, position_ids, window, block_q, block_k):
+    """``(out, lse)`` in the compute dtype (the custom op's forward)."""
+    out, lse, _ = blocked_forward(q, k, v, start, limit, position_ids, window, block_q, block_k)
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q, k, v, out, lse, start, limit, position_ids, window, coeff, block_q, block_k):
+    """``(dq, dk, dv)`` in the input dtypes (the custom op's backward; the tiling is planned again)."""
+    state = blocked_prepare(q, k, v, start, limit, position_ids, window, block_q, block_k)
+    delta = (grad_out.to(out.dtype) * out).sum(-1)  # D_i
+    dlse = zreg_lse_grad(lse, coeff, grad_lse)
+    if dlse is not None:
+        delta = delta - dlse.to(out.dtype)
+    dq, dk, dv = blocked_backward(state, grad_out, lse, delta)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_OP = IntervalAttentionOp("blocked_attention", _forward, _backward, out_dtype=_compute_dtype,
+                          lse_dtype=_compute_dtype)
 
 
 def blocked_attention(
@@ -199,8 +200,7 @@ def blocked_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-skipping attention; returns ``(out [B, H, T, D] in q.dtype, lse [B, H, T] fp32)``.
 
-    Shapes and semantics as :func:`megatron_cai.core.transformer.attention.attend`.
+    Shapes and semantics as :func:`megatron_cai.core.transformer.attention.attend`. Runs as the custom
+    ops ``megatron_cai::blocked_attention_fwd`` / ``_bwd`` (one node under ``torch.compile``).
     """
-    return _BlockedAttention.apply(
-        q, k, v, start, limit, position_ids, window, float(zreg_coeff), int(block_q), int(block_k)
-    )
+    return _OP(q, k, v, start, limit, position_ids, window, zreg_coeff, block_q, block_k)

@@ -13,6 +13,8 @@ which the weights alone cannot tell.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,7 +63,8 @@ class SelfAttention(nn.Module):
     def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod,
                  lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
-        self.lse_stats = lse_stats  # where the interval path records [lse mean, max] (None: not recorded)
+        # where the interval path records [lse mean, max] (None: not recorded)
+        self.lse_slot = lse_stats.slot(layer_number) if lse_stats is not None else None
         tp = ps.get_tensor_model_parallel_world_size()
         self.config = config
         self.layer_number = layer_number
@@ -113,17 +116,21 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
         if self.config.recompute_granularity == "selective" and self.training and kv_cache is None:
-            out = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
-                                                    use_reentrant=False)
+            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
+                                                         use_reentrant=False)
         else:
-            out = self._core_attention(q, k, v, visibility, position_ids)
+            out, lse = self._core_attention(q, k, v, visibility, position_ids)
+        if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
+            self.lse_slot.record(lse)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
-    def _core_attention(self, q, k, v, visibility, position_ids) -> torch.Tensor:
+    def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
         cfg = self.config
         dropout = cfg.attention_dropout if self.training else 0.0
-        with get_rng_tracker().fork():
+        # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
+        with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
             if visibility is None and not cfg.attention_zreg_coeff and cfg.window_size is None:
                 # Plain causal attention (or decoding one step past a causal prefix).
                 causal = q.shape[2] == k.shape[2]
@@ -134,10 +141,10 @@ class SelfAttention(nn.Module):
                             <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
                                                       is_causal=causal,
-                                                      enable_gqa=q.shape[1] != k.shape[1])
+                                                      enable_gqa=q.shape[1] != k.shape[1]), None
             return self._interval_attention(q, k, v, visibility, position_ids, dropout)
 
-    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> torch.Tensor:
+    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
         from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
 
         cfg = self.config
@@ -146,9 +153,7 @@ class SelfAttention(nn.Module):
             backend = cfg.attention_backend or default_backend(q.device)
             out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
                                          window=cfg.window_size)
-            if self.lse_stats is not None:
-                self.lse_stats.record(self.layer_number, lse)
-            return out
+            return out, lse
         if visibility is None:
             t = k.shape[2]
             idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
@@ -159,6 +164,4 @@ class SelfAttention(nn.Module):
         out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
                           position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
                           dropout_p=dropout)
-        if self.lse_stats is not None:
-            self.lse_stats.record(self.layer_number, lse)
-        return out
+        return out, lse

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from megatron_cai.core import kernel_configs
 from megatron_cai.core.transformer import attention_tiling
+from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
 
 __all__ = ["triton_attention", "triton_backward", "triton_forward", "triton_prepare"]
@@ -299,7 +300,7 @@ def launch_tiles(q: torch.Tensor, block: int | None) -> dict[str, kernel_configs
 def triton_prepare(q, k, v, start, limit, position_ids, window, block: int | None = None):
     """Inputs in the compute dtype (fp32 for fp64 inputs), int32 intervals and the tile lists of one call:
     the ``state = (tensors, launch)`` that :func:`triton_forward` and :func:`triton_backward` run on."""
-    cd = torch.float32 if q.dtype == torch.float64 else q.dtype
+    cd = _compute_dtype(q.dtype)
     q, k, v = (_aligned(x.to(cd)) for x in (q, k, v))
     seq_q, seq_k = q.shape[2], k.shape[2]
     # Same semantics, int32-safe: positions are in [0, seq_k).
@@ -378,26 +379,31 @@ def triton_backward(state, grad_out: torch.Tensor, lse: torch.Tensor, delta: tor
     return dq, dk, dv
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, start, limit, position_ids, window, coeff, block):
-        ctx.set_materialize_grads(False)
-        out, lse, (tensors, launch) = triton_forward(q, k, v, start, limit, position_ids, window, block)
-        ctx.save_for_backward(out, lse, *tensors)
-        ctx.launch, ctx.coeff, ctx.in_dtype = launch, coeff, q.dtype
-        return out.to(q.dtype), lse
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype == torch.float64 else dtype
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        out, lse, *tensors = ctx.saved_tensors
-        do = torch.zeros_like(out) if grad_out is None else _aligned(grad_out.to(out.dtype))
-        delta = triton_delta(out, do)
-        dlse = zreg_lse_grad(lse, ctx.coeff, grad_lse)
-        if dlse is not None:
-            delta = delta - dlse.float()
-        dq, dk, dv = triton_backward((tuple(tensors), ctx.launch), do, lse, delta)
-        dt = ctx.in_dtype
-        return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
+
+def _forward(q, k, v, start, limit, position_ids, window, tile_q, tile_k):
+    """``(out, lse)``: out in the compute dtype (fp32 for fp64 inputs), lse fp32 (the custom op's forward)."""
+    out, lse, _ = triton_forward(q, k, v, start, limit, position_ids, window, tile_q or None)
+    return out, lse
+
+
+def _backward(grad_out, grad_lse, q, k, v, out, lse, start, limit, position_ids, window, coeff, tile_q, tile_k):
+    """``(dq, dk, dv)`` in the input dtypes (the custom op's backward; the tile maps are rebuilt: a few small
+    kernels)."""
+    state = triton_prepare(q, k, v, start, limit, position_ids, window, tile_q or None)
+    do = _aligned(grad_out.to(out.dtype))
+    delta = triton_delta(out, do)
+    dlse = zreg_lse_grad(lse, coeff, grad_lse)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    dq, dk, dv = triton_backward(state, do, lse, delta)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_OP = IntervalAttentionOp("triton_attention", _forward, _backward, out_dtype=_compute_dtype,
+                          lse_dtype=lambda dtype: torch.float32)
 
 
 def triton_attention(
@@ -416,7 +422,7 @@ def triton_attention(
 
     Semantics as :func:`megatron_cai.core.transformer.attention.attend`. Tiles, warps and stages come
     from :data:`kernel_configs.ATTENTION_TABLE` for the device's shared memory (16 x 16 under the
-    interpreter); ``block`` forces square tiles (tests only).
+    interpreter); ``block`` forces square tiles (tests only). Runs as the custom ops
+    ``megatron_cai::triton_attention_fwd`` / ``_bwd`` (one node under ``torch.compile``).
     """
-    return _TritonAttention.apply(q, k, v, start, limit, position_ids, window, float(zreg_coeff),
-                                  None if block is None else int(block))
+    return _OP(q, k, v, start, limit, position_ids, window, zreg_coeff, block or 0, block or 0)

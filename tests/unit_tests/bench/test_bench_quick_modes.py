@@ -145,6 +145,22 @@ def test_attention_and_zreg_benches(run):
     assert set(rows) == {"off", "zreg=0.001"} and all(r["lse_max_end"] is not None for r in rows.values())
 
 
+def test_step_overhead(run):
+    res = load(run, "step_overhead")
+    for name, reads in res["rows"]["reads"].items():  # issue 27: one read per iteration that does not log
+        assert len(reads["per_iteration"]) == res["settings"]["sync_iters"], name
+        assert reads["max_non_logging"] == 1 and reads["max_logging"] <= 2, (name, reads)
+    opt, comp, base = res["rows"]["optimizer"], res["rows"]["compile"], res["rows"]["baseline"]
+    assert opt["elements"] > 0 and set(opt["seconds"]) == {"unfused", "fused"}
+    assert set(comp["seconds"]) == {"eager", "compiled"} and comp["backend"] == "aot_eager"
+    assert set(base["tokens_per_s"]) == {"baseline", "this"} and base["trees"]["baseline"] == base["trees"]["this"]
+    for pair in (opt, comp):  # the ratio is that of the medians of the alternated windows (slow / fast)
+        slow, fast = pair["windows"].values()
+        assert pair["ratio"] == pytest.approx(statistics.median(slow) / statistics.median(fast))
+    this, other = base["windows"]["this"], base["windows"]["baseline"]
+    assert base["ratio"] == pytest.approx(statistics.median(this) / statistics.median(other))
+
+
 def test_distill_stores_hold_the_format_bytes(run):
     res = load(run, "distill")
     k = res["config"]["k"]

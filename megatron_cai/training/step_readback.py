@@ -1,0 +1,69 @@
+"""What the training loop decides on the host after a step, read back from the device in one transfer.
+
+Each read of a device value (``.item()``, ``bool(t)``, ``.tolist()``) stalls the host until the
+accelerator has finished everything queued before it, so kernels stop overlapping Python. A training
+iteration that does not log reads once, after the gradient-norm reduction::
+
+    [sum of squared gradients, non-finite micro-batch losses, exit requested]   all-reduced (sum) over the world
+    [loss means ...]                                                             averaged over DP x CP (last stage)
+
+Everything the loop needs follows from it: the global grad norm (non-finite when any gradient is, including
+Squinch's non-finite flag, which fills the reduced bucket with NaN on the device), the fp16 overflow, the
+divergence check over every rank's losses (accumulated on the device per micro-batch), the loss values
+for the log window, the spike check and the history, and whether any rank received an exit signal.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core import parallel_state as ps
+
+
+@dataclass(frozen=True)
+class StepReadback:
+    grad_norm: float          # global L2 norm of the DP-mean gradient; nan when any element is not finite
+    losses: dict[str, float]  # each statistic's mean over micro-batches and DP x CP ranks (last stage; {} elsewhere)
+    nonfinite_loss: bool      # some rank's micro-batch statistic was NaN or Inf
+    exit_requested: bool      # some rank received SIGTERM / SIGUSR1
+
+
+def loss_means(stats: list[dict], dp_group, dp_size: int) -> tuple[list[str], torch.Tensor | None]:
+    """Keys and, on the device, each key's mean over this rank's micro-batches averaged over DP (fp32).
+
+    Collective over DP on the ranks that hold losses; nothing is read back."""
+    keys = list(stats[0].keys()) if stats else []
+    if not keys:
+        return [], None
+    vec = torch.stack([torch.stack([s[k].float() for s in stats]).mean() for k in keys])
+    if dp_size > 1:
+        dist.all_reduce(vec, group=dp_group)
+        vec /= dp_size
+    return keys, vec
+
+
+def nonfinite_count(stats: list[dict], device: torch.device) -> torch.Tensor:
+    """How many statistic values of this rank's micro-batches are NaN or Inf (a device scalar, fp64)."""
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for s in stats:
+        for v in s.values():
+            if isinstance(v, torch.Tensor):
+                count += (~torch.isfinite(v.detach())).sum()
+    return count
+
+
+def read_step(norm_sq: torch.Tensor, stats: list[dict], exit_signal: bool, device: torch.device) -> StepReadback:
+    """The step's one read-back (collective over the world; over DP x CP for the losses)."""
+    keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
+                             ps.get_data_parallel_world_size(with_context_parallel=True))
+    flags = torch.stack([norm_sq.to(torch.float64), nonfinite_count(stats, device),
+                         torch.full((), float(exit_signal), dtype=torch.float64, device=device)])
+    if ps.get_world_size() > 1:
+        dist.all_reduce(flags)
+    vec = flags if means is None else torch.cat([flags, means.to(torch.float64)])
+    total, nonfinite, exits, *losses = vec.tolist()  # the one host read
+    return StepReadback(grad_norm=math.sqrt(total) if math.isfinite(total) else float("nan"),
+                        losses=dict(zip(keys, losses)), nonfinite_loss=nonfinite > 0, exit_requested=exits > 0)
