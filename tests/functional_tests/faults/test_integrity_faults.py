@@ -131,6 +131,47 @@ def test_damaged_async_torch_dist_checkpoint_is_one_error(dist_base, tmp_path, d
     canonical_equal(run_dir, dist_base, 2)  # the last good iteration is intact
 
 
+@pytest.fixture(scope="module")
+def dist_sync(tmp_path_factory) -> str:
+    """Two iterations of the base run saved synchronously in torch_dist format (one rank)."""
+    root = str(tmp_path_factory.mktemp("dist_sync") / "ckpt")
+    proc = run([*BASE[:-1], "2", "--save", root, "--save-interval", "1", "--ckpt-format", "torch_dist"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+def test_a_flip_anywhere_in_any_format_is_one_error_naming_the_file(base, dist_base, dist_sync, tmp_path):
+    """Every file of a checkpoint is in its manifest, in both formats, saved synchronously or by --async-save;
+    one flipped byte anywhere in any of them (the manifest too) makes loading raise one error naming it."""
+    from megatron_cai.training.checkpoint import CheckpointError
+    from megatron_cai.training.checkpoint.checkpointer import verify_checkpoint
+
+    torch_async = str(tmp_path / "torch_async")
+    proc = run([*BASE[:-1], "2", "--save", torch_async, "--save-interval", "1", "--async-save"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = {"torch sync": (base, 2), "torch async": (torch_async, 2), "torch_dist sync": (dist_sync, 2),
+             "torch_dist async": (dist_base, 3)}
+    for case, (root, it) in cases.items():
+        d = os.path.join(root, f"iter_{it:07d}")
+        on_disk = sorted(os.path.relpath(os.path.join(w, f), d) for w, _, fs in os.walk(d) for f in fs)
+        listed = sorted(json.load(open(os.path.join(d, "checksums.json")))["files"])
+        assert [f for f in on_disk if f != "checksums.json"] == listed and len(listed) >= 2, (case, on_disk)
+        verify_checkpoint(root, it)  # intact: verifies
+        for rel in on_disk:
+            path = os.path.join(d, rel)
+            original = open(path, "rb").read()
+            for offset in (0, len(original) // 2, len(original) - 1):
+                data = bytearray(original)
+                data[offset] ^= 0x01
+                open(path, "wb").write(bytes(data))
+                try:
+                    with pytest.raises(CheckpointError) as e:
+                        verify_checkpoint(root, it)
+                finally:
+                    open(path, "wb").write(original)
+                assert path in str(e.value) and "hash mismatch" in str(e.value), (case, rel, offset, str(e.value))
+
+
 # ----------------------------------------------------------------------------------- overwrites
 @pytest.mark.parametrize("where", ["other_run", "same_run"])
 def test_resuming_an_earlier_step_never_replaces_later_iterations(base, tmp_path, where):
@@ -333,9 +374,8 @@ def test_a_stopped_rank_makes_the_others_exit_naming_it(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- small things
-def test_generate_reads_torch_dist(tmp_path):
-    save = str(tmp_path / "dist")
-    assert run([*BASE[:-1], "2", "--save", save, "--ckpt-format", "torch_dist"]).returncode == 0
+def test_generate_reads_torch_dist(dist_sync):
+    save = dist_sync
     gen = os.path.join(ROOT, "tools", "generate.py")
     proc = run(["--load", save, "--tokenizer-type", "NullTokenizer", "--prompt", "1 2 3", "--max-new-tokens", "4",
                 "--seed", "1"], script=gen)
