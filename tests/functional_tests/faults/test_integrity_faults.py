@@ -312,6 +312,9 @@ def test_a_replaced_tokenizer_is_noticed_on_resume(tmp_path):
     assert_kept(before, save, allow_new=False)
     proc = run([*flags, "--train-iters", "3", "--load", save, "--save", save, "--allow-tokenizer-change"])
     assert proc.returncode == 0 and "WARNING: the tokenizer" in proc.stdout, proc.stderr[-2000:]
+    # a fine-tune may change it too (iteration 2 was saved with the first tokenizer, 3 with this one)
+    proc = run([*flags, "--train-iters", "1", "--load", save, "--ckpt-step", "2", "--finetune"])
+    assert proc.returncode == 0 and "WARNING: the tokenizer" in proc.stdout, proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------ bad numbers
