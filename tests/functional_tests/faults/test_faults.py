@@ -247,7 +247,9 @@ def test_damaged_checkpoint_names_the_file(base, tmp_path, damage):
 
 
 def test_bad_metadata_json_names_the_file(base, tmp_path):
+    """Without content hashes (an older checkpoint) the JSON reader names the file; with them the hash does."""
     run_dir = copy_run(base, tmp_path, 4)
+    os.remove(os.path.join(run_dir, "iter_0000004", "checksums.json"))
     meta = os.path.join(run_dir, "iter_0000004", "metadata.json")
     with open(meta, "w") as f:
         f.write('{"iteration": 4, "tensor_model')
