@@ -45,6 +45,9 @@ def test_check_run_dirs_cases(tmp_path):
     run_dirs.check_run_dirs(tracked, tracked)
     with pytest.raises(CheckpointError, match="Resume with --load"):
         run_dirs.check_run_dirs(None, tracked)
+    lagging = _mk_run(tmp_path / "lagging", [2, 4], tracker=2)  # killed between publishing 4 and the tracker
+    with pytest.raises(CheckpointError, match="after the one this run resumes: iter_0000004"):
+        run_dirs.check_run_dirs(lagging, lagging)
 
 
 def test_check_conversion_target(tmp_path):
