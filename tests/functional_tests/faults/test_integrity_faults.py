@@ -144,8 +144,7 @@ def dist_sync(tmp_path_factory) -> str:
 def test_a_flip_anywhere_in_any_format_is_one_error_naming_the_file(base, dist_base, dist_sync, tmp_path):
     """Every file of a checkpoint is in its manifest, in both formats, saved synchronously or by --async-save;
     one flipped byte anywhere in any of them (the manifest too) makes loading raise one error naming it."""
-    from megatron_cai.training.checkpoint import CheckpointError
-    from megatron_cai.training.checkpoint.checkpointer import verify_checkpoint
+    from megatron_cai.training.checkpoint import CheckpointError, verify_checkpoint
 
     torch_async = str(tmp_path / "torch_async")
     proc = run([*BASE[:-1], "2", "--save", torch_async, "--save-interval", "1", "--async-save"])
