@@ -24,7 +24,8 @@ from harness.results import dump_json, machine  # noqa: E402
 
 # Every bench of bench/ (bench/gpu/ is the GPU machine's), cheapest first, with what CI adds to --quick:
 # the shaped-link benches run on the loopback, without network namespaces (no root).
-BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [], "attention": [],
+BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [], "context_parallel": [],
+           "attention": [],
            "train_throughput": [], "checkpoint": [], "fp16_training": [], "qat_training": [], "zreg_bf16": [],
            "clamp_drift": [], "distill_seeds": [], "distill": [], "zreg_tree_training": [], "dp_comm": [],
            "fsdp_memory": [], "squinch_phases": ["--no-netns"], "squinch_convergence": [],

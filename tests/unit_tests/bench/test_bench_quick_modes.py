@@ -229,7 +229,8 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
                  "attention": lambda p: "repeats" not in p["config"]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "distill", "distill_seeds", "dp_comm", "fp16_training",
+@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "distill", "distill_seeds",
+                                  "dp_comm", "fp16_training",
                                   "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
                                   "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
 def test_committed_reports_are_what_the_bench_makes_of_its_json(name, tmp_path):
