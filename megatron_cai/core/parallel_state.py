@@ -155,8 +155,9 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    global _STATE
+    global _STATE, _GROUP_TIMEOUT
     _STATE = None
+    _GROUP_TIMEOUT = None
 
 
 def _s() -> _State:

@@ -229,7 +229,10 @@ def test_out_of_vocabulary_ids_are_one_error(tmp_path, bad_id, why):
 # --------------------------------------------------------------------------------- 5. I/O errors
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_damaged_checkpoint_names_the_file(base, tmp_path, damage):
+    """A checkpoint saved before content hashes were recorded (no checksums.json): it says so in one line, and
+    the reader itself names the damaged file (with hashes, test_integrity_faults finds it first)."""
     run_dir = copy_run(base, tmp_path, 4)
+    os.remove(os.path.join(run_dir, "iter_0000004", "checksums.json"))
     path = rank_file(run_dir, 4)
     data = open(path, "rb").read()
     with open(path, "wb") as f:
@@ -238,12 +241,15 @@ def test_damaged_checkpoint_names_the_file(base, tmp_path, damage):
     proc = run([*BASE, "--load", run_dir, "--save", run_dir])
     expected = "truncated or corrupt torch file" if damage == "truncate" else "not a torch file"
     assert_one_error(proc, path, expected, "rank 0")
+    assert "iter_0000004 carries no content hashes" in proc.stdout, proc.stdout[-2000:]
     assert_kept(before, run_dir, allow_new=False)
     assert_resumes_bit_exactly(run_dir, 2, base, tmp_path)  # the previous checkpoint is intact
 
 
 def test_bad_metadata_json_names_the_file(base, tmp_path):
+    """Without content hashes (an older checkpoint) the JSON reader names the file; with them the hash does."""
     run_dir = copy_run(base, tmp_path, 4)
+    os.remove(os.path.join(run_dir, "iter_0000004", "checksums.json"))
     meta = os.path.join(run_dir, "iter_0000004", "metadata.json")
     with open(meta, "w") as f:
         f.write('{"iteration": 4, "tensor_model')

@@ -121,6 +121,10 @@ def test_checkpoint_saves_both_formats_sync_and_async(run):
             assert modes["sync"]["bytes"]["median"] > 12 * entry["params"]  # fp32 weights + two Adam moments
             assert modes["async"]["bytes"]["median"] == pytest.approx(modes["sync"]["bytes"]["median"], rel=0.01)
             assert modes["async"]["stall_s"]["median"] <= modes["async"]["save_s"]["median"]
+            # issue 28's figures: the hash cost (sync save over the save with hashing off) and verify / save
+            assert math.isfinite(modes["hash_cost"]["median"]) and modes["sync-nohash"]["save_s"]["median"] > 0
+            assert 0 < modes["verify_over_save"]["median"] == pytest.approx(
+                modes["sync"]["verify_s"]["median"] / modes["sync"]["save_s"]["median"], rel=1e-6)
 
 
 def test_quantization_benches(run):

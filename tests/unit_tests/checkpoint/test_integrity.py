@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from testlib.damage import each_byte_flipped
 
 from megatron_cai.training.checkpoint import CheckpointError
 from megatron_cai.training.checkpoint import dcp_pieces as dc
@@ -67,10 +68,7 @@ def test_any_flipped_byte_is_found_and_named(tmp_path):
     for rel, spec in manifest["files"].items():
         path = os.path.join(d, rel)
         original = open(path, "rb").read()
-        for offset in (0, len(original) // 2, len(original) - 1):
-            data = bytearray(original)
-            data[offset] ^= 0x40
-            open(path, "wb").write(bytes(data))
+        for offset in each_byte_flipped(path, 0x40):
             _, bad = ig.verify_iteration(d)
             assert [(m.path, m.cause) for m in bad] == [(path, "hash mismatch")], (rel, offset)
             assert spec["hash"] in bad[0].expected and spec["hash"] not in bad[0].found

@@ -45,6 +45,9 @@ def test_check_run_dirs_cases(tmp_path):
     run_dirs.check_run_dirs(tracked, tracked)
     with pytest.raises(CheckpointError, match="Resume with --load"):
         run_dirs.check_run_dirs(None, tracked)
+    lagging = _mk_run(tmp_path / "lagging", [2, 4], tracker=2)  # killed between publishing 4 and the tracker
+    with pytest.raises(CheckpointError, match="after the one this run resumes: iter_0000004"):
+        run_dirs.check_run_dirs(lagging, lagging)
 
 
 def test_check_conversion_target(tmp_path):
@@ -57,3 +60,32 @@ def test_check_conversion_target(tmp_path):
     run_dirs.check_conversion_target(src, busy, overwrite=True)
     run_dirs.check_conversion_target(src, str(tmp_path / "new"))
     run_dirs.check_conversion_target(src, _mk_run(tmp_path / "empty", []))
+
+
+def test_check_paths_names_the_flag_and_the_cause(tmp_path, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(CheckpointError, match=f"--save {afile} exists and is not a directory"):
+        run_dirs.check_paths(None, str(afile))
+    with pytest.raises(CheckpointError, match=f"--load {afile} exists and is not a directory"):
+        run_dirs.check_paths(str(afile), None)
+    new = tmp_path / "a" / "b"
+    run_dirs.check_paths(None, str(new))  # created, and left without the write probe
+    assert os.listdir(new) == []
+    run = _mk_run(tmp_path / "run", [1], tracker=1)
+    real_access = os.access  # root reads everything: the permission answer is the one that matters here
+    monkeypatch.setattr(os, "access", lambda p, m: False if str(p).startswith(run) else real_access(p, m))
+    with pytest.raises(CheckpointError, match=f"--load {run} is not readable \\(permission denied\\)"):
+        run_dirs.check_paths(run, None)
+
+
+def test_free_space_warning_names_both_figures(tmp_path):
+    import shutil
+
+    free = shutil.disk_usage(tmp_path).free
+    assert run_dirs.free_space_warning(str(tmp_path), 1000) is None
+    line = run_dirs.free_space_warning(str(tmp_path), 2 * free + 10**9)
+    assert line.startswith("WARNING: --save") and str(tmp_path) in line
+    # the free figure is read again inside the call, so it may have moved by a little since ours
+    got_free = int(line.split(" bytes) free")[0].rsplit("(", 1)[1])
+    assert abs(got_free - free) < 10**8 and f"({2 * free + 10**9} bytes)" in line

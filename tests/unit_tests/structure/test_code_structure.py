@@ -501,3 +501,68 @@ def test_every_test_folder_is_a_package(tmp_path):
     (tmp_path / "unit_tests" / "newarea").mkdir(parents=True)
     (tmp_path / "unit_tests" / "newarea" / "test_x.py").write_text("")
     assert _test_folders_without_init(str(tmp_path)) == ["unit_tests/newarea"]
+
+
+# ------------------------------------------------------------------------------- group timeouts
+# Calls that make a process group without the run's timeout, each with its reason: the helper itself (it sets
+# the timeout), the one-process group FSDP2 needs at world size 1 (no peer to wait for), the test harness.
+_UNTIMED_GROUP_CALLS = {
+    ("megatron_cai.core.parallel_state", "new_group"),
+    ("megatron_cai.core.distributed.fsdp", "build_dp_mesh"),
+    ("megatron_cai.testing.distributed", "_entry"),
+}
+
+
+def _untimed_group_calls(modules: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(module, enclosing function, line) of every ``dist.new_group`` / ``init_process_group`` /
+    ``new_subgroups`` call without ``timeout=`` (calls to parallel_state's own ``new_group`` helper are fine)."""
+    out = []
+    for module, path in modules.items():
+        tree = ast.parse(open(path).read())
+        enclosing = {}
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    enclosing[node] = fn.name  # inner functions come later in the walk and win
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, (ast.Attribute, ast.Name)):
+                continue
+            name = call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id
+            owner = call.func.value.id if isinstance(call.func, ast.Attribute) and isinstance(
+                call.func.value, ast.Name) else None
+            if name not in ("new_group", "init_process_group", "new_subgroups", "new_subgroups_by_enumeration"):
+                continue
+            if name == "new_group" and owner in ("ps", "parallel_state", None):
+                continue  # the package's helper, which applies --distributed-timeout-minutes
+            if not any(k.arg == "timeout" for k in call.keywords):
+                out.append((module, enclosing.get(call, "<module>"), call.lineno))
+    return sorted(set(out))
+
+
+def test_every_process_group_is_made_with_the_runs_timeout():
+    offenders = [o for o in _untimed_group_calls(MODULES) if o[:2] not in _UNTIMED_GROUP_CALLS]
+    assert not offenders, f"process groups made without timeout= (use parallel_state.new_group): {offenders}"
+
+
+def test_the_group_timeout_rule_catches_an_untimed_group(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("import torch.distributed as dist\ndef f():\n    return dist.new_group([0, 1])\n"
+                 "def g():\n    dist.init_process_group('gloo', timeout=t)\n")
+    assert _untimed_group_calls({"m": str(p)}) == [("m", "f", 3)]
+
+
+def test_parallel_state_gives_every_group_the_timeout(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_cai.core import parallel_state as ps
+
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: made.append(kw) or "group")
+    try:
+        ps.initialize_model_parallel(1, 1, timeout=datetime.timedelta(minutes=3))
+        assert ps.new_group([0], backend="gloo") == "group"
+    finally:
+        ps.destroy_model_parallel()
+    assert made == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=3)}]
