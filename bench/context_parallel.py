@@ -30,12 +30,10 @@ runs one forward on each rank's share of the row: the bytes of the tensors it sa
 (every tensor above 64 KiB its own mmap, so resident memory follows live tensors; bench/fsdp_memory.py's
 method), per rank.
 
-    python bench/context_parallel.py [--quick] [--seq 16384 32768] [--cp 1 2 4] [--no-memory]
+    python bench/context_parallel.py [--quick] [--seq 16384 32768] [--cp 1 2 4] [--no-memory] [--from-json]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import random
@@ -47,6 +45,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import harness as H  # noqa: E402
 
 from megatron_cai.core.context_parallel.batch import split_for  # noqa: E402
 from megatron_cai.core.context_parallel.plan import build_rank_plan  # noqa: E402
@@ -262,17 +262,35 @@ def markdown(summary: list[dict], memory: bool) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="T = 2048 and 4096 (a smoke run; not the claim)")
-    ap.add_argument("--seq", type=int, nargs="*", default=None, help="default 16384 32768")
-    ap.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
-    ap.add_argument("--seeds", type=int, default=None, help="rows drawn per packed batch (default 5; quick 2)")
-    ap.add_argument("--no-memory", action="store_true", help="exact counts only (no gloo ranks)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "context_parallel"))
-    a = ap.parse_args()
-    seqs = a.seq or ([2048, 4096] if a.quick else [16384, 32768])
-    seeds = a.seeds or (2 if a.quick else 5)
+def render(payload: dict) -> str:
+    """PREFIX.md from PREFIX.json (also ``--from-json``)."""
+    memory = payload.get("memory", True)
+    return ("# Context parallelism per rank (bench/context_parallel.py)\n\n" + __doc__.split("\n\n", 1)[1]
+            .split("    python")[0] + "\nBytes are forward + backward (the dense ring's likewise); GFLOP "
+            "are forward (the backward visits the same tiles). Ratios are the worst rank's; cells with a range "
+            "are the median (min-max) over seeds. Memory: the first seed's row.\n\n"
+            + markdown(payload["summary"], memory) + "\n\n" + "\n".join(f"- {c}" for c in payload["acceptance"])
+            + "\n")
+
+
+def _quick(opts) -> None:
+    """--quick (CI): T 2048, CP 1 and 2, one seed; memory measured once (plain causal, CP 2)."""
+    opts.seq, opts.cp, opts.seeds = opts.seq or [2048], [1, 2], opts.seeds or 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "context_parallel")
+    p.add_argument("--seq", type=int, nargs="*", default=None, help="default 16384 32768")
+    p.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--seeds", type=int, default=None, help="rows drawn per packed batch (default 5)")
+    p.add_argument("--no-memory", action="store_true", help="exact counts only (no gloo ranks)")
+    a = H.parse(p, argv, quick=_quick)
+    out = H.Results(a.out)
+    if a.from_json:
+        out.rewrite(render)
+        return
+    seqs = a.seq or [16384, 32768]
+    seeds = a.seeds or 5
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks: RSS follows live tensors
     rows = []
     for seq in seqs:
@@ -280,26 +298,18 @@ def main() -> None:
             for cp in a.cp:
                 for seed in range(1 if kind == "plain causal" else seeds):
                     rows += exact_rows(kind, seq, cp, seed)
-                if not a.no_memory:  # on the first seed's row
+                measure = not a.no_memory and (not a.quick or (kind, cp) == ("plain causal", 2))
+                if measure:  # on the first seed's row
                     rows += memory_rows(kind, seq, cp)
                 print(summarize([r for r in rows if (r["kind"], r["seq"], r["cp"]) == (kind, seq, cp)])[0],
                       flush=True)
     summary = summarize(rows)
-    table = markdown(summary, not a.no_memory)
     checks = acceptance(summary)
-    print(table)
     print("\n".join(checks))
     print(f"load average {os.getloadavg()} (no timings here: every number but the peak is an exact count)")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"seqs": seqs, "cp": a.cp, "seeds": seeds, "key_bytes": KEY_BYTES, "flops_per_pair": FLOPS_PER_PAIR,
-                   "tile": TILE, "rows": rows, "summary": summary, "acceptance": checks}, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write("# Context parallelism per rank (bench/context_parallel.py)\n\n" + __doc__.split("\n\n", 1)[1]
-                .split("    python")[0] + "\nBytes are forward + backward (the dense ring's likewise); GFLOP "
-                "are forward (the backward visits the same tiles). Ratios are the worst rank's; cells with a range "
-                "are the median (min-max) over seeds. Memory: the first seed's row.\n\n"
-                + table + "\n\n" + "\n".join(f"- {c}" for c in checks) + "\n")
+    out.write({"seqs": seqs, "cp": a.cp, "seeds": seeds, "key_bytes": KEY_BYTES, "flops_per_pair": FLOPS_PER_PAIR,
+               "tile": TILE, "memory": not a.no_memory, "rows": rows, "summary": summary, "acceptance": checks},
+              render, record_machine=False)
 
 
 if __name__ == "__main__":
