@@ -154,8 +154,12 @@ def measure_codec(sizes: list[int], repeats: int) -> dict:
     """Codec timings on one thread: each (kind, elements, rows) alternated, ``repeats`` times."""
     import torch
 
-    from megatron_cai.core.distributed.squinch_collectives import decode_rows_into, decode_sum_into, encode_rows
-    from megatron_cai.core.squinch import payload_nbytes
+    from megatron_cai.core.distributed.squinch_collectives import (
+        decode_rows_into,
+        decode_sum_into,
+        encode_rows,
+        row_nbytes,
+    )
 
     torch.set_num_threads(1)
     cases = []
@@ -172,7 +176,7 @@ def measure_codec(sizes: list[int], repeats: int) -> dict:
         c = el // rows
         send = encode_rows(x, rows, None)
         data[kind, el, rows] = (x, torch.zeros(el), send, torch.empty(c), torch.empty(el), c)
-    assert send.shape[1] == 1 + payload_nbytes(c)
+    assert send.shape[1] == row_nbytes(c)  # payload, flag, padding to the 16-byte row alignment
 
     def run(kind, el, rows):
         x, res, send, shard, full, c = data[kind, el, rows]
