@@ -47,7 +47,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from ..squinch import payload_nbytes
+from .squinch_collectives import row_nbytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "uint8": 1}
 REDUCERS = ("fp32", "bf16", "squinch")
@@ -317,7 +317,7 @@ def work_time(w: Work, codec: CodecCost) -> float:
 
 
 def _row_bytes(elems: int) -> int:
-    return 1 + payload_nbytes(elems)  # flag byte + 6-bit payload
+    return row_nbytes(elems)  # the wire row: 6-bit payload, flag byte, zero padding to 16 bytes
 
 
 def bucket_stages(elems: int, topo: Topology, mode: ReducerMode) -> list[Stage]:

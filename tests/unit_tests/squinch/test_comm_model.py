@@ -62,48 +62,50 @@ def test_bf16_overlap_two_buckets_queue_on_the_link():
 
 
 def test_squinch_flat_stages_on_the_host():
-    # DP 2, one bucket of 2048 elements, shard 1024: encode 2048 el / 1e6 = 2.048 ms; a2a of 2 rows of
-    # (1 + 768) B: 1 step + (1/2) x 1538 B / 1e6 = 1 + 0.769 ms; decode-accumulate 2048 / 2e6 = 1.024 ms;
-    # re-encode 1024 / 1e6 = 1.024 ms; all-gather of 769 B: 1 step + 769 B / 1e6 = 1.769 ms;
-    # decode 2048 / 4e6 = 0.512 ms. All serial on the host after backward (10 ms): 8.146 ms.
+    # DP 2, one bucket of 2048 elements, shard 1024: encode 2048 el / 1e6 = 2.048 ms; a2a of 2 wire rows of
+    # 768 B payload + 1 flag byte, padded to 16 B: 784 B: 1 step + (1/2) x 1568 B / 1e6 = 1 + 0.784 ms;
+    # decode-accumulate 2048 / 2e6 = 1.024 ms; re-encode 1024 / 1e6 = 1.024 ms; all-gather of 784 B:
+    # 1 step + 784 B / 1e6 = 1.784 ms; decode 2048 / 4e6 = 0.512 ms. All serial on the host after backward
+    # (10 ms): 8.176 ms.
     tl = BackwardTimeline((2048,), (10 * MS,), 10 * MS, 0.0)
     p = predict(tl, dp2(), CPU, ReducerMode("squinch", overlap=False))
     scale = 2 * 2048 * 4 / 1e12
-    assert p.step_s == pytest.approx((10 + 2.048 + 1.769 + 1.024 + 1.024 + 1.769 + 0.512) * MS + scale)
-    assert p.rank_bytes == 769 + 769  # what SquinchReducer counts: a2a (n-1)/n x 1538, all-gather (n-1) x 769
+    assert p.step_s == pytest.approx((10 + 2.048 + 1.784 + 1.024 + 1.024 + 1.784 + 0.512) * MS + scale)
+    assert p.rank_bytes == 784 + 784  # what SquinchReducer counts: a2a (n-1)/n x 1568, all-gather (n-1) x 784
 
 
 def test_progress_starts_the_second_phase_at_the_next_hand_over():
     # Two Squinch buckets of 2048 elements on the host (CPU), ready at 20 and 30 ms, backward ends 40 ms.
-    # Bucket 0: encode 20 -> 22.048, a2a 22.048 -> 23.817. Host (delayed 2.048 ms) hands bucket 1 over at
+    # (Wire rows of 784 B as in the test above: a2a and all-gather 1.784 ms each.)
+    # Bucket 0: encode 20 -> 22.048, a2a 22.048 -> 23.832. Host (delayed 2.048 ms) hands bucket 1 over at
     # 32.048: progress() finds bucket 0's a2a done: decode-acc + re-encode 32.048 -> 34.096, all-gather
-    # 34.096 -> 35.865 on the link; then bucket 1: encode 34.096 -> 36.144, a2a waits for the link:
-    # 36.144 -> 37.913. Backward resumes at 36.144 and ends at 40 + 6.144 = 46.144 ms; wait():
-    # bucket 0 decode 46.144 -> 46.656; bucket 1 decode-acc + re-encode -> 48.704, all-gather -> 50.473,
-    # decode -> 50.985.
+    # 34.096 -> 35.880 on the link; then bucket 1: encode 34.096 -> 36.144, a2a waits for the link:
+    # 36.144 -> 37.928. Backward resumes at 36.144 and ends at 40 + 6.144 = 46.144 ms; wait():
+    # bucket 0 decode 46.144 -> 46.656; bucket 1 decode-acc + re-encode -> 48.704, all-gather -> 50.488,
+    # decode -> 51.000.
     tl = BackwardTimeline((2048, 2048), (20 * MS, 30 * MS), 40 * MS, 0.0)
     p = predict(tl, dp2(), CPU, ReducerMode("squinch", overlap=True, stages="progress"))
     scale = 2 * 2048 * 4 / 1e12
-    assert p.step_s == pytest.approx(50.985 * MS + 2 * scale, abs=1e-9)
+    assert p.step_s == pytest.approx(51.000 * MS + 2 * scale, abs=1e-9)
     assert p.host_in_backward_s == pytest.approx(6.144 * MS + 2 * scale, abs=1e-9)
     # "wait": bucket 0's second phase only after backward: backward ends at 40 + 4.096 ms; then
-    # b0: decode-acc + re-encode 44.096 -> 46.144, all-gather -> 47.913, decode -> 48.425;
-    # b1: its a2a (34.144 -> 35.913) is long done: decode-acc + re-encode -> 50.473, all-gather -> 52.242,
-    # decode -> 52.754.
+    # b0: decode-acc + re-encode 44.096 -> 46.144, all-gather -> 47.928, decode -> 48.440;
+    # b1: its a2a (34.144 -> 35.928) is long done: decode-acc + re-encode -> 50.488, all-gather -> 52.272,
+    # decode -> 52.784.
     w = predict(tl, dp2(), CPU, ReducerMode("squinch", overlap=True, stages="wait"))
-    assert w.step_s == pytest.approx(52.754 * MS + 2 * scale, abs=1e-9)
+    assert w.step_s == pytest.approx(52.784 * MS + 2 * scale, abs=1e-9)
 
 
 def test_chained_stages_start_when_the_collective_completes():
-    # On a stream (GPU): bucket 0 encode 20 -> 22.048, a2a -> 23.817; chained: its second phase starts at
-    # 23.817 only when something polls; the hand-over of bucket 1 at 30 ms runs it from 23.817 (the
-    # stream was idle): decode-acc + re-encode -> 25.865, all-gather -> 27.634. "progress" starts it at
+    # On a stream (GPU), wire rows of 784 B: bucket 0 encode 20 -> 22.048, a2a -> 23.832; chained: its second
+    # phase starts at 23.832 only when something polls; the hand-over of bucket 1 at 30 ms runs it from
+    # 23.832 (the stream was idle): decode-acc + re-encode -> 25.880, all-gather -> 27.664. "progress" starts it at
     # the poll time (30 ms) instead, and the step ends later.
     tl = BackwardTimeline((2048, 2048), (20 * MS, 30 * MS), 40 * MS, 0.0)
     chained = predict(tl, dp2(), GPU, ReducerMode("squinch", stages="chained"))
     polled = predict(tl, dp2(), GPU, ReducerMode("squinch", stages="progress"))
     ag0 = [e for e in chained.events if e[0] == 0 and e[1] == "all-gather"][0]
-    assert ag0[3] == pytest.approx(25.865 * MS + 2 * 2048 * 4 / 1e12, abs=1e-9)
+    assert ag0[3] == pytest.approx(25.880 * MS + 2 * 2048 * 4 / 1e12, abs=1e-9)
     ag0p = [e for e in polled.events if e[0] == 0 and e[1] == "all-gather"][0]
     assert ag0p[3] == pytest.approx(32.048 * MS, abs=1e-9)
     # the compute stream is never delayed on a GPU: backward ends at 40 ms; bucket 1: encode from 30
@@ -125,19 +127,19 @@ def test_wire_bytes_of_flat_and_hierarchical_squinch_at_eight_per_node():
 def test_hierarchical_beats_flat_across_nodes_of_eight():
     # 64 ranks, 8 per node, one 64M-element fp32 bucket, no overlap, links only (free codec, no latency).
     # Flat: a2a per node 8 x 7/8 x Sc, all-gather 63 x Sc/64; hierarchical: 7/8 x Sc each way, where
-    # Sc = 64 rows x (1 + 6 x 1M / 8) B = 48M + 64 B. bf16 ring: 2 x 63/64 x 128 MB.
+    # Sc = 64 rows x (6 x 1M / 8 + 1 flag byte, padded to 16) B = 64 x 786448 B. bf16 ring: 2 x 63/64 x 128 MB.
     link = Tier(OpCost(0.0, 1e9))
     topo = Topology(dp=64, ranks_per_node=8, intra=Tier(OpCost(0.0, 1e15)), inter=link)
     free = CodecCost(1e18, 1e18, 1e18, 1e18, 0.0, on_host=False, launch_overlaps_work=True)
     tl = BackwardTimeline((64 * 2**20,), (1.0,), 1.0, 0.0)
-    sc = 64 * (1 + 6 * 2**20 // 8)
+    sc = 64 * 786448
     flat = predict(tl, topo, free, ReducerMode("squinch", overlap=False))
     hier = predict(tl, topo, free, ReducerMode("squinch", hierarchical=True, overlap=False))
     bf16 = predict(tl, topo, free, ReducerMode("bf16", overlap=False))
     assert flat.node_bytes == pytest.approx(8 * 7 / 8 * sc + 63 * sc / 64)
-    # hierarchical: the inter-node all-to-all of 8 rows of (1 + 6 x 2^17 / 8 x ... ) per local rank: each
-    # of the 8 groups sends 7/8 of its slice (8 rows of (1 + 98304) B) per node, and as much back
-    row = 1 + 6 * (2**20) // 8
+    # hierarchical: the inter-node all-to-all of 8 rows per local rank: each of the 8 groups sends 7/8 of
+    # its slice (8 wire rows of 786448 B) per node, and as much back
+    row = 786448
     assert hier.node_bytes == pytest.approx(8 * (7 / 8 * 8 * row + 7 * row))
     assert bf16.node_bytes == pytest.approx(2 * 63 / 64 * 2 * 64 * 2**20)
     assert flat.exposed_s == pytest.approx(flat.node_bytes / 1e9, rel=1e-3)
