@@ -30,23 +30,20 @@ runs one forward on each rank's share of the row: the bytes of the tensors it sa
 (every tensor above 64 KiB its own mmap, so resident memory follows live tensors; bench/fsdp_memory.py's
 method), per rank.
 
-    python bench/context_parallel.py [--quick] [--seq 16384 32768] [--cp 1 2 4] [--no-memory] [--from-json]
+    python bench/context_parallel.py [--quick] [--seq 16384 32768] [--cp 1 2 4] [--seeds 5] [--no-memory]
+    # writes bench/results/context_parallel.{json,md}; --quick: T = 2048, one seed, memory on one batch at CP 2
 """
 from __future__ import annotations
 
-import math
 import os
 import random
-import statistics
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness as H  # noqa: E402
+import harness as H  # noqa: E402  (puts the repository root on sys.path)
 
 from megatron_cai.core.context_parallel.batch import split_for  # noqa: E402
 from megatron_cai.core.context_parallel.plan import build_rank_plan  # noqa: E402
@@ -181,11 +178,6 @@ def memory_rows(kind: str, seq: int, cp: int) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------------- output
-def _spread(values: list[float]) -> dict:
-    ordered = sorted(values)
-    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1]}
-
-
 def summarize(rows: list[dict]) -> list[dict]:
     """One line per (kind, T, CP): per seed the worst rank's ratios, then median / min / max over seeds."""
     out = []
@@ -207,7 +199,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "chunks": sorted({p["chunks"] for p in per_seed}),
                 "dense_total_bytes": per_seed[0]["dense_total_bytes"], "dense_flops": per_seed[0]["dense_flops"]}
         for k in ("imbalance", "total_bytes", "bytes_ratio", "flops", "flops_ratio", "visible_ratio"):
-            line[k] = _spread([p[k] for p in per_seed])
+            line[k] = H.spread([p[k] for p in per_seed])
         mem = [r for r in rows if (r["kind"], r["seq"], r["cp"]) == key and "peak_bytes" in r]
         if mem:
             line["max_saved_bytes"] = max(r["saved_bytes"] for r in mem)
@@ -256,60 +248,59 @@ def markdown(summary: list[dict], memory: bool) -> str:
                 f"{s['dense_flops'] / 1e9:.1f} | {_cell(s['flops_ratio'], '.3f')} | "
                 f"{_cell(s['visible_ratio'], '.3f')} |")
         if memory:
-            line += (f" {s.get('max_saved_bytes', math.nan) / MIB:.1f} | "
-                     f"{s.get('max_peak_bytes', math.nan) / MIB:.1f} |")
+            line += "".join(f" {s[k] / MIB:.1f} |" if k in s else " |" for k in ("max_saved_bytes", "max_peak_bytes"))
         lines.append(line)
     return "\n".join(lines)
 
 
 def render(payload: dict) -> str:
-    """PREFIX.md from PREFIX.json (also ``--from-json``)."""
-    memory = payload.get("memory", True)
+    """The report, from the JSON alone (``--from-json`` rewrites it)."""
+    memory = any("peak_bytes" in r for r in payload["rows"])
+    m = payload["machine"]["end"]
     return ("# Context parallelism per rank (bench/context_parallel.py)\n\n" + __doc__.split("\n\n", 1)[1]
-            .split("    python")[0] + "\nBytes are forward + backward (the dense ring's likewise); GFLOP "
-            "are forward (the backward visits the same tiles). Ratios are the worst rank's; cells with a range "
-            "are the median (min-max) over seeds. Memory: the first seed's row.\n\n"
+            .split("    python")[0] + f"\nT = {', '.join(map(str, payload['seqs']))}; CP = "
+            f"{', '.join(map(str, payload['cp']))}; {payload['seeds']} seed(s) per packed batch. Bytes are forward + "
+            "backward (the dense ring's likewise); GFLOP are forward (the backward visits the same tiles). Ratios "
+            "are the worst rank's; cells with a range are the median (min-max) over seeds. Memory: the first "
+            f"seed's row. Load average at the end {m['load_average']} on {m['cpus']} CPUs (no timings here: every "
+            "number but the peak is an exact count).\n\n"
             + markdown(payload["summary"], memory) + "\n\n" + "\n".join(f"- {c}" for c in payload["acceptance"])
             + "\n")
 
 
-def _quick(opts) -> None:
-    """--quick (CI): T 2048, CP 1 and 2, one seed; memory measured once (plain causal, CP 2)."""
-    opts.seq, opts.cp, opts.seeds = opts.seq or [2048], [1, 2], opts.seeds or 1
-
-
 def main(argv: list[str] | None = None) -> None:
     p = H.parser(__doc__, "context_parallel")
-    p.add_argument("--seq", type=int, nargs="*", default=None, help="default 16384 32768")
-    p.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4])
-    p.add_argument("--seeds", type=int, default=None, help="rows drawn per packed batch (default 5)")
-    p.add_argument("--no-memory", action="store_true", help="exact counts only (no gloo ranks)")
-    a = H.parse(p, argv, quick=_quick)
-    out = H.Results(a.out)
+    p.add_argument("--seq", type=int, nargs="*", default=[16384, 32768], help="sequence lengths T")
+    p.add_argument("--cp", type=int, nargs="*", default=[1, 2, 4], help="context-parallel sizes")
+    p.add_argument("--seeds", type=int, default=5, help="rows drawn per packed batch")
+    p.add_argument("--memory-kinds", nargs="*", default=list(KINDS), choices=KINDS,
+                   help="batches whose memory is measured on gloo ranks (none: exact counts only)")
+    p.add_argument("--memory-cp", type=int, nargs="*", default=None,
+                   help="context-parallel sizes whose memory is measured (default: every --cp)")
+    p.add_argument("--no-memory", dest="memory_kinds", action="store_const", const=[],
+                   help="exact counts only (no gloo ranks)")
+    # --quick: one short T, one seed, memory on one batch at CP 2 (one launch of gloo ranks)
+    a = H.parse(p, argv, quick=dict(seq=[2048], seeds=1, memory_kinds=["packed documents"], memory_cp=[2]))
+    memory_cp = a.cp if a.memory_cp is None else a.memory_cp
+    out = H.Results(a.out, {"seq": a.seq, "cp": a.cp, "seeds": a.seeds, "memory": [a.memory_kinds, memory_cp]})
     if a.from_json:
         out.rewrite(render)
         return
-    seqs = a.seq or [16384, 32768]
-    seeds = a.seeds or 5
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks: RSS follows live tensors
     rows = []
-    for seq in seqs:
+    for seq in a.seq:
         for kind in KINDS:
             for cp in a.cp:
-                for seed in range(1 if kind == "plain causal" else seeds):
-                    rows += exact_rows(kind, seq, cp, seed)
-                measure = not a.no_memory and (not a.quick or (kind, cp) == ("plain causal", 2))
-                if measure:  # on the first seed's row
-                    rows += memory_rows(kind, seq, cp)
+                for seed in range(1 if kind == "plain causal" else a.seeds):
+                    rows += out.row(f"{kind}|{seq}|{cp}|{seed}",
+                                    lambda k=kind, s=seq, c=cp, d=seed: exact_rows(k, s, c, d))
+                if kind in a.memory_kinds and cp in memory_cp:  # on the first seed's row
+                    rows += out.row(f"{kind}|{seq}|{cp}|memory", lambda k=kind, s=seq, c=cp: memory_rows(k, s, c))
                 print(summarize([r for r in rows if (r["kind"], r["seq"], r["cp"]) == (kind, seq, cp)])[0],
                       flush=True)
     summary = summarize(rows)
-    checks = acceptance(summary)
-    print("\n".join(checks))
-    print(f"load average {os.getloadavg()} (no timings here: every number but the peak is an exact count)")
-    out.write({"seqs": seqs, "cp": a.cp, "seeds": seeds, "key_bytes": KEY_BYTES, "flops_per_pair": FLOPS_PER_PAIR,
-               "tile": TILE, "memory": not a.no_memory, "rows": rows, "summary": summary, "acceptance": checks},
-              render, record_machine=False)
+    out.write({"seqs": a.seq, "cp": a.cp, "seeds": a.seeds, "key_bytes": KEY_BYTES, "flops_per_pair": FLOPS_PER_PAIR,
+               "tile": TILE, "rows": rows, "summary": summary, "acceptance": acceptance(summary)}, render)
 
 
 if __name__ == "__main__":

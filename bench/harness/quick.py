@@ -24,11 +24,12 @@ from harness.results import dump_json, machine  # noqa: E402
 
 # Every bench of bench/ (bench/gpu/ is the GPU machine's), cheapest first, with what CI adds to --quick:
 # the shaped-link benches run on the loopback, without network namespaces (no root).
-BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [], "attention": [],
+BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [], "context_parallel": [],
+           "attention": [],
            "train_throughput": [], "checkpoint": [], "fp16_training": [], "qat_training": [], "zreg_bf16": [],
            "clamp_drift": [], "distill_seeds": [], "distill": [], "zreg_tree_training": [], "dp_comm": [],
            "fsdp_memory": [], "squinch_phases": ["--no-netns"], "squinch_convergence": [],
-           "squinch_bandwidth": ["--no-netns"], "context_parallel": []}
+           "squinch_bandwidth": ["--no-netns"]}
 # Benches whose --quick is not run here, and why.
 NOT_HERE = {"squinch_scale": "its --quick checks the whole chain (phases, timelines, 9 training configurations, "
                              "the model, the projection) over a shaped veth link: root and minutes; "

@@ -264,6 +264,22 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
                    help="let this run save iterations that --save already holds (another run's, or those after "
                         "--ckpt-step): they are moved aside to iter_N.superseded-<time>, never deleted, and the "
                         "tracker moves only once the new save is complete")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="keep only the checkpoints whose iteration is a multiple of this (and the newest); the "
+                        "others of this run are deleted once a newer one is published (Megatron-LM's flag)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="also save every N iterations to the non-persistent directory (only its newest is kept); "
+                        "a resume loads it when it is newer than the persistent one")
+    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"], default=None,
+                   help="global: a normal checkpoint in --non-persistent-global-ckpt-dir (default "
+                        "<save>/non_persistent); local and in_memory are refused here")
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="where global non-persistent checkpoints go (default <save>/non_persistent)")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="Megatron-LM's per-node directory of local non-persistent checkpoints (local is refused "
+                        "here)")
+    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
+                   default="fully_parallel", help="Megatron-LM's local-checkpoint algorithm (local is refused here)")
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="resume although the tokenizer's content differs from the one the checkpoint was saved "
                         "with (by default an error; --finetune allows it too)")
@@ -623,6 +639,10 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
         overwrite_checkpoints=args.overwrite_checkpoints,
         allow_tokenizer_change=args.allow_tokenizer_change,
+        save_retain_interval=args.save_retain_interval,
+        non_persistent_save_interval=args.non_persistent_save_interval,
+        non_persistent_ckpt_type=args.non_persistent_ckpt_type,
+        non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
     )
 
 

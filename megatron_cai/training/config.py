@@ -137,6 +137,10 @@ class CheckpointConfig:
     async_save: bool = False                  # --async-save: write in the background
     overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
     allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
+    save_retain_interval: int | None = None   # keep only these multiples (and the newest) of the persistent saves
+    non_persistent_save_interval: int | None = None  # frequent saves to the non-persistent directory
+    non_persistent_ckpt_type: str | None = None      # "global" (the only one here) or None
+    non_persistent_global_ckpt_dir: str | None = None  # default: <save>/non_persistent
 
 
 @dataclass

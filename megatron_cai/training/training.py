@@ -18,6 +18,7 @@ import gc
 import inspect
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -221,6 +222,7 @@ class Trainer:
         tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
         warn_if_short_of_space(ckpt, local * tp_pp * (12 if ckpt.save_optim else 4))  # fp32 weights, Adam
         self._saved_iteration: int | None = None  # the iteration saved (or started saving) last
+        self._np_saved_iteration: int | None = None  # the same, of the non-persistent saves
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
                                          self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
@@ -230,8 +232,9 @@ class Trainer:
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
                 self.state.consumed_valid_samples = counters.get("consumed_valid_samples", 0)
                 self.state.skipped_iterations = counters.get("skipped_iterations", 0)
-                print_rank_0(f" loaded checkpoint from {ckpt.load} at iteration {self.state.iteration}")
-                self.divergence.last_good_checkpoint = iteration_dir(ckpt.load, self.state.iteration)
+                loaded = self.checkpointer.loaded_root  # --load, or its non-persistent directory when newer
+                print_rank_0(f" loaded checkpoint from {loaded} at iteration {self.state.iteration}")
+                self.divergence.last_good_checkpoint = iteration_dir(loaded, self.state.iteration)
                 self.divergence.load_state_dict(counters)
                 if same_path(ckpt.load, ckpt.save):  # that iteration is saved already: never written again
                     self._saved_iteration = self.state.iteration
@@ -419,9 +422,11 @@ class Trainer:
         return totals
 
     # ---------------------------------------------------------------------------------------- loop
-    def save(self) -> None:
-        """Save now (collective), unless the state is not finite: the checkpointer picks format and mode."""
-        if not self.config.checkpoint.save or self._saved_iteration == self.state.iteration:
+    def save(self, non_persistent: bool = False) -> None:
+        """Save now (collective), unless the state is not finite: the checkpointer picks format and mode;
+        ``non_persistent``: into the non-persistent directory (``--non-persistent-save-interval``)."""
+        last = self._np_saved_iteration if non_persistent else self._saved_iteration
+        if not self.config.checkpoint.save or last == self.state.iteration:
             return  # the same iteration reached twice (a signal or --exit-interval on a save iteration)
         self.finalize_async_save(blocking=True)  # one save in flight at most
         self.optimizer.finish_param_sync()
@@ -434,17 +439,20 @@ class Trainer:
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
-        path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model])
-        self._saved_iteration = self.state.iteration
+        path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model], non_persistent)
+        if non_persistent:
+            self._np_saved_iteration = self.state.iteration
+        else:
+            self._saved_iteration = self.state.iteration
         if path is None:  # --async-save: staged, written in the background, published by finalize_async_save
-            print_rank_0(f" started an asynchronous save at iteration {self.state.iteration:7d} to "
-                         f"{self.config.checkpoint.save}")
+            kind = "non-persistent " if non_persistent else ""
+            print_rank_0(f" started an asynchronous {kind}save at iteration {self.state.iteration:7d}")
             return
         self._saved(path, self.state.iteration)
 
     def _saved(self, path: str, iteration: int) -> None:
         self.divergence.last_good_checkpoint = path
-        print_rank_0(f" saved checkpoint at iteration {iteration:7d} to {self.config.checkpoint.save}")
+        print_rank_0(f" saved checkpoint at iteration {iteration:7d} to {os.path.dirname(path)}")
 
     def finalize_async_save(self, blocking: bool) -> None:
         """Make an --async-save in flight current once every rank has written it (collective)."""
@@ -461,6 +469,7 @@ class Trainer:
     def train(self) -> TrainState:
         run, log, st = self.config.training, self.config.logging, self.state
         save_interval = self.config.checkpoint.save_interval
+        np_interval = self.config.checkpoint.non_persistent_save_interval
         start_time = time.time()
         window = LogWindow()
         history = []
@@ -515,6 +524,8 @@ class Trainer:
                     self._validation_scalars(val)
             if save_interval and st.iteration % save_interval == 0:
                 self.save()
+            elif np_interval and st.iteration % np_interval == 0:  # Megatron-LM: the persistent save wins
+                self.save(non_persistent=True)
             if self.exit_signal.any_rank(self.device):
                 self.save()  # the checkpoint first: a failing log write must not lose it
                 print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")

@@ -8,6 +8,7 @@ Behind it, modules named for what they hold:
 - ``async_save``: ``--async-save``, the background writer and its staging buffers;
 - ``metadata``: ``metadata.json``, format detection, the checks a resume makes;
 - ``run_dirs``: ``iter_XXXXXXX`` directories, publishing a save, the guards against overwriting a run;
+- ``retention``: ``--save-retain-interval`` and non-persistent saves, what a published save lets go;
 - ``run_lock``: one job per ``--save`` (rank 0's ``fcntl`` lock, held for the job's life);
 - ``integrity``: every file's content hash, computed as it is written, verified on load;
 - ``file_io``: reads and writes whose errors name the file and the rank;

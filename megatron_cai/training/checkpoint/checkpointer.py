@@ -12,6 +12,9 @@ and, on load, on what the ``--load`` directory holds (``--ckpt-format``, ``--aut
 Before anything is read, every file of the iteration is checked against its content hash (the files
 split over the ranks, :mod:`.integrity`), and the tokenizer's content hash against this run's.
 A save never replaces a published iteration unless ``--overwrite-checkpoints`` (then it is moved aside).
+``save(..., non_persistent=True)`` writes into the non-persistent directory instead; once a save is published,
+rank 0 deletes what it supersedes (``--save-retain-interval``, older non-persistent saves: :mod:`.retention`),
+and a load without ``--ckpt-step`` reads the newest of the persistent and non-persistent checkpoints.
 The Trainer keeps the policy: when to save, and refusing to save non-finite state.
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .dcp_pieces import DCP_METADATA
 from .file_io import ALGORITHMS, CheckpointError
 from .integrity import Mismatch, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
+from .retention import RetentionPolicy, check_non_persistent_dir, newest_checkpoint, non_persistent_root
 from .run_dirs import (
     TRACKER,
     check_paths,
@@ -39,6 +43,7 @@ from .run_dirs import (
     iteration_dir,
     last_verifying_iteration,
     read_tracker,
+    same_path,
 )
 from .run_lock import RunLock
 
@@ -58,6 +63,8 @@ class Checkpointer:
         ckpt = config.checkpoint
         self.async_saver = (AsyncCheckpointSaver(device, ckpt.ckpt_format)  # collective (torch_dist)
                             if ckpt.async_save and ckpt.save else None)
+        self.retention = RetentionPolicy(ckpt, log=safe_print)
+        self.loaded_root: str | None = None  # the directory load() read (--load or its non-persistent one)
 
     @property
     def asynchronous(self) -> bool:
@@ -65,28 +72,42 @@ class Checkpointer:
         return self.async_saver is not None
 
     # ------------------------------------------------------------------------------------------ save
-    def save(self, state: dict, reducer_states: list[dict] | None = None) -> str | None:
-        """Save at ``--save`` (collective). ``state``: the counters to restore (``iteration`` included).
+    def save(self, state: dict, reducer_states: list[dict] | None = None, non_persistent: bool = False) -> str | None:
+        """Save at ``--save``, or its non-persistent directory (collective). ``state``: the counters to restore
+        (``iteration`` included).
 
         Synchronous: returns the published ``iter_XXXXXXX`` directory. ``--async-save``: stages the state
         (the collective part, then a copy), starts the background write and returns None; a later
         :meth:`finalize_async` publishes it."""
+        path = self._save(state, reducer_states, non_persistent)
+        if path is not None:
+            self._published(path, state["iteration"])
+        return path
+
+    def _published(self, path: str, iteration: int) -> None:
+        if ps.get_rank() == 0:
+            self.retention.after_publish(os.path.dirname(path), iteration)
+
+    def _save(self, state: dict, reducer_states: list[dict] | None, non_persistent: bool) -> str | None:
         ckpt, cfg = self.config.checkpoint, self.config
         it = state["iteration"]
-        self._refuse_existing(ckpt.save, it, ckpt.overwrite_checkpoints)
+        root = self.retention.np_root if non_persistent else ckpt.save
+        if root is None:
+            raise CheckpointError("a non-persistent save needs --non-persistent-ckpt-type global and --save")
+        self._refuse_existing(root, it, ckpt.overwrite_checkpoints)
         tok = cfg.tokenizer.tokenizer_model
         tok_files = [tok] if tok else []
         sharded = ckpt.ckpt_format == TORCH_DIST
         if self.async_saver is not None:
             if sharded:
-                self.async_saver.submit_dist(ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
+                self.async_saver.submit_dist(root, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
                                              state, self.param_layout, reducer_states=reducer_states,
                                              save_optim=ckpt.save_optim, tokenizer_files=tok_files,
                                              overwrite=ckpt.overwrite_checkpoints)
             else:
                 private = self.optimizer.state_dict_copies  # its state needs no staging copy
                 staged = torch_format.stage_checkpoint(
-                    ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state,
+                    root, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state,
                     reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
                     optimizer_views=private)
                 staged.overwrite = ckpt.overwrite_checkpoints
@@ -94,10 +115,10 @@ class Checkpointer:
             return None
         if sharded:
             return dist_format.save_dist_checkpoint(
-                ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state, self.param_layout,
+                root, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state, self.param_layout,
                 reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,
                 overwrite=ckpt.overwrite_checkpoints)
-        return torch_format.save_torch_checkpoint(ckpt.save, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
+        return torch_format.save_torch_checkpoint(root, it, self.model_chunks, self.optimizer, self.scheduler, cfg,
                                                   state, reducer_states=reducer_states, save_optim=ckpt.save_optim,
                                                   tokenizer_files=tok_files, overwrite=ckpt.overwrite_checkpoints)
 
@@ -116,16 +137,22 @@ class Checkpointer:
     def finalize_async(self, blocking: bool = False) -> AsyncSave | None:
         """Collective: publish the ``--async-save`` in flight once every rank has written it (see
         :meth:`.async_save.AsyncCheckpointSaver.maybe_finalize`); None when nothing finished."""
-        return self.async_saver.maybe_finalize(blocking) if self.async_saver is not None else None
+        done = self.async_saver.maybe_finalize(blocking) if self.async_saver is not None else None
+        if done is not None and not done.refused:
+            self._published(done.final, done.iteration)
+        return done
 
     # ------------------------------------------------------------------------------------------ load
     def load(self, reducers=None, *, root: str | None = None, step: int | None = None) -> dict:
         """Restore ``--load`` (or ``root``) at ``--ckpt-step`` (or ``step``, else the tracker's iteration) into
         this run's layout, either format (collective); returns the saved counters, {} when nothing loaded."""
         ckpt = self.config.checkpoint
-        root = root if root is not None else ckpt.load
         step = step if step is not None else ckpt.ckpt_step
-        iteration = step if step is not None else read_tracker(root)
+        if root is None and step is None:  # the newest of --load's persistent and non-persistent checkpoints
+            root, iteration = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
+        else:
+            root = root if root is not None else ckpt.load
+            iteration = step if step is not None else read_tracker(root)
         if iteration is None:
             if ckpt.exit_on_missing_checkpoint:
                 raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
@@ -135,6 +162,9 @@ class Checkpointer:
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
         check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
                         allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
+        self.loaded_root = root
+        if not ckpt.finetune and (same_path(root, ckpt.save) or same_path(root, self.retention.np_root)):
+            self.retention.resumed_in_place()
         if fmt == TORCH_DIST:
             return dist_format.load_dist_checkpoint(
                 root, iteration, self.model_chunks, self.optimizer, self.scheduler, self.config.model,
@@ -218,6 +248,7 @@ def open_run_dirs(ckpt: CheckpointConfig) -> RunLock | None:
     if error[0] is not None:
         raise CheckpointError(error[0])
     check_run_dirs(ckpt.load, ckpt.save, ckpt.ckpt_step, finetune=ckpt.finetune, overwrite=ckpt.overwrite_checkpoints)
+    check_non_persistent_dir(ckpt)
     return lock
 
 

@@ -135,8 +135,6 @@ REFUSED_FLAGS: list[CompatFlag] = [
     CompatFlag("--account-for-embedding-in-pipeline-split", "uneven pipeline stages are " + _NOT_YET),
     CompatFlag("--account-for-loss-in-pipeline-split", "uneven pipeline stages are " + _NOT_YET),
     CompatFlag("--pretrained-checkpoint", "use --load with --finetune", None, str, None),
-    CompatFlag("--non-persistent-save-interval", _NOT_YET, None, int, None),
-    CompatFlag("--save-retain-interval", _NOT_YET, None, int, None),
     CompatFlag("--no-save-rng", "the RNG state is always saved (resume is bit-exact)"),
     CompatFlag("--data-parallel-random-init", "all data-parallel ranks start from the same weights here"),
     CompatFlag("--record-memory-history", _NOT_YET),

@@ -53,6 +53,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
     if args.ckpt_format not in ("torch", "torch_dist"):
         problems.add("refused", f"--ckpt-format {args.ckpt_format}: the formats here are torch and torch_dist "
                                 f"(torch.distributed.checkpoint, Megatron-LM's default)")
+    _check_non_persistent(args, problems)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         problems.conflict("--overlap-param-gather needs --use-distributed-optimizer (Megatron-LM's rule)")
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
@@ -69,6 +70,19 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
     if own:
         problems.raise_if_any()
     return args
+
+
+def _check_non_persistent(args: argparse.Namespace, problems: FlagProblems) -> None:
+    """Megatron-LM's non-persistent checkpoints: ``global`` is implemented; ``local`` and ``in_memory`` are
+    refused by name; an interval needs a type (Megatron-LM asserts it when it first saves)."""
+    kind = args.non_persistent_ckpt_type
+    if kind in ("local", "in_memory"):
+        problems.add("refused", f"--non-persistent-ckpt-type {kind}: only global non-persistent checkpoints are "
+                                f"implemented here (a normal checkpoint in --non-persistent-global-ckpt-dir, default "
+                                f"<save>/non_persistent); use --non-persistent-ckpt-type global")
+    if args.non_persistent_save_interval is not None and kind is None:
+        problems.conflict(f"--non-persistent-save-interval {args.non_persistent_save_interval} needs "
+                          f"--non-persistent-ckpt-type global")
 
 
 # --activation and Megatron-LM's switches -> GPTConfig.activation; Megatron-LM's MLP is GeLU without a switch

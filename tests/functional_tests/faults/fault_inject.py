@@ -7,6 +7,9 @@
                             so does torch.distributed.checkpoint.save into such a directory (a partial .distcp)
     FAULT_SLOW_SAVE=SUBSTR  torch.save of such a path prints "FAULT: slow saving", sleeps FAULT_SLOW_SAVE_SECONDS
                             (default 3), then saves
+    FAULT_KILL_SAVE=SUBSTR  torch.save of such a path writes 4 KiB, then the process dies at once (os._exit(9))
+    FAULT_KILL_DELETE=N     the process dies (os._exit(9)) at the N-th checkpoint deletion of retention, after the
+                            newer checkpoint is published and before anything older is deleted
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
     FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
 
@@ -50,6 +53,8 @@ def install() -> None:
                 print(f"FAULT: saving {name}", file=sys.stderr, flush=True)
                 time.sleep(600)
             return _partial_write_then(name, hang)
+        if env.get("FAULT_KILL_SAVE") and env["FAULT_KILL_SAVE"] in name:
+            return _partial_write_then(name, lambda: os._exit(9))
         if env.get("FAULT_SLOW_SAVE") and env["FAULT_SLOW_SAVE"] in name:
             print(f"FAULT: slow saving {name}", file=sys.stderr, flush=True)
             time.sleep(float(env.get("FAULT_SLOW_SAVE_SECONDS", "3")))
@@ -90,6 +95,19 @@ def install() -> None:
         return real_step(self)
 
     training.Trainer.train_step = train_step
+    if env.get("FAULT_KILL_DELETE"):
+        from megatron_cai.training import checkpoint
+
+        retention = checkpoint.retention  # the module whose function the checkpointer calls
+        real_remove, calls = retention.remove_iteration, {"n": 0}
+
+        def remove_iteration(root, iteration, log):
+            calls["n"] += 1
+            if calls["n"] == int(env["FAULT_KILL_DELETE"]):
+                os._exit(9)
+            return real_remove(root, iteration, log)
+
+        retention.remove_iteration = remove_iteration
     real_loss = pretrain_gpt.loss_func
 
     def loss_func(loss_mask, output, **kwargs):

@@ -106,9 +106,8 @@ def test_release_configuration(corpus, tmp_path):
              "--train-samples": ["6"], "--lr-decay-samples": ["6"], "--lr-warmup-samples": ["2"],
              "--eval-iters": ["1"]}
     argv = resize(release_argv("gpt3_15b_8t_release.yaml", env), sizes)
-    # the GPU environment's W&B (its package is not installed here); retention lands with the checkpoint package
-    argv = without_flags(argv, ("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir",
-                           "--save-retain-interval"))
+    # the GPU environment's W&B (its package is not installed here)
+    argv = without_flags(argv, ("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         result = train(argv)

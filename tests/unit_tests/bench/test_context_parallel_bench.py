@@ -40,3 +40,21 @@ def test_summary_and_acceptance_lines():
     assert summary[-1]["bytes_ratio"]["max"] == pytest.approx(worst)
     (line,) = B.acceptance(summary)
     assert line.startswith("packed documents, CP 4, T 2048") and line.endswith("met")
+
+
+def test_issue_thresholds_at_t16k_cp4():
+    """The acceptance targets at the bench's own size (T = 16k, CP = 4), from the plan and split that the
+    attention executes: on packed documents of mean length T/16 each rank sends at most 0.3x the bytes of a
+    dense ring and computes at most 0.3x its attention FLOPs; zig-zag imbalance <= 1.05 on plain causal and the
+    work-balanced split's <= 1.15 on packed trees."""
+    seq, cp = 16384, 4
+    docs = B.exact_rows("packed documents", seq, cp, seed=0)
+    assert len(docs) == cp and docs[0]["chunks"] > 2 * cp  # the work-balanced split, not the zig-zag
+    assert max(r["total_bytes"] / r["dense_total_bytes"] for r in docs) <= 0.3
+    assert max(r["flops"] / r["dense_flops"] for r in docs) <= 0.3
+    causal = B.exact_rows("plain causal", seq, cp)
+    assert causal[0]["chunks"] == 2 * cp and causal[0]["imbalance"] <= 1.05
+    trees = B.exact_rows("packed trees", seq, cp, seed=0)
+    assert 1.0 <= trees[0]["imbalance"] <= 1.15
+    assert sum(r["visible_pairs"] for r in trees) == int(B.visible_keys_per_query(*B.intervals(
+        B.batch_of("packed trees", seq, 0)))[0].sum())  # the ranks' pairs partition the row's

@@ -260,6 +260,18 @@ def test_ckpt_formats():
         resolved(["--ckpt-format", "torch_dcp"])
 
 
+def test_non_persistent_checkpoint_flags():
+    """global is implemented; local and in_memory are refused by name; an interval needs a type."""
+    a = resolved(["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "global",
+                  "--save-retain-interval", "100", "--use-persistent-ckpt-worker"])
+    assert (a.non_persistent_save_interval, a.non_persistent_ckpt_type, a.save_retain_interval) == (5, "global", 100)
+    for kind in ("local", "in_memory"):
+        with pytest.raises(ArgumentError, match=f"--non-persistent-ckpt-type {kind}: refused"):
+            resolved(["--non-persistent-ckpt-type", kind])
+    with pytest.raises(ArgumentError, match="--non-persistent-save-interval 5 needs --non-persistent-ckpt-type"):
+        resolved(["--non-persistent-save-interval", "5"])
+
+
 def test_aliases():
     a = resolved(["--use-rotary-position-embeddings"])
     assert a.position_embedding_type == "rope"
@@ -305,3 +317,22 @@ def test_megatron_flags_reach_the_typed_config_and_the_flags_stay_as_given():
     assert c.training.calculate_per_token_loss and c.training.manual_gc and c.training.empty_unused_memory_level == 1
     assert c.data.split == "99,1,0" and c.flags["split"] == "'99,1,0'"
     assert c.logging.log_throughput and c.logging.profile and c.logging.megatron_no_op_flags == ["--use-mcore-models"]
+
+
+def test_context_parallel_size_is_ours_in_help_and_config(capsys):
+    """``pretrain_gpt.py --help`` documents --context-parallel-size (not a refused or no-op Megatron flag), and
+    CP = 2 on 8 ranks with TP 2 leaves DP = 2 (world = TP x CP x DP x PP, Megatron's order)."""
+    import pretrain_gpt
+
+    with pytest.raises(SystemExit) as done:
+        pretrain_gpt.main(["--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--context-parallel-size CONTEXT_PARALLEL_SIZE split each sequence over this many ranks" in text
+    assert "docs/context-parallel.md" in text
+    assert "--context-parallel-size" not in {f.flag for f in compat.REFUSED_FLAGS}
+    assert resolved(["--context-parallel-size", "2"]).megatron_no_op_flags == []
+    config = parse_config(MINIMAL + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--seq-length", "64", "--max-position-embeddings", "64",
+                                     "--attention-dropout", "0"], world_size=8)
+    assert (config.parallel.context_parallel_size, config.parallel.data_parallel_size) == (2, 2)

@@ -30,8 +30,6 @@ SCRIPTS = {ms.GPT3: ["ckpt", "tb", "vocab.json", "merges.txt", "data/corpus_text
 # flags of the GPU environment, not of the model: W&B needs its package, which the CPU tests do not install
 ENVIRONMENT = ("--wandb-project needs the wandb package",)
 WANDB = ("--wandb-project", "--wandb-entity", "--wandb-exp-name", "--wandb-save-dir")
-# implemented on the training/checkpoint/ package (issue 29's last step); refused until then
-NOT_YET = ("--save-retain-interval",)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,7 @@ def test_every_flag_set_parses_with_no_refusal_but_moe(flag_sets):
     lack the package, W&B's."""
     assert len(flag_sets) >= 14
     for name, argv in flag_sets.items():
-        found = [p for p in _problems(argv).problems if not p.text.startswith(ENVIRONMENT + NOT_YET)]
+        found = [p for p in _problems(argv).problems if not p.text.startswith(ENVIRONMENT)]
         if name == ms.MIXTRAL:
             assert {p.category for p in found} == {"refused"}, found
             assert all("Mixture-of-Experts" in p.text for p in found), found
@@ -77,7 +75,7 @@ def test_complete_flag_sets_build_a_config_for_their_own_layout(flag_sets):
     for name, argv in flag_sets.items():
         if name in ms.MODEL_FLAG_FILES or name == ms.MIXTRAL:
             continue
-        argv = without_flags(argv, WANDB + NOT_YET)
+        argv = without_flags(argv, WANDB)
         config = build_config(parse_args(argv), _layout_world(argv), vocab_size=50257)
         assert config.parallel.data_parallel_size == 1, name
     step = build_config(parse_args(flag_sets[ms.GPT3_STEP]), 128, vocab_size=50257)
