@@ -7,7 +7,8 @@ the gradient reduction of each iteration (``finish_grad_sync``, overlap off):
 - measured: the bytes this process wrote to its sockets (``wchar`` of /proc/self/io, all threads),
 - accounted: what the reducer reports (the ``grad comm bytes`` of the log line),
 - formula: 2(n-1)/n * S for all-reduce and (n-1)/n * S for reduce-scatter, S the bucket bytes on the
-  wire (elements x 4 for fp32, x 2 for bf16, x 6/8 for Squinch plus one flag byte per row).
+  wire (elements x 4 for fp32, x 2 for bf16, x 6/8 for Squinch plus one flag byte per row, each row padded
+  to 16 bytes).
 
 The ranks of one DP size are started once and train every reducer in turn. Byte counts do not depend on
 the machine's load.
@@ -76,8 +77,9 @@ def formula(name: str, n: int, buckets: list[tuple[int, int]]) -> float:
     total = 0.0
     for numel, elem in buckets:
         if name.startswith("squinch"):
-            rows = (n - 1) * (1 if rs else 2)  # rows sent (each with one flag byte)
-            total += (1 if rs else 2) * (n - 1) / n * numel * 6 / 8 + rows
+            rows = (n - 1) * (1 if rs else 2)  # rows sent: all-to-all, and the all-gather of the re-encoded shard
+            row = -(-(numel // n * 6 // 8 + 1) // 16) * 16  # 6-bit payload + flag byte, padded to 16 bytes
+            total += rows * row
         else:
             total += (1 if rs else 2) * (n - 1) / n * numel * elem
     return total

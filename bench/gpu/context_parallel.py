@@ -15,7 +15,7 @@ import os
 import sys
 
 import torch
-from common import ROOT, Budget, environment, markdown_table, parser, pick_device, time_fn, write_results
+from common import ROOT, Budget, StepResults, environment, parser, pick_device, time_fn
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -29,6 +29,8 @@ from megatron_cai.core.transformer.attention import attend  # noqa: E402
 
 CP = 4
 KINDS = ("plain causal", "packed documents", "packed trees")
+COLUMNS = ["batch", "T", "chunks", "CP=1 fwd+bwd ms", "busiest rank ms", "sum over ranks / CP=1", "time imbalance",
+           "max err out", "max err dq"]
 
 
 def _key_sets(plans, rank: int, q, k, v):
@@ -60,16 +62,20 @@ def _rank_attention(sets, q_local, do_local):
     return out, dq
 
 
-def main() -> None:
-    args = parser(__doc__.splitlines()[0], "gpu_context_parallel", 40.0).parse_args()
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__.splitlines()[0], "gpu_context_parallel", 40.0)
+    p.add_argument("--batches", nargs="*", choices=KINDS, default=list(KINDS), help="default: all three")
+    args = p.parse_args(argv)
     device = pick_device(args.dry_run)
     budget = Budget(args.budget_s)
-    seq, heads, kv_heads, dim, dtype = ((128, 4, 2, 16, torch.float32) if args.dry_run
+    seq, heads, kv_heads, dim, dtype = ((64, 2, 1, 16, torch.float32) if args.dry_run
                                         else (16384, 32, 8, 128, torch.bfloat16))
-    reps = 1 if args.dry_run else 5
-    rows = []
-    for kind in KINDS:
-        if not budget.allows(kind, 5.0):
+    reps, warmup = (1, 0) if args.dry_run else (5, 1)  # --dry-run: the kernels' checks, not their times
+    res = StepResults(args.out, "Context-parallel per-chunk kernels (bench/gpu/context_parallel.py)", COLUMNS,
+                      dry_run=args.dry_run, cp=CP, environment=environment(device))
+    for kind in args.batches:
+        if not budget.allows(5.0):
+            res.skip(kind)
             continue
         batch = batch_of(kind, seq)
         start, limit = (t.to(device) for t in intervals(batch))
@@ -89,7 +95,7 @@ def main() -> None:
         def full(qr=qr, k=k, v=v, start=start, limit=limit, do=do):
             attend(qr, k, v, start, limit, backend="triton").backward(do)
 
-        t_full = time_fn(full, device, reps)["median_s"]
+        t_full = time_fn(full, device, reps, warmup)["median_s"]
         per_rank, err_out, err_dq = [], 0.0, 0.0
         for r in range(CP):
             idx = plans[r].local_index
@@ -99,16 +105,13 @@ def main() -> None:
             err_dq = max(err_dq, float((dq - ref_dq[:, :, idx].float()).abs().max()))
             q_local, do_local = q[:, :, idx], do[:, :, idx]
             per_rank.append(time_fn(lambda s=sets, ql=q_local, dl=do_local: _rank_attention(s, ql, dl),
-                                    device, reps)["median_s"])
+                                    device, reps, warmup)["median_s"])
         mean = sum(per_rank) / CP
-        rows.append({"batch": kind, "T": seq, "chunks": split.num_chunks, "CP=1 fwd+bwd ms": 1e3 * t_full,
-                     "busiest rank ms": 1e3 * max(per_rank), "sum over ranks / CP=1": sum(per_rank) / t_full,
-                     "time imbalance": max(per_rank) / mean, "max err out": err_out, "max err dq": err_dq})
-    table = markdown_table(rows, list(rows[0]) if rows else ["batch"])
-    write_results(args.out, "Context-parallel per-chunk kernels (bench/gpu/context_parallel.py)",
-                  {"environment": environment(device), "dry_run": args.dry_run, "cp": CP, "rows": rows,
-                   "skipped": budget.skipped}, table)
+        res.add({"batch": kind, "T": seq, "chunks": split.num_chunks, "CP=1 fwd+bwd ms": 1e3 * t_full,
+                 "busiest rank ms": 1e3 * max(per_rank), "sum over ranks / CP=1": sum(per_rank) / t_full,
+                 "time imbalance": max(per_rank) / mean, "max err out": err_out, "max err dq": err_dq})
+    return res.finish(True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.distributed.contracts import ModelChunk
+from ..core.optimizer.clip_grads import GlobalNormClipping
 from .errors import UserError
 
 
@@ -78,16 +79,12 @@ def all_ranks_true(local: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
-def state_finite(model_chunks: list[ModelChunk], optimizer, device: torch.device) -> bool:
-    """Collective: whether all parameters and all Adam state on every rank are finite."""
-    ok = True
-    for m in model_chunks:
-        for p in m.module.parameters():
-            ok = ok and bool(torch.isfinite(p.detach()).all())
-    for chunk_list in getattr(optimizer, "chunks", []):
-        for c in chunk_list:
-            ok = ok and bool(torch.isfinite(c.exp_avg).all()) and bool(torch.isfinite(c.exp_avg_sq).all())
-    return all_ranks_true(ok, device)
+def state_finite(model_chunks: list[ModelChunk], optimizer: GlobalNormClipping | None, device: torch.device) -> bool:
+    """Collective: whether all parameters and all optimizer state (DDP's or FSDP2's) on every rank are finite."""
+    tensors = [p.detach() for m in model_chunks for p in m.module.parameters()]
+    if optimizer is not None:
+        tensors += list(optimizer.moment_tensors())
+    return all_ranks_true(all(bool(torch.isfinite(t).all()) for t in tensors), device)
 
 
 class DivergenceMonitor:
@@ -156,7 +153,7 @@ class DivergenceMonitor:
         self.last_finite = (int(last[0]), float(last[1])) if last else None
         self.spikes = int(counters.get("loss_spikes") or 0)
 
-    def refuse_save(self, model_chunks: list[ModelChunk], optimizer) -> str | None:
+    def refuse_save(self, model_chunks: list[ModelChunk], optimizer: GlobalNormClipping | None) -> str | None:
         """Collective: why the current state must not be saved, or None when it may be."""
         if self.consecutive_skipped > 0:
             return f"the last {self.consecutive_skipped} iteration(s) had a non-finite loss or gradient"

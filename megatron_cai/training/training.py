@@ -562,7 +562,7 @@ class Trainer:
 
     def _loss_scale(self) -> float:
         """The fp16 loss scale (1.0 without a loss scaler, as Megatron-LM logs it for bf16 / fp32)."""
-        scaler = getattr(self.optimizer, "grad_scaler", None)
+        scaler = self.grad_scaler
         return float(scaler.scale) if scaler is not None else 1.0
 
     def _iteration_stats(self, losses: dict[str, float], grad_norm: float, finite: bool, batch: int) -> IterationStats:

@@ -13,7 +13,11 @@ Device rule: the state lives on the device of the gradients it is applied to. :m
 :meth:`generator` hand it out on the device they are asked for, moving there what a checkpoint restored
 (on the CPU) or an earlier call left elsewhere; once :meth:`attach` has named the gradients' device
 (the DDP wrapper and the FSDP2 chunk do, at construction), state restored before or after is placed
-there at once. A generator that changes device keeps its state.
+there at once. A generator that changes device keeps its state when the new device's generator takes it
+(same device type). A state of another generator kind (a checkpoint written on CUDA, whose Philox state is
+16 bytes, resumed on the CPU, whose Mersenne Twister state is 5056 bytes, or the reverse) cannot continue
+its stream there: the generator is reseeded from that state's bytes (deterministic, so a resume is
+reproducible, and not a replay of the seed's stream), counted in ``reseeded`` and logged.
 
 The reducer calls :meth:`reset` when the step is skipped (a non-finite encode leaves NaN/Inf in its
 residual) and :meth:`rescale` when the ``--fp16`` loss scale changes (the residuals are in loss-scaled
@@ -23,7 +27,12 @@ only when there is one); :meth:`load_state_dict` also reads the FSDP2 hooks' ear
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 ROWS = "rows"  # FSDP2 / HSDP: the residual of the all-to-all rows (the DDP reducer names them per bucket)
 
@@ -37,6 +46,7 @@ class SquinchFeedback:
         self._generator: torch.Generator | None = None
         self._generator_state: torch.Tensor | None = None  # restored (or moved) before a device was known
         self.device: torch.device | None = None
+        self.reseeded = 0  # generator states of another device type, reseeded instead of continued
 
     def attach(self, device: torch.device | str) -> None:
         """The gradients' device: what is held, and what is restored later, goes there now."""
@@ -65,9 +75,21 @@ class SquinchFeedback:
         if self._generator is None:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
             if self._generator_state is not None:
-                self._generator.set_state(self._generator_state)
+                self._continue_stream(self._generator, self._generator_state)
                 self._generator_state = None
         return self._generator
+
+    def _continue_stream(self, generator: torch.Generator, state: torch.Tensor) -> None:
+        """Set ``state`` on ``generator`` when it is of that generator's kind, else reseed from its bytes."""
+        if state.numel() == generator.get_state().numel():
+            generator.set_state(state)
+            return
+        seed = int.from_bytes(hashlib.sha256(state.cpu().numpy().tobytes()).digest()[:8], "little") >> 1
+        generator.manual_seed(seed)
+        self.reseeded += 1
+        log.warning("squinch: a stochastic-rounding generator state of %d bytes cannot continue on %s (whose "
+                    "generator state is %d bytes): reseeded from it", state.numel(), generator.device,
+                    generator.get_state().numel())
 
     def _place(self) -> None:
         if self.device is None:

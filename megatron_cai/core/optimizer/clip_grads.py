@@ -1,4 +1,6 @@
-"""The global gradient norm, clipping and the non-finite check, shared by both optimizers.
+"""The global gradient norm, clipping and the non-finite check, shared by both optimizers, and the
+contract the Trainer, the divergence check and the checkpoint savers rely on (:class:`GlobalNormClipping`
+is the base of ``DistributedAdamW`` and ``FullyShardedAdamW``: no attribute of theirs is probed).
 
 Each optimizer says which gradient tensors it owns (:meth:`GlobalNormClipping.owned_grads`: what it
 updates, and what clipping and ``--fp16``'s unscaling multiply) and which count in the global norm
@@ -16,10 +18,19 @@ import torch
 import torch.distributed as dist
 
 from .. import parallel_state as ps
+from .grad_scaler import ConstantGradScaler
 
 
 class GlobalNormClipping(ABC):
     """``grad_norm``, ``clip_and_check`` and ``scale_grads`` over the gradients an optimizer owns."""
+
+    grad_scaler: ConstantGradScaler | None = None  # --fp16's loss scaler, set by the trainer
+    # Whether ``state_dict()``'s tensors are private to the caller (an asynchronous save then stages no copy).
+    state_dict_copies: bool = False
+
+    @abstractmethod
+    def moment_tensors(self) -> Iterable[torch.Tensor]:
+        """This rank's optimizer state (Adam's first and second moments), checked finite before a save."""
 
     @abstractmethod
     def owned_grads(self) -> Iterable[torch.Tensor]:

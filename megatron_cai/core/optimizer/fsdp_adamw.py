@@ -43,6 +43,11 @@ class FullyShardedAdamW(GlobalNormClipping):
     def norm_grads(self):
         return (local(p.grad) for p in self.counted if p.grad is not None)
 
+    def moment_tensors(self):
+        """torch.optim.AdamW's moments of this rank's shards (none before the first step)."""
+        return (local(state[k]) for p in self.all_params if (state := self.optimizer.state.get(p))
+                for k in ("exp_avg", "exp_avg_sq") if k in state)
+
     def norm_params(self):
         return (local(p) for p in self.counted)
 

@@ -140,6 +140,9 @@ class DistributedAdamW(GlobalNormClipping):
     def owned_grads(self):
         return (c.grad for chunk_list in self.chunks for c in chunk_list)
 
+    def moment_tensors(self):
+        return (t for chunk_list in self.chunks for c in chunk_list for t in (c.exp_avg, c.exp_avg_sq))
+
     def norm_grads(self):
         return (c.grad[s:e] for chunk_list in self.chunks for c in chunk_list for s, e in c.norm)
 
@@ -231,7 +234,7 @@ class DistributedAdamW(GlobalNormClipping):
             out.append(full)
         return out
 
-    state_dict_copies = True  # state_dict()'s tensors are private to the caller (async saves need not copy them)
+    state_dict_copies = True  # state_dict(copy=False) hands out views of freshly gathered buffers
 
     def state_dict(self, param_names: list[dict[int, str]], copy: bool = True) -> dict:
         """Adam state per parameter name (layout-free within this TP/PP rank; collective over DP).

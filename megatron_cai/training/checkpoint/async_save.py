@@ -228,7 +228,7 @@ class AsyncCheckpointSaver:
         synchronous save; the state dict is staged and ``dcp.save`` of it runs in the writer thread, over
         this saver's own gloo group; rank 0 then writes ``metadata.json``."""
         tmp = begin_save(root, iteration)
-        private = getattr(optimizer, "state_dict_copies", False) and not dc.is_fsdp(model_chunks)
+        private = optimizer.state_dict_copies and not dc.is_fsdp(model_chunks)
         sd = dc.build_state_dict(model_chunks, _ViewsOptimizer(optimizer) if private else optimizer, scheduler,
                                  train_config.model, state, param_layout, reducer_states=reducer_states,
                                  save_optim=save_optim)

@@ -105,7 +105,7 @@ class Checkpointer:
                                              save_optim=ckpt.save_optim, tokenizer_files=tok_files,
                                              overwrite=ckpt.overwrite_checkpoints)
             else:
-                private = getattr(self.optimizer, "state_dict_copies", False)  # its state needs no staging copy
+                private = self.optimizer.state_dict_copies  # its state needs no staging copy
                 staged = torch_format.stage_checkpoint(
                     root, it, self.model_chunks, self.optimizer, self.scheduler, cfg, state,
                     reducer_states=reducer_states, save_optim=ckpt.save_optim, tokenizer_files=tok_files,

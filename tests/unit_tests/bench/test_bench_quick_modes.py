@@ -90,6 +90,23 @@ def test_gradient_bytes_match_the_formulas(run):
         assert math.isfinite(r["validation"][-1]["lm loss"])
 
 
+def test_context_parallel_counts_by_hand(run):
+    """Zig-zag at CP 2 on plain causal, L = T/2 keys per rank: the busiest rank sends 2L + L/2 keys' K and V
+    (forward, backward, and dK/dV back; tests/unit_tests/bench/test_context_parallel_bench.py derives it)
+    against the dense ring's 3L; every pair of the causal triangle is visible to exactly one rank."""
+    cp = load(run, "context_parallel")
+    line = next(s for s in cp["summary"] if (s["kind"], s["cp"]) == ("plain causal", 2))
+    local = line["seq"] // 2
+    assert line["total_bytes"]["max"] == 5 * local // 2 * cp["key_bytes"]
+    assert line["dense_total_bytes"] == 3 * local * cp["key_bytes"]
+    measured = next(s for s in cp["summary"] if (s["kind"], s["cp"]) == ("packed documents", 2))
+    assert measured["max_saved_bytes"] > 0 and measured["max_peak_bytes"] > 0  # the gloo ranks' memory row
+    rows = [r for r in cp["rows"] if (r["kind"], r["cp"]) == ("plain causal", 2) and "flops" in r]
+    assert sum(r["visible_pairs"] for r in rows) == line["seq"] * (line["seq"] + 1) // 2
+    assert {s["kind"] for s in cp["summary"]} == {"plain causal", "packed documents",
+                                                  "packed documents (exponential)", "packed trees"}
+
+
 def test_collectives_alone_and_the_projection(run):
     phases = load(run, "squinch_phases")
     assert list(phases["links"]) == ["loopback"]  # --no-netns: the one link there is

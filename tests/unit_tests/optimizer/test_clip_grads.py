@@ -28,6 +28,9 @@ class _Grads(GlobalNormClipping):
     def grad_device(self) -> torch.device:
         return torch.device("cpu")
 
+    def moment_tensors(self):
+        return iter(())
+
 
 def _grads(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

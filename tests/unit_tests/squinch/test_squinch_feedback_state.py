@@ -24,18 +24,24 @@ from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
 META = torch.device("meta")
 
 
+_STATE_BYTES = {"cpu": 5056}  # torch's: a CPU (Mersenne Twister) state is 5056 bytes, CUDA's (Philox) 16
+
+
 class _RecordingGenerator:
-    """Stands in for torch.Generator (which the meta device lacks): records its device and state."""
+    """Stands in for torch.Generator (which the meta device lacks): records its device and state, which
+    has torch's size for the device type (meta stands in for CUDA) and, like torch's, refuses another."""
 
     def __init__(self, device=None) -> None:
         self.device = torch.device(device if device is not None else "cpu")
-        self.state = torch.tensor([0], dtype=torch.uint8)
+        self.manual_seed(0)
 
     def manual_seed(self, seed):
-        self.state = torch.tensor([seed], dtype=torch.uint8)
+        self.state = torch.full((_STATE_BYTES.get(self.device.type, 16),), seed % 251, dtype=torch.uint8)
         return self
 
     def set_state(self, state):
+        if state.numel() != self.state.numel():
+            raise RuntimeError(f"expected a generator state of {self.state.numel()} bytes, got {state.numel()}")
         self.state = state.clone()
 
     def get_state(self):
@@ -58,7 +64,7 @@ _SAVED = {"ddp": {"b0": 16, "o0": 8}, "fsdp2": {"rows": 16}, "hsdp": {"rows": 16
 
 def _saved_state(kind: str) -> dict:
     return {"residuals": {k: torch.arange(n, dtype=torch.float32) + 1 for k, n in _SAVED[kind].items()},
-            "generator": torch.tensor([7, 7, 7], dtype=torch.uint8)}
+            "generator": torch.arange(16, dtype=torch.uint8)}  # written on CUDA, resumed on CUDA (meta)
 
 
 def _build(kind: str, monkeypatch):
@@ -146,12 +152,47 @@ def test_resumed_state_lands_on_the_gradients_device(monkeypatch, kind, when):
 def test_a_generator_follows_the_gradients_to_their_device_with_its_stream(monkeypatch):
     monkeypatch.setattr(torch, "Generator", _RecordingGenerator)
     fb = SquinchFeedback(stochastic=True, seed=5)
-    on_cpu = fb.generator(torch.device("cpu"))
-    on_cpu.set_state(torch.tensor([1, 2, 3], dtype=torch.uint8))  # as if it had drawn numbers
+    first = fb.generator(torch.device("cuda", 0))  # a descriptor only: the stand-in generator needs no GPU
+    first.set_state(torch.arange(16, dtype=torch.uint8))  # as if it had drawn numbers
+    moved = fb.generator(torch.device("cuda", 1))
+    assert moved is not first and moved.device == torch.device("cuda", 1) and torch.equal(moved.state, first.state)
+    assert torch.equal(fb.state_dict()["generator"], first.state) and fb.reseeded == 0
+
+
+def test_a_generator_moving_to_another_device_type_is_reseeded_from_its_state(monkeypatch):
+    """CPU to CUDA (meta): torch's CUDA generator refuses a CPU state; the stream restarts from a seed
+    taken from that state (not the reducer's own seed, whose stream step 0 already used)."""
+    monkeypatch.setattr(torch, "Generator", _RecordingGenerator)
+    fb = SquinchFeedback(stochastic=True, seed=5)
+    fb.generator(torch.device("cpu")).set_state(torch.arange(5056).remainder(256).to(torch.uint8))
     fb.attach(META)
     moved = fb.generator(META)
-    assert moved is not on_cpu and moved.device == META and torch.equal(moved.state, on_cpu.state)
-    assert torch.equal(fb.state_dict()["generator"], on_cpu.state)
+    assert moved.device == META and moved.state.numel() == 16 and fb.reseeded == 1
+    assert not torch.equal(moved.state, _RecordingGenerator(META).manual_seed(5).state)
+
+
+def _philox_state(seed: int, offset: int) -> torch.Tensor:
+    """A CUDA generator's state as torch writes it: the seed and the Philox offset, 8 bytes each."""
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_checkpoint_written_on_cuda_resumes_on_the_cpu(kind, caplog):
+    """A real CPU torch.Generator cannot take a CUDA (Philox) state: the resumed reducer reseeds from it,
+    reproducibly, logs it and counts it, instead of raising at its first stochastic encode."""
+    def resume():
+        reducer = (SquinchReducer(None, 2, error_feedback=True, stochastic=True, seed=5) if kind == "ddp"
+                   else SquinchReduceScatter(stochastic=True, seed=5))
+        reducer.load_state_dict({"residuals": {}, "generator": _philox_state(5, 4096)})
+        reducer.attach(torch.device("cpu"))
+        return reducer.feedback
+    with caplog.at_level("WARNING"):
+        a, b = resume(), resume()
+    assert a.reseeded == b.reseeded == 1 and "reseeded" in caplog.text
+    draws = torch.rand(8, generator=a.generator(torch.device("cpu")))
+    assert torch.equal(draws, torch.rand(8, generator=b.generator(torch.device("cpu"))))  # reproducible
+    assert not torch.equal(draws, torch.rand(8, generator=torch.Generator().manual_seed(5)))  # not a replay
+    assert a.state_dict()["generator"].numel() == 5056  # saved again as the CPU generator it now is
 
 
 def _fill(fb: SquinchFeedback) -> None:

@@ -56,12 +56,14 @@ def test_the_grep_rules_catch_an_offender(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ contracts
-# Model chunks and gradient reducers have written contracts (core.distributed.contracts): nothing asks one
-# what it is. Forbidden: getattr/hasattr for a contract member (getattr(m, "module", m), getattr(m,
-# "reducer", None), hasattr(r, "timers"), ...), and hasattr on a model chunk (hasattr(model, ...)).
+# Model chunks, gradient reducers and optimizers have written contracts (core.distributed.contracts,
+# core.optimizer.clip_grads.GlobalNormClipping): nothing asks one what it is. Forbidden: getattr/hasattr for
+# a contract member (getattr(m, "module", m), getattr(m, "reducer", None), hasattr(r, "timers"),
+# getattr(optimizer, "state_dict_copies", False), ...), and hasattr on a model chunk (hasattr(model, ...)).
 _CONTRACT_MEMBERS = ("module", "reducer", "set_is_last_microbatch", "zero_grad_buffer", "finish_grad_sync",
                      "grad_comm_bytes", "data_parallel_kind", "carries_feedback", "holds_squinch_state", "timers",
-                     "comms", "step_skipped", "rescale_feedback", "inter_node_bytes_sent", "bytes_sent")
+                     "comms", "step_skipped", "rescale_feedback", "inter_node_bytes_sent", "bytes_sent",
+                     "chunks", "state_dict_copies", "grad_scaler", "moment_tensors")
 _PROBES = (
     r"\b(?:getattr|hasattr)\(\s*[^,()]+,\s*[\"'](?:" + "|".join(_CONTRACT_MEMBERS) + r")[\"']",
     r"\bhasattr\(\s*(?:\w+\.)*(?:model\w*|chunk\w*|ddp|m)\s*,",
@@ -82,7 +84,9 @@ def test_nothing_probes_model_chunks_or_reducers_for_their_members():
 def test_the_probe_rule_catches_each_offender_and_spares_parameter_attributes():
     offenders = ['getattr(m, "module", m)', "getattr( chunk ,'reducer', None)", 'hasattr(r, "timers")',
                  'hasattr(model, "set_is_last_microbatch")', "hasattr(self.model_chunk, 'anything')",
-                 'hasattr(m, "buffer")', 'getattr(c, "holds_squinch_state", False)']
+                 'hasattr(m, "buffer")', 'getattr(c, "holds_squinch_state", False)',
+                 'getattr(optimizer, "chunks", [])', 'getattr(self.optimizer, "state_dict_copies", False)',
+                 'getattr(self.optimizer, "grad_scaler", None)']
     for text in offenders:
         assert _probes(text) == [1], text
     spared = ['getattr(p, "shared_embedding", False)', 'getattr(p, "tp_dim", None)', 'hasattr(tokens, "numpy")',
@@ -566,3 +570,19 @@ def test_parallel_state_gives_every_group_the_timeout(monkeypatch):
     finally:
         ps.destroy_model_parallel()
     assert made == [{"backend": "gloo", "timeout": datetime.timedelta(minutes=3)}]
+
+
+def _tests_outside_topic_folders(tests_root: str) -> list[str]:
+    """Test modules lying directly in unit_tests/ or functional_tests/ instead of a topic folder."""
+    return sorted(os.path.join(top, f) for top in ("unit_tests", "functional_tests")
+                  for f in os.listdir(os.path.join(tests_root, top)) if f.startswith("test") and f.endswith(".py"))
+
+
+def test_every_test_lives_in_a_topic_folder(tmp_path):
+    assert _tests_outside_topic_folders(os.path.join(ROOT, "tests")) == []
+    for top in ("unit_tests", "functional_tests", "unit_tests/squinch"):
+        (tmp_path / top).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "unit_tests" / "squinch" / "test_codec.py").write_text("")
+    assert _tests_outside_topic_folders(str(tmp_path)) == []
+    (tmp_path / "functional_tests" / "test_stray.py").write_text("")
+    assert _tests_outside_topic_folders(str(tmp_path)) == ["functional_tests/test_stray.py"]

@@ -84,3 +84,47 @@ def test_divergence_flags_have_megatron_defaults():
     assert not off.training.divergence.check_for_nan_in_loss_and_grad and off.training.divergence.check_for_spiky_loss
     with pytest.raises(ArgumentError, match="max-consecutive-skipped-iterations"):
         parse_config(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
+
+
+def _refusals_for_non_finite_adam_state(rank, world_size):
+    """For each optimizer (DDP's distributed Adam, FSDP2's AdamW over its shards): refuse_save after one
+    finite step, then after one moment element is set to NaN (the parameters stay finite)."""
+    from megatron_cai.core import parallel_state as ps
+    from megatron_cai.core.distributed.fsdp import FSDPSettings, wrap_model_chunks
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.core.optimizer.config import OptimizerConfig
+    from megatron_cai.core.optimizer.optimizer import build_optimizer
+
+    ps.initialize_model_parallel(1, 1)
+    out = {}
+    for kind in ("ddp", "fsdp2"):
+        net = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8))
+        net.initialize(seed=1)
+        chunk = (wrap_model_chunks([net], CPU, FSDPSettings())[0] if kind == "fsdp2" else
+                 DistributedDataParallel(net, AllReduceReducer(None, 1), DDPConfig(), device=CPU))
+        optimizer = build_optimizer([chunk], OptimizerConfig(use_distributed_optimizer=kind == "ddp"))
+        tokens = torch.arange(16).remainder(32).view(2, 8)
+        chunk.zero_grad_buffer()  # through the ModelChunk contract, as the schedules drive it
+        chunk.set_is_last_microbatch(True)
+        chunk(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
+        chunk.finish_grad_sync()
+        optimizer.step(lr=1e-3)
+        m = DivergenceMonitor(DivergenceConfig(), CPU)
+        before = m.refuse_save([chunk], optimizer)
+        moments = list(optimizer.moment_tensors())
+        if moments:
+            with torch.no_grad():
+                moments[-1].view(-1)[0] = float("nan")
+        out[kind] = (before, m.refuse_save([chunk], optimizer), len(moments),
+                     all(bool(torch.isfinite(p).all()) for p in chunk.module.parameters()))
+    return out
+
+
+def test_refuse_save_with_non_finite_adam_state_of_either_optimizer():
+    from testlib.distributed import run_distributed
+
+    found = run_distributed(_refusals_for_non_finite_adam_state, 1)[0]
+    for kind, (before, after, n_moments, params_finite) in found.items():
+        assert before is None and params_finite and n_moments >= 2, (kind, found[kind])
+        assert after is not None and "non-finite values" in after, (kind, after)
