@@ -225,6 +225,9 @@ def test_missing_and_corrupt_metadata_are_named(saved_tp2pp2, tmp_path):
     args = BASE + ["--train-iters", str(ITERS), "--load", ckpt, "--ckpt-step", str(HALF)]
     with open(meta, "r+b") as f:
         f.truncate(20)
+    with pytest.raises(AssertionError, match=r"iter_0000005/\.metadata does not verify \(truncated\)"):
+        _run(1, args)  # the content hashes catch it first
+    os.remove(os.path.join(ckpt, "iter_0000005", "checksums.json"))  # as saved before content hashes
     with pytest.raises(AssertionError, match=r"iter_0000005/\.metadata is corrupt \(20 bytes\)"):
         _run(1, args)
     os.remove(meta)
@@ -234,6 +237,9 @@ def test_missing_and_corrupt_metadata_are_named(saved_tp2pp2, tmp_path):
         _run(1, args + ["--auto-detect-ckpt-format"])
     shard = sorted(f for f in os.listdir(os.path.join(saved_tp2pp2[0], "iter_0000010")) if f.endswith(".distcp"))[0]
     os.remove(os.path.join(ckpt, "iter_0000010", shard))
+    with pytest.raises(AssertionError, match=rf"iter_0000010/{shard} does not verify \(missing\)"):
+        _run(1, BASE + ["--train-iters", str(ITERS + 1), "--load", ckpt])
+    os.remove(os.path.join(ckpt, "iter_0000010", "checksums.json"))  # as saved before content hashes
     with pytest.raises(AssertionError, match=r"cannot read torch_dist checkpoint .*iter_0000010 on rank 0"):
         _run(1, BASE + ["--train-iters", str(ITERS + 1), "--load", ckpt])
 

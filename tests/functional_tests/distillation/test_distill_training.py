@@ -168,7 +168,7 @@ def test_tp2_pp2_and_cp2_match_one_process(setup):
     (["--distill-temperature", "2"], TeacherSamplesMismatchError, "tau is 1.0 in the store but 2.0"),
     (["--vocab-size", "120"], TeacherSamplesMismatchError, "vocab_size is 100 in the store but 121"),
     (["--distill-estimator", "full"], ArgumentError, "full needs the whole teacher distribution"),
-    (["--distill-alpha", "1.5"], ArgumentError, "--distill-alpha must be in"),
+    (["--distill-alpha", "1.5"], ArgumentError, "--distill-alpha 1.5: out of range"),
 ])
 def test_training_refuses_a_store_that_does_not_fit(setup, flags, error, match):
     prefix, _, stores = setup
