@@ -117,7 +117,8 @@ def render(rows: list[dict]) -> str:
     lines = ["# Gradient bytes per rank per iteration (gloo, CPU)", "",
              f"Model: {rows[0]['elements']:,} gradient elements (padded buckets). Measured = bytes written to "
              "sockets by the rank during gradient reduction (/proc/self/io wchar). Formula: 2(n-1)/n S "
-             "(all-reduce), (n-1)/n S (reduce-scatter); Squinch S = 6/8 byte per element + 1 flag byte per row, each row padded to 16 bytes.",
+             "(all-reduce), (n-1)/n S (reduce-scatter); Squinch S = 6/8 byte per element + 1 flag byte per row, "
+             "each row padded to 16 bytes.",
              "", "| DP | reducer | formula bytes | accounted (log line) | measured | measured / formula | "
              "Squinch / bf16 (measured) | Squinch / fp32 (measured) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
