@@ -104,14 +104,14 @@ def _configs(data: dict[str, list[str]]) -> dict[str, tuple[int, list[str]]]:
 def _capture_grads(store: list) -> Callable[[object], None]:
     """A trainer hook: every iteration's reduced gradients (before clipping), by parameter name, on rank 0."""
     def hook(trainer):
-        clip = trainer.optimizer.clip_and_check
+        norm = trainer.optimizer.local_norm_sq  # once per iteration, after the reduction, before clipping
 
         def capture(*args, **kwargs):
             if rank_zero():
                 store.append({name: p.main_grad.detach().clone() for m in trainer.model
                               for name, p in m.module.named_parameters()})
-            return clip(*args, **kwargs)
-        trainer.optimizer.clip_and_check = capture
+            return norm(*args, **kwargs)
+        trainer.optimizer.local_norm_sq = capture
     return hook
 
 
