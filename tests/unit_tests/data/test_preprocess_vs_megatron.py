@@ -9,7 +9,7 @@ Hugging Face hub, which the tests cannot reach. Megatron's NullTokenizer puts EO
 so Megatron's run gets a vocabulary one larger (same EOD id, same dtype)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import random
@@ -46,12 +46,11 @@ def _megatron(tmp, argv: list[str]) -> None:
 
 
 def _tool():
-    """tools/preprocess_data.py as a module."""
-    spec = importlib.util.spec_from_file_location("preprocess_data", os.path.join(TOOLS, "preprocess_data.py"))
-    tool = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = tool  # its dataclasses look their module up
-    spec.loader.exec_module(tool)
-    return tool
+    """tools/preprocess_data.py as a module: the one other tests import (a second copy under the same name
+    would make the copies' worker functions unpicklable for the spawned pools)."""
+    if TOOLS not in sys.path:
+        sys.path.insert(0, TOOLS)
+    return importlib.import_module("preprocess_data")
 
 
 def _ours(argv: list[str]) -> None:
