@@ -443,6 +443,21 @@ class _Sim:
                 out += cpu * overlap / max(end - begin, 1e-12)
         return out
 
+    def pause_wire(self, since: float, stolen: float) -> None:
+        """The transport took ``stolen`` s of CPU from backward after ``since``: with every core computing, its
+        threads waited as long for one, so what is on the wire after ``since`` ends that much later."""
+        if stolen <= 0:
+            return
+        for f in self.fifo:
+            if not f.done and f.finish > since:
+                f.finish += stolen
+        for tier, free in self.free.items():
+            if free > since:
+                self.free[tier] = free + stolen
+        self.cpu = [(b + stolen if b > since else b, e + stolen if e > since else e, c) for b, e, c in self.cpu]
+        self.events = [(i, n, t, b + stolen if b > since else b, e + stolen if e > since else e)
+                       for i, n, t, b, e in self.events]
+
     def progress(self, poll: float | None) -> None:
         """SquinchReducer.progress(): later stages of buckets whose collective completed by the poll time
         (None: the executor's clock, which advances as stages run: the CPU host), in FIFO order."""
@@ -479,13 +494,16 @@ def predict(timeline: BackwardTimeline, topo: Topology, codec: CodecCost, mode: 
         at = ready + delay
         if codec.on_host:
             stolen = sim.transport_cpu(sim.exe, at)
+            sim.pause_wire(sim.exe, stolen)
             delay, at = delay + stolen, at + stolen
             sim.exe = max(sim.exe, at)
         sim.hand_over(i, padded(elems, topo.dp), at)
         if codec.on_host and mode.overlap:
             delay = sim.exe - ready
     if codec.on_host and mode.overlap:
-        delay += sim.transport_cpu(sim.exe, tl.backward_end_s + delay)
+        stolen = sim.transport_cpu(sim.exe, tl.backward_end_s + delay)
+        sim.pause_wire(sim.exe, stolen)
+        delay += stolen
     backward_end = tl.backward_end_s + delay
     if codec.on_host:
         sim.exe = max(sim.exe, backward_end)

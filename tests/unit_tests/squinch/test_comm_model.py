@@ -202,14 +202,24 @@ def test_token_bucket_shaper_lets_a_burst_through_after_idle():
 def test_transport_cpu_overlapping_backward_delays_compute_on_the_host():
     # Two fp32 buckets of 256 elements (all-reduce sends 1024 B at n = 2: 2 + 1.024 ms on the link), the
     # transport costing 1 us of host CPU per byte: 1.024 ms per all-reduce, taken from backward while they
-    # overlap it. b0 at 0 ms runs 0 -> 3.024; the host reaches b1's hand-over 1.024 ms late, at 11.024
-    # (b1: 11.024 -> 14.048, inside backward too); backward ends at 20 + 2 x 1.024 = 22.048 ms.
+    # overlap it, and the all-reduce waits as long for a core (backward holds them all). b0 is issued at 0
+    # and would end at 3.024; the host reaches b1's hand-over 1.024 ms late, at 11.024, and b0's end moves
+    # to 4.048; b1: 11.024 -> 14.048 + 1.024 = 15.072, inside backward too; backward ends at
+    # 20 + 2 x 1.024 = 22.048 ms.
     link = Tier(OpCost(1 * MS, 1e6, cpu_s_per_byte=1e-6))
     free = CodecCost(1e18, 1e18, 1e18, 1e18, 0.0, on_host=True)
     tl = BackwardTimeline((256, 256), (0.0, 10 * MS), 20 * MS, 1 * MS)
     p = predict(tl, dp2(link), free, ReducerMode("fp32"))
-    assert [e[3:] for e in p.events] == [pytest.approx((0, 3.024 * MS)), pytest.approx((11.024 * MS, 14.048 * MS))]
+    assert [e[3:] for e in p.events] == [pytest.approx((0, 4.048 * MS), abs=1e-12),
+                                         pytest.approx((11.024 * MS, 15.072 * MS))]
     assert p.step_s == pytest.approx(23.048 * MS) and p.host_in_backward_s == pytest.approx(2.048 * MS)
+    # A transfer that outlasts backward ends later by what it took from backward: one bucket ready at 0,
+    # backward ending at 1 ms; of the all-reduce's 1.024 ms of CPU spread over 0 -> 3.024 ms, 1/3.024 falls
+    # inside backward (0.3386 ms): backward ends at 1.3386, the all-reduce at 3.024 + 0.3386 = 3.3626 ms.
+    short = BackwardTimeline((256,), (0.0,), 1 * MS, 0.0)
+    stolen = 1.024 * MS * 1 / 3.024
+    one = predict(short, dp2(link), free, ReducerMode("fp32"))
+    assert one.host_in_backward_s == pytest.approx(stolen) and one.step_s == pytest.approx(3.024 * MS + stolen)
     # on an accelerator (the reducer on its own stream) compute is not delayed
     gpu = predict(tl, dp2(link), replace(free, on_host=False), ReducerMode("fp32"))
     assert gpu.step_s == pytest.approx(21 * MS)
