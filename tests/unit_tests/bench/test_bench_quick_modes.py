@@ -278,11 +278,40 @@ def test_the_benches_not_rendered_from_their_json_lack_their_settings():
     tested = set(test_committed_reports_are_what_the_bench_makes_of_its_json.pytestmark[0].args[1])
     committed = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(RESULTS, "*.json"))}
     by_other_means = {"squinch_bandwidth", "squinch_bandwidth_partial", "squinch_bandwidth_rows_1",
-                      "compile_kernels"}  # --from-cache below; tools/compile_kernels.py (tests of its own)
+                      "compile_kernels",  # --from-cache below; tools/compile_kernels.py (tests of its own)
+                      "squinch_phases", "squinch_scale"}  # the model on their measurements, below
+    by_other_means |= {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(RESULTS, "squinch_*_rows_*.json"))}
     assert committed - tested - by_other_means == set(NOT_FROM_JSON)
     for name, lacks_settings in NOT_FROM_JSON.items():
         with open(os.path.join(RESULTS, name + ".json")) as f:
             assert lacks_settings(json.load(f)), f"{name}.json has its settings now: test it above"
+
+
+def test_committed_squinch_scale_reports_are_the_model_on_their_measurements():
+    """squinch_phases / squinch_scale: each report renders from its JSON, and every prediction in it is what
+    today's step-time model makes of the committed measurements (phase fits, timelines, measured rows)."""
+    import squinch_phases
+    import squinch_scale
+
+    def committed(name):
+        with open(os.path.join(RESULTS, name + ".json")) as f, open(os.path.join(RESULTS, name + ".md")) as g:
+            return json.load(f), g.read()
+
+    phases, phases_md = committed("squinch_phases")
+    assert "\n".join(squinch_phases.report(phases)) + "\n" == phases_md
+    for name in ["squinch_scale"] + sorted(os.path.basename(p)[:-5] for p in
+                                           glob.glob(os.path.join(RESULTS, "squinch_scale_run*.json"))):
+        res, md = committed(name)
+        assert "\n".join(squinch_scale.report(res)) + "\n" == md, name
+        groups = []
+        for g in res["groups"]:
+            rate = g["key"].split("|")[2]
+            groups.append((squinch_scale.Group(g["size"], g["dp"], None if rate == "unshaped" else float(rate),
+                                               g["overlap"], tuple(g["configs"])), g["rows"]))
+        again = squinch_scale.validate(groups, dict(res["quarter"]), res["timelines"], phases)
+        assert [r["predicted_s"] for r in again["rows"]] == pytest.approx(
+            [r["predicted_s"] for r in res["validation"]["rows"]], rel=1e-9), name
+        assert again["max_abs_error"] == pytest.approx(res["validation"]["max_abs_error"], rel=1e-9)
 
 
 def test_squinch_bandwidth_progress_report_regenerates_from_its_rows(tmp_path):
