@@ -293,7 +293,9 @@ def ratios(res: dict) -> dict[str, float]:
     if res.get("quarter"):
         out[f"quarter {res['quarter']['size']} squinch(B/4)/fp32(B)"] = res["quarter"]["squinch/fp32"]["ratio"]
     for r in res["validation"]["rows"]:
-        out[f"predicted/measured dp{r['dp']} {r['size']} {r['link']} overlap={r['overlap']} {r['config']}"] = r["ratio"]
+        # a quarter row's link is B (or B/4), which each run derives from its own compute: named by its role
+        link = "B/4" if r["config"] == "squinch (quarter)" else "B" if r["config"] == "fp32 (quarter)" else r["link"]
+        out[f"predicted/measured dp{r['dp']} {r['size']} {link} overlap={r['overlap']} {r['config']}"] = r["ratio"]
     return out
 
 
@@ -359,7 +361,7 @@ def doc_section(runs: list[dict], phases: dict) -> list[str]:
           f"decode-accumulate {c['decode_accumulate_elems_per_s'] / 1e6:.0f} M el/s, decode "
           f"{c['decode_elems_per_s'] / 1e6:.0f} M el/s, {1e6 * c['launch_s']:.1f} us per call.", "",
           "| run | rows | model error: median / max | Squinch at B/4 / fp32 at B (large model): measured / predicted "
-          "| wall time |", "|---|---|---|---|---|"]
+          "| wall time (its last invocation) |", "|---|---|---|---|---|"]
     for r in runs:
         v, q = r["validation"], r["quarter"]
         L.append(f"| {r['run_id']} | {len(v['rows'])} | {100 * v['median_abs_error']:.1f}% / "
@@ -419,6 +421,28 @@ def _first_phases(results_dir: str, fallback: dict) -> dict:
         return json.load(f)
 
 
+def add_comparison(res: dict, path: str, limit: float) -> None:
+    with open(path) as f:
+        lines = compare(json.load(f), res, limit)
+    res["compare"] = {"path": os.path.relpath(path, ROOT), "limit": limit, "lines": lines}
+
+
+def rerender(out: str, opts, results: str) -> None:
+    """The report, plot and doc section of a finished run from its JSON (``--rerender``)."""
+    with open(out + ".json") as f:
+        res = json.load(f)
+    if opts.compare:
+        add_comparison(res, opts.compare, opts.max_drift)
+    with open(out + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join(report(res)) + "\n")
+    plot(res, out + ".png")
+    with open(os.path.join(results, "squinch_phases.json")) as f:
+        update_doc(results, json.load(f))
+    print(f"rendered {out}.md, .png from {out}.json")
+
+
 # -------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     p = H.parser(__doc__, "squinch_scale", from_json=False)
@@ -437,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drop-noisy", action="store_true",
                    help="forget this run id's noisy groups first, so that they are measured again")
     p.add_argument("--no-projection", action="store_true", help="skip squinch_cluster_projection")
+    p.add_argument("--rerender", action="store_true", help="measure nothing: render this run id's report (its "
+                   "comparison again with --compare) and the doc's section from its JSON")
     out_default = p.get_default("out")
     opts = p.parse_args(argv)  # its --quick (the chain over a shaped link, toy sizes) is set below
     given_out = None if opts.out == out_default else opts.out
@@ -451,6 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     suffix = "" if opts.run_id == "1" else f"_run{opts.run_id}"
     results = os.path.join(ROOT, "bench", where)
     out = given_out or os.path.join(results, "squinch_scale" + ("_quick" if opts.quick else suffix))
+    if opts.rerender:
+        rerender(out, opts, results)
+        return
     print(load(), flush=True)
     res = {"run_id": opts.run_id, "load_before": load(), "settings": {
         "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "phase_repeats": opts.repeats}}
@@ -513,9 +542,7 @@ def main(argv: list[str] | None = None) -> None:
     res["validation"] = validate(measured, quarter, timelines, phases)
     res["load_after"], res["wall_s"] = load(), time.time() - t_start
     if opts.compare:
-        with open(opts.compare) as f:
-            lines = compare(json.load(f), res, opts.max_drift)
-        res["compare"] = {"path": os.path.relpath(opts.compare, ROOT), "limit": opts.max_drift, "lines": lines}
+        add_comparison(res, opts.compare, opts.max_drift)
     lines = report(res)
     print("\n".join(lines), flush=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
