@@ -10,13 +10,16 @@ Usage in a test::
 """
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -42,7 +45,27 @@ def _context():
     return ctx
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, base: dict, env: dict) -> None:
+class _ParentFd:
+    """One of the parent's file descriptors, handed to a forked rank (the fork server's own stdout / stderr
+    are those of when it started, not the test's current capture)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, base: dict, env: dict,
+           out_fd: int, err_fd: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_fd, 1)  # the rank prints where the test's own output goes now, as a spawned rank would
+    os.dup2(err_fd, 2)
     os.environ.clear()  # the parent's environment now, as spawn would give it (not the server's, older)
     os.environ.update(base)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
@@ -65,6 +88,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
+        atexit._run_exitfuncs()  # a forked rank ends in os._exit: run what a spawned one would (run locks, writers)
 
 
 def _to_bytes(obj: Any) -> bytes:
@@ -89,7 +113,8 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), env: dict |
     queue = ctx.Queue()
     port = free_port()
     base = dict(os.environ)
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, base, env or {}))
+    fds = (_ParentFd(1), _ParentFd(2))  # what a spawned rank inherits
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, base, env or {}, *fds))
              for r in range(world_size)]
     for p in procs:
         p.start()
