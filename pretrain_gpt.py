@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
@@ -15,7 +14,7 @@ from megatron_cai.core.context_parallel import get_batch_on_this_cp_rank
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
 from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
-from megatron_cai.training.errors import KNOWN_ERRORS, run_cli
+from megatron_cai.training.errors import KNOWN_ERRORS, exit_process, run_cli
 from megatron_cai.training.initialize import discover_env
 from megatron_cai.training.training import pretrain
 
@@ -147,4 +146,4 @@ def _main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main)

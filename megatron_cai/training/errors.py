@@ -11,14 +11,23 @@ impossible parallel layout, a diverged run. Every such class of ``training/`` de
   rank, prefixed with ``[rank R]``;
 - either way the process exits with status 2 and no traceback. Anything else propagates unchanged.
 
+``exit_process(main)`` ends an entry point's process with ``main``'s status. A distributed process that
+fails leaves without interpreter finalization (after its ``atexit`` handlers, e.g. the run lock's): a
+process group that was never destroyed can abort the process while the interpreter is torn down
+(``terminate called without an active exception``: gloo's worker threads still hold tensors), turning a
+clean ``error:`` exit 2 into a SIGABRT. Destroying the group instead could hang on a peer that is gone.
+
 ``safe_print`` is the log writer for paths that must not fail (checkpoint saves, preemption): a closed
 stdout (``BrokenPipeError``) silences further output instead of aborting the caller.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 from ..core.datasets.indexed_dataset import IndexedDatasetError
 from ..core.datasets.tree_format import TreeFormatError
@@ -120,6 +129,35 @@ def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KN
                        file=sys.stderr)
             return 1
         raise
+
+
+def _distributed_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def exit_process(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s status (an escaped exception: its traceback, status 1); see the module docstring."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then the same exit
+        traceback.print_exc()
+        code = 1
+    if code == 0 or not _distributed_initialized():
+        sys.exit(code)
+    atexit._run_exitfuncs()  # the run lock, compile workers, ... while the interpreter is whole
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def safe_print(msg: str, file=None) -> None:

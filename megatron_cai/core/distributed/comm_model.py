@@ -316,10 +316,6 @@ def work_time(w: Work, codec: CodecCost) -> float:
     return max(busy, launch) if codec.launch_overlaps_work else busy + launch
 
 
-def _row_bytes(elems: int) -> int:
-    return row_nbytes(elems)  # 6-bit payload, flag byte, padding to the wire row's alignment
-
-
 def bucket_stages(elems: int, topo: Topology, mode: ReducerMode) -> list[Stage]:
     """The stages of one bucket of ``elems`` elements (padded as the grad buffer pads them)."""
     n, b = topo.dp, DTYPE_BYTES[mode.grad_dtype]
@@ -333,12 +329,12 @@ def bucket_stages(elems: int, topo: Topology, mode: ReducerMode) -> list[Stage]:
     c = elems // n  # the shard
     if not mode.hierarchical:
         stages = [Stage((scale, Work("encode", elems, n)),
-                        Collective("all_to_all", "uint8", n * _row_bytes(c), n, topo.ranks_per_node), "all-to-all")]
+                        Collective("all_to_all", "uint8", n * row_nbytes(c), n, topo.ranks_per_node), "all-to-all")]
         if mode.shard_only:
             return stages + [Stage((Work("decode_accumulate", n * c),), None, "done")]
         return stages + [
             Stage((Work("decode_accumulate", n * c), Work("encode", c, 1)),
-                  Collective("all_gather", "uint8", _row_bytes(c), n, topo.ranks_per_node), "all-gather"),
+                  Collective("all_gather", "uint8", row_nbytes(c), n, topo.ranks_per_node), "all-gather"),
             Stage((Work("decode", n * c, n),), None, "done")]
     L, M = topo.ranks_per_node, topo.nodes
     slice_elems = M * c
@@ -351,12 +347,12 @@ def bucket_stages(elems: int, topo: Topology, mode: ReducerMode) -> list[Stage]:
         return stages + [Stage((Work("memory", 2 * c * b),), intra_gather, "intra all-gather"),
                          Stage((Work("memory", 2 * elems * b),), None, "done")]
     stages.append(Stage((Work("encode", slice_elems, M),),
-                        Collective("all_to_all", "uint8", M * _row_bytes(c), M, 1), "all-to-all"))
+                        Collective("all_to_all", "uint8", M * row_nbytes(c), M, 1), "all-to-all"))
     if mode.shard_only:
         return stages + [Stage((Work("decode_accumulate", M * c),), None, "done")]
     return stages + [
         Stage((Work("decode_accumulate", M * c), Work("encode", c, 1)),
-              Collective("all_gather", "uint8", _row_bytes(c), M, 1), "all-gather"),
+              Collective("all_gather", "uint8", row_nbytes(c), M, 1), "all-gather"),
         Stage((Work("decode", M * c, M), Work("memory", 2 * slice_elems * b)), intra_gather, "intra all-gather"),
         Stage((Work("memory", 2 * elems * b),), None, "done")]
 

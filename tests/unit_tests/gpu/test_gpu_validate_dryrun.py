@@ -32,6 +32,7 @@ def _snapshot(folder: str) -> dict:
             for name in os.listdir(folder)}
 
 
+@pytest.mark.slow  # 64 s on 2 cores; run by hand with each change to validate.sh (the per-step tests stay in CI)
 def test_validate_dry_run(tmp_path) -> None:
     pytest.importorskip("triton")
     results = os.path.join(ROOT, "bench", "results")

@@ -60,3 +60,54 @@ def test_every_user_fixable_error_is_known_to_run_cli(cls, capsys):
     assert errors.run_cli(bad) == 2
     assert capsys.readouterr().err == "error: what went wrong\n"
     assert issubclass(cls, errors.KNOWN_ERRORS)
+
+
+_EXIT_SCRIPT = r'''
+import atexit, os, sys, tempfile
+import torch.distributed as dist
+from megatron_cai.training.errors import exit_process
+
+marker, mode = sys.argv[1], sys.argv[2]
+if mode != "single":
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+atexit.register(lambda: open(marker, "a").write("atexit\n"))
+
+
+class Finalized:  # writes through what it bound while the interpreter was whole
+    def __del__(self, write=os.write, fd=os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+        write(fd, b"finalized\n")
+
+
+keep = Finalized()
+
+
+def main():
+    print("output before the exit", flush=False)
+    if mode == "raise":
+        raise KeyError("bug")
+    return 2
+
+
+exit_process(main)
+'''
+
+
+@pytest.mark.parametrize("mode", ["distributed", "raise", "single"])
+def test_a_failed_distributed_process_exits_without_finalization(tmp_path, mode):
+    """Status kept, atexit handlers run, stdout flushed; a failed distributed process skips finalization
+    (where an undestroyed process group can abort it), a single process still finalizes."""
+    import os
+    import subprocess
+
+    marker = tmp_path / "marker"
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run([sys.executable, str(script), str(marker), mode], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == (1 if mode == "raise" else 2), proc.stderr
+    assert proc.stdout == "output before the exit\n"
+    assert ("KeyError: 'bug'" in proc.stderr) == (mode == "raise")
+    lines = marker.read_text().splitlines()
+    assert lines[0] == "atexit"
+    assert ("finalized" in lines) == (mode == "single")
