@@ -8,8 +8,9 @@ One command runs the whole chain and writes every result file:
      ready, the end of backward, the time after the gradient sync);
   3. the real set: training runs over the shaped veth (DP = 2, and DP = 4 as two hosts of two ranks;
      two model sizes; several rates; overlap on and off; fp32 / bf16 / Squinch flat and hierarchical),
-     alternated within each group, --repeats x --steps; the finished rows of
-     ``squinch_bandwidth_rows_1.json`` are reused where they match (run id 1 only);
+     alternated within each group, --repeats x --steps, every row measured by this run (``--reuse FILE``
+     takes finished rows of a squinch_bandwidth rows file instead: only rows of this same tree belong in
+     one table, and reused rows are not alternated with the rest of their group);
   4. the model (``core/distributed/comm_model.py``) predicts every real row from 1 and 2 alone:
      predicted / measured per row, median and max absolute error;
   5. the quarter-bandwidth row for the large model: Squinch at B/4 against fp32 at B (B: the rate at
@@ -423,8 +424,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
-    p.add_argument("--reuse", default=None, help="rows of squinch_bandwidth to reuse (default for run id 1: "
-                                                "bench/results/squinch_bandwidth_rows_1.json; 'none': measure all)")
+    p.add_argument("--reuse", default="none", help="a squinch_bandwidth rows file measured on this same tree whose "
+                                                  "finished rows are reused (default: none, measure all)")
     p.add_argument("--compare", default=None, help="an earlier run's JSON: report each ratio's drift")
     p.add_argument("--max-drift", type=float, default=0.05)
     p.add_argument("--max-spread", type=float, default=0.10,
@@ -463,8 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = {k: getattr(real, k) for k in ROW_SETTINGS}
     rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"), {"format": ROW_FORMAT, **settings},
                     opts.fresh)
-    reuse_path = opts.reuse or (os.path.join(ROOT, "bench", "results", "squinch_bandwidth_rows_1.json")
-                                if opts.run_id == "1" and not opts.quick else "none")
+    reuse_path = "none" if opts.quick else opts.reuse
     reuse = {}
     if reuse_path != "none" and os.path.exists(reuse_path):
         with open(reuse_path) as f:
