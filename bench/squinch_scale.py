@@ -115,7 +115,10 @@ QUICK_SET = (
     Group("toy", 2, 64, True, ("fp32", "squinch", "squinch_wait")),
     Group("toy", 4, 64, True, ("bf16", "flat", "hierarchical")),
 )
-PROFILE_RATE = 256  # Mbit/s: the timeline runs (bf16, overlap): little gloo CPU next to the compute
+# The timeline runs (bf16, overlap) on the unshaped veth: compute as it is with the least transport CPU next to
+# it. The model adds the transport's CPU itself (the fits' ns/B); a profile over a shaped link, whose gloo
+# threads take ~6 ns of CPU per byte during backward, counted it twice (the large model's rows +20-40%).
+PROFILE_RATE = None
 
 
 def flags_of(group: Group, label: str) -> list[str]:
@@ -152,7 +155,8 @@ def measure_timeline(size: str, dp: int, opts) -> dict:
     setup_link(PROFILE_RATE)
     flags = flags_of(Group(size, dp, PROFILE_RATE, True, ()), "bf16") + ["--timing-log-level", "2"]
     r = run_job(flags, dp // 2, opts.steps, opts.warmup)
-    return {**parse_timeline(r["log"], opts.warmup), "load": load(), "profile": f"bf16, overlap, {PROFILE_RATE} Mbit/s"}
+    return {**parse_timeline(r["log"], opts.warmup), "load": load(),
+            "profile": f"bf16, overlap, {link_name(PROFILE_RATE)}"}
 
 
 def timeline_of(t: dict) -> BackwardTimeline:
@@ -481,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         timelines = {}
         for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)}):
-            timelines[f"{size}|{dp}"] = rows.get(f"timeline|{size}|{dp}",
+            timelines[f"{size}|{dp}"] = rows.get(f"timeline|{size}|{dp}|{rate_key(PROFILE_RATE)}",
                                                  lambda s=size, d=dp: measure_timeline(s, d, real))
         measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
         fp32_bytes = 4 * sum(timelines[f"{big}|2"]["bucket_elems"])  # all-reduce at n = 2: S per rank
