@@ -44,6 +44,14 @@ _PRELOAD = ["torch", "torch.distributed", "megatron_cai.training.training"]
 _SERVER_LOG = os.path.join(tempfile.gettempdir(), f"megatron-cai-forkserver-{os.getpid()}.log")
 
 
+def _remove_empty_log() -> None:
+    try:
+        if os.path.getsize(_SERVER_LOG) == 0:
+            os.remove(_SERVER_LOG)
+    except OSError:
+        pass
+
+
 def _context():
     """``forkserver`` with :data:`_PRELOAD` imported in the server (its own process, never the test's), started
     (once, or again if it died) with its output going to :data:`_SERVER_LOG`."""
@@ -52,6 +60,8 @@ def _context():
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
+    if not os.path.exists(_SERVER_LOG):
+        atexit.register(_remove_empty_log)  # a log the server never wrote to is not left behind
     log = os.open(_SERVER_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.dup2(log, 1)
