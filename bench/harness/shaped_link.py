@@ -184,11 +184,12 @@ class RowCache:
     def __init__(self, path: str, settings: dict, fresh: bool) -> None:
         self.path, self.settings = path, json.dumps(settings, sort_keys=True)
         self.rows: dict = {}
+        self.spent: list[float] = []  # wall seconds of each earlier invocation that finished this run
         if os.path.exists(path) and not fresh:
             with open(path) as f:
                 saved = json.load(f)
             if saved.get("settings") == self.settings:
-                self.rows = saved["rows"]
+                self.rows, self.spent = saved["rows"], saved.get("spent_s", [])
                 print(f"resuming: {len(self.rows)} finished row(s) from {path}", flush=True)
 
     def get(self, key: str, compute):
@@ -200,7 +201,7 @@ class RowCache:
     def save(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path + ".tmp", "w") as f:
-            json.dump({"settings": self.settings, "rows": self.rows}, f)
+            json.dump({"settings": self.settings, "rows": self.rows, "spent_s": self.spent}, f)
         os.replace(self.path + ".tmp", self.path)
 
 

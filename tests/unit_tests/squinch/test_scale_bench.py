@@ -170,3 +170,20 @@ def test_noisy_groups_are_named_for_a_remeasure():
             "dp2|small|64|True|rest": {"load": "x", "fp32": {"spread": 0.03}},
             "quarter-fp32|large|813": {"load": "x", "fp32": {"spread": 0.0}, "squinch": {"spread": 0.2}}}
     assert S.noisy_keys(rows, 0.10) == ["dp2|small|256|False", "quarter-fp32|large|813"]
+
+
+def test_a_resumed_run_counts_the_time_of_every_invocation(tmp_path):
+    from harness.shaped_link import RowCache
+
+    path = str(tmp_path / "rows.json")
+    first = RowCache(path, {"steps": 20}, fresh=False)
+    first.get("a", lambda: {"median_s": 1.0})
+    first.spent.append(780.0)  # an invocation refused as noisy
+    first.save()
+    again = RowCache(path, {"steps": 20}, fresh=False)
+    assert again.rows == {"a": {"median_s": 1.0}} and again.spent == [780.0]
+    again.spent.append(30.0)
+    res = {"wall_s": sum(again.spent), "invocations": len(again.spent)}
+    assert S.invocations(res) == " over 2 invocations" and S.invocations({"wall_s": 1.0}) == ""
+    assert RowCache(path, {"steps": 20}, fresh=True).spent == []
+    assert RowCache(path, {"steps": 40}, fresh=False).spent == []  # other settings: another run
