@@ -121,5 +121,7 @@ def install() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_cai.training.errors import exit_process
+
     install()
-    sys.exit(pretrain_gpt.main(sys.argv[1:]))
+    exit_process(lambda: pretrain_gpt.main(sys.argv[1:]))  # as pretrain_gpt.py itself exits
