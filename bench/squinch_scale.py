@@ -433,8 +433,9 @@ def add_comparison(res: dict, path: str, limit: float) -> None:
     res["compare"] = {"path": os.path.relpath(path, ROOT), "limit": limit, "lines": lines}
 
 
-def rerender(out: str, opts, results: str) -> None:
-    """The report, plot and doc section of a finished run from its JSON (``--rerender``)."""
+def rerender(out: str, opts, results: str, doc: bool) -> None:
+    """The report, plot (and, for the committed results, the doc section) of a finished run from its JSON
+    (``--rerender``)."""
     with open(out + ".json") as f:
         res = json.load(f)
     if opts.compare:
@@ -444,8 +445,8 @@ def rerender(out: str, opts, results: str) -> None:
     with open(out + ".md", "w") as f:
         f.write("\n".join(report(res)) + "\n")
     plot(res, out + ".png")
-    with open(os.path.join(results, "squinch_phases.json")) as f:
-        update_doc(results, json.load(f))
+    if doc:
+        update_doc(results, _first_phases(results, {}))
     print(f"rendered {out}.md, .png from {out}.json")
 
 
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
     results = os.path.join(ROOT, "bench", where)
     out = given_out or os.path.join(results, "squinch_scale" + ("_quick" if opts.quick else suffix))
     if opts.rerender:
-        rerender(out, opts, results)
+        rerender(out, opts, results, doc=given_out is None and not opts.quick)
         return
     print(load(), flush=True)
     res = {"run_id": opts.run_id, "load_before": load(), "settings": {

@@ -53,15 +53,22 @@ class DataError(UserError, ValueError):
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (UserError, IndexedDatasetError, ParallelLayoutError, TreeFormatError)
 
 
-def current_rank() -> int:
-    """This process's global rank (from torch.distributed, else the launcher's environment)."""
+def _distributed_initialized() -> bool:
+    """Whether torch.distributed has a default group (best effort while reporting another error)."""
     try:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # noqa: BLE001 - best effort while reporting another error
-        pass
+        return dist.is_available() and dist.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def current_rank() -> int:
+    """This process's global rank (from torch.distributed, else the launcher's environment)."""
+    if _distributed_initialized():
+        import torch.distributed as dist
+
+        return dist.get_rank()
     for var in ("RANK", "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -69,13 +76,10 @@ def current_rank() -> int:
 
 
 def world_size() -> int:
-    try:
+    if _distributed_initialized():
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # noqa: BLE001
-        pass
+        return dist.get_world_size()
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -129,15 +133,6 @@ def run_cli(main: Callable[[], int], known: tuple[type[BaseException], ...] = KN
                        file=sys.stderr)
             return 1
         raise
-
-
-def _distributed_initialized() -> bool:
-    try:
-        import torch.distributed as dist
-
-        return dist.is_available() and dist.is_initialized()
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def exit_process(main: Callable[[], int]) -> NoReturn:

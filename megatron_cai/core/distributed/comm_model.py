@@ -448,15 +448,16 @@ class _Sim:
         threads waited as long for one, so what is on the wire after ``since`` ends that much later."""
         if stolen <= 0:
             return
+
+        def later(t: float) -> float:
+            return t + stolen if t > since else t
+
         for f in self.fifo:
-            if not f.done and f.finish > since:
-                f.finish += stolen
-        for tier, free in self.free.items():
-            if free > since:
-                self.free[tier] = free + stolen
-        self.cpu = [(b + stolen if b > since else b, e + stolen if e > since else e, c) for b, e, c in self.cpu]
-        self.events = [(i, n, t, b + stolen if b > since else b, e + stolen if e > since else e)
-                       for i, n, t, b, e in self.events]
+            if not f.done:
+                f.finish = later(f.finish)
+        self.free = {tier: later(free) for tier, free in self.free.items()}
+        self.cpu = [(later(b), later(e), c) for b, e, c in self.cpu]
+        self.events = [(i, n, t, later(b), later(e)) for i, n, t, b, e in self.events]
 
     def progress(self, poll: float | None) -> None:
         """SquinchReducer.progress(): later stages of buckets whose collective completed by the poll time
