@@ -74,12 +74,29 @@ def test_validate_dry_run(tmp_path) -> None:
     assert res["pytest"]["counts"].get("skipped", 0) > 0 and not res["pytest"]["collection_errors"]
 
 
+# codec.py run as its own __main__, except that it waits once its first row is on disk: the SIGTERM that a
+# step's time limit sends then lands mid-step every time (a polled kill raced the step's last row).
+_WAIT_AFTER_FIRST_ROW = """
+import runpy, sys, time
+sys.path.insert(0, sys.argv[1])
+import common
+add = common.StepResults.add
+def add_then_wait(self, row):
+    add(self, row)
+    time.sleep(600)
+common.StepResults.add = add_then_wait
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def test_step_stopped_by_its_time_limit_keeps_its_rows(tmp_path) -> None:
     """The codec step, stopped (SIGTERM, as `timeout` does) once it has written a row: its JSON parses,
     holds the finished rows and says it was still running; the summary reports the step's state."""
     pytest.importorskip("triton")
     out = tmp_path / "gpu_codec.json"
-    proc = subprocess.Popen([sys.executable, os.path.join(GPU, "codec.py"), "--dry-run", "--out", str(out)],
+    proc = subprocess.Popen([sys.executable, "-c", _WAIT_AFTER_FIRST_ROW, GPU, os.path.join(GPU, "codec.py"),
+                             "--dry-run", "--out", str(out)],
                             env=_env(TRITON_INTERPRET="1"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 600
