@@ -8,7 +8,8 @@ One command runs the whole chain and writes every result file:
      ready, the end of backward, the time after the gradient sync);
   3. the real set: training runs over the shaped veth (DP = 2, and DP = 4 as two hosts of two ranks;
      two model sizes; several rates; overlap on and off; fp32 / bf16 / Squinch flat and hierarchical),
-     alternated within each group, --repeats x --steps, every row measured by this run (``--reuse FILE``
+     --repeats rounds over the whole set (round i of every group before round i + 1 of any; a group's
+     configurations alternate within a round), --steps each, every row measured by this run (``--reuse FILE``
      takes finished rows of a squinch_bandwidth rows file instead: only rows of this same tree belong in
      one table, and reused rows are not alternated with the rest of their group);
   4. the model (``core/distributed/comm_model.py``) predicts every real row from 1 and 2 alone:
@@ -79,7 +80,7 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
 ROOT = H.ROOT
 TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
-ROW_FORMAT = 2  # bump when a cached timeline or group changes shape
+ROW_FORMAT = 3  # bump when a cached timeline or group changes shape (3: a group's repeats are rounds)
 
 
 @dataclass(frozen=True)
@@ -165,54 +166,111 @@ def timeline_of(t: dict) -> BackwardTimeline:
                             t["after_sync_ms"] / 1e3)
 
 
+def round_key(base: str, i: int) -> str:
+    return f"{base}#{i}"
+
+
+def rounds_of(rows: dict, base: str) -> list[dict]:
+    """The finished rounds of the group (or quarter row) stored under ``base``, in round order."""
+    found = sorted((int(k.rsplit("#", 1)[1]), v) for k, v in rows.items() if k.rsplit("#", 1)[0] == base)
+    return [v for _, v in found]
+
+
+def summary_of_rounds(rounds: list[dict], labels: tuple[str, ...]) -> dict:
+    """Each configuration's summary over its rounds (``runs_s`` in round order, so paired ratios pair
+    runs of one round); the load average before every round."""
+    return {"load": "; ".join(r["load"] for r in rounds), **{k: summary([r[k] for r in rounds]) for k in labels}}
+
+
 def noisy_keys(rows: dict, limit: float) -> list[str]:
-    """Finished groups (and quarter rows) of a rows cache with a configuration spread above ``limit``."""
-    return [key for key, row in rows.items() if not key.startswith("timeline|")
-            and any(isinstance(v, dict) and v.get("spread", 0.0) > limit for v in row.values())]
+    """Groups (and quarter rows) of a rows cache with a configuration whose rounds spread above ``limit``."""
+    bases = sorted({k.rsplit("#", 1)[0] for k in rows if "#" in k})
+    noisy = []
+    for base in bases:
+        rounds = rounds_of(rows, base)
+        labels = tuple(k for k in rounds[0] if k != "load")
+        if len(rounds) > 1 and any(v["spread"] > limit for k, v in summary_of_rounds(rounds, labels).items()
+                                   if k != "load"):
+            noisy.append(base)
+    return noisy
 
 
-def measure_group(group: Group, labels: tuple[str, ...], opts, key: str) -> dict:
-    """The configurations ``labels`` of ``group``, alternated, ``opts.repeats`` times."""
-    setup_link(group.rate)
-    runs: dict[str, list[dict]] = {k: [] for k in labels}
-    for _ in range(opts.repeats):
-        for label in labels:
-            runs[label].append(run_job(flags_of(group, label), group.dp // 2, opts.steps, opts.warmup,
-                                       CONFIGS[label][2] or None))
-    print(f"  {key} {link_name(group.rate)}: " + ", ".join(
-        f"{k} {1e3 * statistics.median(r['step_s'] for r in v):.1f} ms" for k, v in runs.items()) + f" ({load()})",
-        flush=True)
-    return {"load": load(), **{label: summary(rs) for label, rs in runs.items()}}
+def drop_rounds(rows: dict, base: str) -> None:
+    for key in [k for k in rows if k.rsplit("#", 1)[0] == base]:
+        del rows[key]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one round of a group (or of the quarter row) measures: ``runs`` are (configuration, link rate,
+    group for its flags, ranks per host), in the order they run."""
+
+    base: str
+    name: str
+    runs: tuple[tuple[str, float | None, Group, int], ...]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return tuple(label for label, *_ in self.runs)
+
+    def measure(self, opts) -> dict:
+        out = {"load": load()}
+        for label, rate, group, per_host in self.runs:
+            setup_link(rate)
+            out[label] = run_job(flags_of(group, label), per_host, opts.steps, opts.warmup,
+                                 CONFIGS[label][2] or None)
+        return out
+
+
+def group_plan(group: Group, labels: tuple[str, ...], store: str) -> Plan:
+    return Plan(store, f"{group.key} {link_name(group.rate)}",
+                tuple((label, group.rate, group, group.dp // 2) for label in labels))
+
+
+def quarter_plan(size: str, b_mbit: float) -> Plan:
+    """Squinch at B/4 against fp32 at B, both with overlap, the links alternating run by run."""
+    return Plan(f"quarter-fp32|{size}|{b_mbit:.4g}", f"quarter {size} B = {b_mbit:.0f} Mbit/s",
+                tuple((label, rate, Group(size, 2, rate, True, ()), 1)
+                      for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4))))
+
+
+def measure_rounds(plans: list[Plan], opts, rows: RowCache) -> None:
+    """``opts.repeats`` rounds over every plan: round i of each group before round i + 1 of any, so that a
+    group's repeats fall minutes apart and a slow minute of the machine moves one repeat of several groups,
+    not the median of one (the configurations of a group still alternate within each round)."""
+    for i in range(opts.repeats):
+        for plan in plans:
+            key = round_key(plan.base, i)
+            if key in rows.rows:  # measured by an earlier invocation of this run
+                continue
+            res = rows.rows[key] = plan.measure(opts)
+            rows.save()
+            print(f"  round {i + 1}/{opts.repeats} {plan.name}: " + ", ".join(
+                f"{k} {1e3 * res[k]['step_s']:.1f} ms" for k in plan.labels) + f" ({res['load']})", flush=True)
+
+
+def reused_part(group: Group, reuse: dict) -> dict:
+    return {k: v for k, v in reuse.get(group.key, {}).items() if k in group.configs}
+
+
+def store_of(group: Group, reuse: dict) -> str:
+    """Where a group's measured configurations are kept: next to a reused part, under their own key."""
+    return group.key + ("|rest" if reused_part(group, reuse) else "")
 
 
 def group_rows(group: Group, opts, rows: RowCache, reuse: dict) -> dict:
-    """A group's summaries: from this run's rows, else the reusable rows plus what they lack."""
-    if group.key in rows.rows:
-        return rows.rows[group.key]
-    old = {k: v for k, v in reuse.get(group.key, {}).items() if k in group.configs}
+    """A group's summaries: the reusable rows plus its rounds measured here."""
+    old = reused_part(group, reuse)
     missing = tuple(k for k in group.configs if k not in old)
-    store = group.key + ("|rest" if old else "")  # the part measured here, next to the reused part
-    new = rows.get(store, lambda: measure_group(group, missing, opts, group.key)) if missing else {}
+    new = summary_of_rounds(rounds_of(rows.rows, store_of(group, reuse)), missing) if missing else {}
     if old:
         print(f"  {group.key}: reused {', '.join(old)} from {opts.reuse}", flush=True)
     return {**{k: {**v, "reused": True} for k, v in old.items()}, **{k: v for k, v in new.items() if k != "load"},
             "load": new.get("load", "reused rows")}
 
 
-def quarter_group(size: str, timeline: dict, fp32_bytes: int, opts, rows: RowCache) -> dict:
-    """Squinch at B/4 against fp32 at B, both with overlap, the links alternating run by run."""
-    compute_s = (timeline["backward_end_ms"] + timeline["after_sync_ms"]) / 1e3
-    b_mbit = fp32_bytes * 8 / compute_s / 1e6
-
-    def measure():
-        runs: dict[str, list[dict]] = {"fp32": [], "squinch": []}
-        for _ in range(opts.repeats):
-            for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4)):
-                setup_link(rate)
-                runs[label].append(run_job(flags_of(Group(size, 2, rate, True, ()), label), 1, opts.steps,
-                                           opts.warmup))
-        return {"load": load(), **{k: summary(v) for k, v in runs.items()}}
-    res = rows.get(f"quarter-fp32|{size}|{b_mbit:.4g}", measure)
+def quarter_group(size: str, b_mbit: float, compute_s: float, fp32_bytes: int, rows: RowCache) -> dict:
+    res = summary_of_rounds(rounds_of(rows.rows, quarter_plan(size, b_mbit).base), ("fp32", "squinch"))
     return {"size": size, "B_mbit": b_mbit, "compute_s": compute_s, "fp32_bytes": fp32_bytes, **res,
             "squinch/fp32": paired_ratio(res, "squinch", "fp32")}
 
@@ -306,8 +364,9 @@ def compare(first: dict, second: dict, limit: float) -> list[str]:
 def report(res: dict) -> list[str]:
     v = res["validation"]
     L = ["# Squinch step time: the model against real runs over the shaped veth", "",
-         f"Run id {res['run_id']}; {res['settings']['repeats']} alternated repeats of {res['settings']['steps']} "
-         f"steady steps (after {res['settings']['warmup']}) per configuration; measured = median over repeats. "
+         f"Run id {res['run_id']}; {res['settings']['repeats']} rounds over the whole set (a group's configurations "
+         f"alternate within a round), {res['settings']['steps']} steady steps (after {res['settings']['warmup']}) "
+         f"per configuration and round; measured = median over the rounds. "
          f"The model sees only the phase fits (`squinch_phases`) and one backward timeline per model and DP. "
          f"Machine before: {res['load_before']}; after: {res['load_after']}; wall time {res['wall_s'] / 60:.1f} min"
          f"{invocations(res)} "
@@ -513,9 +572,9 @@ def main(argv: list[str] | None = None) -> None:
             reuse, real.reuse = saved["rows"], os.path.relpath(reuse_path, ROOT)
     groups = QUICK_SET if opts.quick else REAL_SET
     if opts.drop_noisy:
-        for key in noisy_keys(rows.rows, opts.max_spread):
-            print(f"  dropping noisy {key}: measured again", flush=True)
-            del rows.rows[key]
+        for base in noisy_keys(rows.rows, opts.max_spread):
+            print(f"  dropping noisy {base}: every round measured again", flush=True)
+            drop_rounds(rows.rows, base)
         rows.save()
     big = "toy" if opts.quick else "large"
     try:
@@ -523,9 +582,14 @@ def main(argv: list[str] | None = None) -> None:
         for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)}):
             timelines[f"{size}|{dp}"] = rows.get(f"timeline|{size}|{dp}|{rate_key(PROFILE_RATE)}",
                                                  lambda s=size, d=dp: measure_timeline(s, d, real))
-        measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
         fp32_bytes = 4 * sum(timelines[f"{big}|2"]["bucket_elems"])  # all-reduce at n = 2: S per rank
-        quarter = quarter_group(big, timelines[f"{big}|2"], fp32_bytes, real, rows)
+        compute_s = (timelines[f"{big}|2"]["backward_end_ms"] + timelines[f"{big}|2"]["after_sync_ms"]) / 1e3
+        b_mbit = fp32_bytes * 8 / compute_s / 1e6  # B: fp32's gradient bytes take as long as the compute
+        plans = [group_plan(g, missing, store_of(g, reuse)) for g in groups
+                 if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
+        measure_rounds(plans + [quarter_plan(big, b_mbit)], real, rows)
+        measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
+        quarter = quarter_group(big, b_mbit, compute_s, fp32_bytes, rows)
     finally:
         teardown_link()
     # a refused (noisy) invocation's measurements are part of this run when it resumes: its time counts too

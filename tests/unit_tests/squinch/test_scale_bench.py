@@ -164,12 +164,55 @@ def test_fit_link_bounds_beta_when_time_does_not_grow():
     assert fits["allreduce_fp32"]["bytes_per_s"] == pytest.approx(256 * KIB / 1e-3)
 
 
+def _round(load: str, **steps: float) -> dict:
+    return {"load": load, **{k: {"step_s": t, "bytes": 1, "phases_ms": {}} for k, t in steps.items()}}
+
+
 def test_noisy_groups_are_named_for_a_remeasure():
     rows = {"timeline|small|2": {"bucket_elems": [1]},
-            "dp2|small|256|False": {"load": "x", "fp32": {"spread": 0.02}, "bf16": {"spread": 0.12}},
-            "dp2|small|64|True|rest": {"load": "x", "fp32": {"spread": 0.03}},
-            "quarter-fp32|large|813": {"load": "x", "fp32": {"spread": 0.0}, "squinch": {"spread": 0.2}}}
+            # bf16 spreads (1.2 - 1.0) / 1.1 = 18% over its rounds
+            **{f"dp2|small|256|False#{i}": _round("x", fp32=1.0, bf16=t) for i, t in enumerate((1.0, 1.1, 1.2))},
+            **{f"dp2|small|64|True|rest#{i}": _round("x", fp32=1.0 + i / 100) for i in range(3)},  # 2%
+            **{f"quarter-fp32|large|813#{i}": _round("x", fp32=1.0, squinch=0.5 * (1 + i / 10)) for i in range(3)}}
     assert S.noisy_keys(rows, 0.10) == ["dp2|small|256|False", "quarter-fp32|large|813"]
+    assert S.noisy_keys(rows, 0.25) == []
+    S.drop_rounds(rows, "dp2|small|256|False")
+    assert sorted(rows) == ["dp2|small|64|True|rest#0", "dp2|small|64|True|rest#1", "dp2|small|64|True|rest#2",
+                            "quarter-fp32|large|813#0", "quarter-fp32|large|813#1", "quarter-fp32|large|813#2",
+                            "timeline|small|2"]
+
+
+def test_rounds_run_round_major_and_resume(tmp_path, monkeypatch):
+    """Round i of every group runs before round i + 1 of any; finished rounds are not measured again; a
+    group's summary takes its runs in round order, so a paired ratio pairs runs of one round."""
+    from harness.shaped_link import RowCache
+
+    calls = []
+
+    def fake_measure(plan, opts):
+        calls.append(plan.base)
+        n = calls.count(plan.base)  # this plan's n-th round: step times 1, 2, 3 (x 10 for squinch)
+        return _round(f"load {len(calls)}", **{k: n * (10 if k == "squinch" else 1) for k in plan.labels})
+
+    monkeypatch.setattr(S.Plan, "measure", fake_measure)
+    g = S.Group("small", 2, 256, True, ("fp32", "bf16"))
+    a = S.group_plan(g, g.configs, S.store_of(g, {}))
+    q = S.quarter_plan("large", 800.0)
+    opts = __import__("argparse").Namespace(repeats=3)
+    rows = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
+    rows.rows[S.round_key(a.base, 0)] = _round("earlier", fp32=1.0, bf16=1.0)  # an earlier invocation's round
+    S.measure_rounds([a, q], opts, rows)
+    assert calls == [q.base, a.base, q.base, a.base, q.base]
+    assert q.labels == ("fp32", "squinch") and q.runs[1][1] == 200.0  # Squinch at B/4
+    again = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
+    S.measure_rounds([a, q], opts, again)
+    assert len(calls) == 5  # all rounds on disk
+    quarter = S.quarter_group("large", 800.0, 0.3, 123, again)
+    assert quarter["fp32"]["runs_s"] == [1, 2, 3] and quarter["squinch"]["runs_s"] == [10, 20, 30]
+    assert quarter["squinch/fp32"] == {"ratio": 10.0, "min": 10.0, "max": 10.0}
+    assert quarter["load"] == "load 1; load 3; load 5"
+    group = S.group_rows(g, opts, again, {})
+    assert group["fp32"]["runs_s"] == [1.0, 1, 2] and group["fp32"]["median_s"] == 1
 
 
 def test_a_resumed_run_counts_the_time_of_every_invocation(tmp_path):
