@@ -6,9 +6,10 @@ to --rates Mbit/s, plus "loopback": both ranks in one namespace (the intra-host 
 On each link, for every message size of --sizes (bytes of the buffer reduced; an all-gather's output)
 and every collective as the reducers issue it (fp32 and bf16 all-reduce, fp32 and bf16 reduce-scatter
 through core.device, Squinch's uint8 all-to-all and all-gather), alternating collective by collective,
---repeats times: the time from issue to the end of wait() (the largest of the two ranks, after a
-barrier; back-to-back repetitions of small messages averaged), the host time of the issue and the
-rank's CPU time over the collective (every thread: gloo's and the kernel's TCP work). Sizes
+in --repeats rounds (round i of every link before round i + 1 of any, so that a slow minute of the machine
+moves one repeat of several links, not one link's median): the time from issue to the end of wait() (the
+largest of the two ranks, after a barrier; back-to-back repetitions of small messages averaged), the host
+time of the issue and the rank's CPU time over the collective (every thread: gloo's and the kernel's TCP work). Sizes
 whose all-reduce would take more than --max-op-s at the link's rate are skipped.
 
 The codec (one thread, as each training rank runs): encode with error feedback of a bucket cut into
@@ -126,19 +127,27 @@ def worker(sizes: list[int], repeats: int) -> None:
 
 
 def measure_link(rate, sizes: list[int], repeats: int, loopback: bool = False) -> dict:
-    """Run the worker over one link (``loopback``: both ranks in one namespace); medians per size."""
+    """Run the worker over one link (``loopback``: both ranks in one namespace): its raw samples."""
     setup_link(None if loopback else rate)
     argv = ["bench/squinch_phases.py", "--worker", "--repeats", str(repeats), "--sizes", *map(str, sizes)]
     outs = spawn_ranks(argv, 2 if loopback else 1, namespaces=1 if loopback else 2, timeout=1800)
     raw = json.loads(next(x for x in outs[0].splitlines() if x.startswith(MARKER))[len(MARKER):])
+    return {"rate_mbit": rate, "loopback": loopback, "load": load(), "raw": raw}
+
+
+def link_of(rounds: list[dict]) -> dict:
+    """One link from its rounds: per collective and size, the median [min-max] over every round's runs."""
     samples: dict[str, dict] = {}
-    for key, runs in raw["times"].items():
+    for key in rounds[0]["raw"]["times"]:
         name, size = key.split("|")
-        samples.setdefault(name, {})[size] = {"median_s": statistics.median(runs), "min_s": min(runs),
-                                              "max_s": max(runs), "runs_s": runs,
-                                              "issue_s": statistics.median(raw["issue"][key]),
-                                              "cpu_s": statistics.median(raw["cpu"][key])}
-    return {"rate_mbit": rate, "loopback": loopback, "load": load(), "samples": samples}
+        runs = [t for r in rounds for t in r["raw"]["times"][key]]
+        samples.setdefault(name, {})[size] = {
+            "median_s": statistics.median(runs), "min_s": min(runs), "max_s": max(runs), "runs_s": runs,
+            "issue_s": statistics.median(t for r in rounds for t in r["raw"]["issue"][key]),
+            "cpu_s": statistics.median(t for r in rounds for t in r["raw"]["cpu"][key])}
+    loads = [r["load"] for r in rounds]
+    return {"rate_mbit": rounds[0]["rate_mbit"], "loopback": rounds[0]["loopback"],
+            "load": loads[0] if len(loads) == 1 else f"{loads[0]} ... {loads[-1]}", "samples": samples}
 
 
 # ------------------------------------------------------------------------------------------- codec
@@ -265,7 +274,8 @@ def link_label(key: str) -> str:
 
 def report(res: dict) -> list[str]:
     L = ["# Collectives and codec alone: the step-time model's measured inputs", "",
-         f"{res['settings']['repeats']} alternated repeats; cells: median [min-max] ms of one collective "
+         f"{res['settings']['repeats']} rounds over the links (collectives alternate within a round); "
+         "cells: median [min-max] ms of one collective "
          "(issue to the end of wait(), the slower of the 2 ranks), message = the bytes of the buffer reduced "
          "(an all-gather's output). Machine before: " + res["load_before"] + "; after: " + res["load_after"] + ".",
          ""]
@@ -313,16 +323,21 @@ def run(opts, rows: RowCache | None = None) -> dict:
 
     def get(key, fn):
         return rows.get(key, fn) if rows is not None else fn()
-    try:
-        for rate in [None, *sorted(opts.rates, reverse=True)] if NETNS[0] else []:  # no namespaces: loopback only
-            key = rate_key(rate)
-            sizes = sizes_for(rate, opts.sizes, opts.max_op_s)
-            res["links"][key] = get(f"link|{key}", lambda rate=rate, sizes=sizes: measure_link(rate, sizes,
-                                                                                               opts.repeats))
-            print(f"  {link_label(key)}: done ({res['links'][key]['load']})", flush=True)
-        res["links"]["loopback"] = get("link|loopback", lambda: measure_link(None, opts.sizes, opts.repeats, True))
+    links = [(rate_key(rate), rate, False) for rate in ([None, *sorted(opts.rates, reverse=True)]
+                                                         if NETNS[0] else [])]  # no namespaces: loopback only
+    links.append(("loopback", None, True))
+    rounds: dict[str, list[dict]] = {key: [] for key, _, _ in links}
+    try:  # round i of every link before round i + 1 of any: a slow minute moves one repeat of several links
+        for i in range(opts.repeats):
+            for key, rate, loopback in links:
+                sizes = opts.sizes if loopback else sizes_for(rate, opts.sizes, opts.max_op_s)
+                rounds[key].append(get(f"link|{key}#{i}",
+                                       lambda r=rate, s=sizes, lb=loopback: measure_link(r, s, 1, lb)))
+                print(f"  round {i + 1}/{opts.repeats} {link_label(key)}: done ({rounds[key][-1]['load']})",
+                      flush=True)
     finally:
         teardown_link()
+    res["links"] = {key: link_of(r) for key, r in rounds.items()}
     res["codec"] = get("codec", lambda: measure_codec(opts.codec_sizes, opts.repeats))
     res["fits"] = {"links": {k: fit_link(v) for k, v in res["links"].items()}, "codec": fit_codec(res["codec"])}
     res["load_after"] = load()
@@ -337,7 +352,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-op-s", type=float, default=1.0, help="skip sizes whose all-reduce takes longer")
 
 
-ROW_FORMAT = 2  # bump when a finished link's record changes shape (2: transport CPU time)
+ROW_FORMAT = 3  # bump when a finished link's record changes shape (2: transport CPU time; 3: rounds)
 
 
 def row_settings(opts) -> dict:

@@ -160,6 +160,40 @@ def measure_timeline(size: str, dp: int, opts) -> dict:
             "profile": f"bf16, overlap, {link_name(PROFILE_RATE)}"}
 
 
+@dataclass(frozen=True)
+class TimelinePlan:
+    """One round of a model's backward timeline (bf16, overlap, on PROFILE_RATE's link)."""
+
+    size: str
+    dp: int
+
+    @property
+    def base(self) -> str:
+        return f"timeline|{self.size}|{self.dp}|{rate_key(PROFILE_RATE)}"
+
+    @property
+    def name(self) -> str:
+        return f"timeline {self.size} DP {self.dp}"
+
+    def measure(self, opts) -> dict:
+        return measure_timeline(self.size, self.dp, opts)
+
+    def describe(self, res: dict) -> str:
+        return f"backward end {res['backward_end_ms']:.1f} ms, after the sync {res['after_sync_ms']:.1f} ms"
+
+
+def timeline_of_rounds(rounds: list[dict]) -> dict:
+    """A timeline's rounds as one: every time the median over the rounds (the buckets are the model's)."""
+    if any(r["bucket_elems"] != rounds[0]["bucket_elems"] for r in rounds):
+        raise RuntimeError("the rounds of one timeline saw different buckets")
+    med = statistics.median
+    return {"bucket_elems": rounds[0]["bucket_elems"],
+            "ready_ms": [med(r["ready_ms"][i] for r in rounds) for i in range(len(rounds[0]["ready_ms"]))],
+            **{k: med(r[k] for r in rounds) for k in ("backward_end_ms", "after_sync_ms", "raw_step_ms")},
+            "iterations": sum(r["iterations"] for r in rounds), "rounds": len(rounds),
+            "load": "; ".join(r["load"] for r in rounds), "profile": rounds[0]["profile"]}
+
+
 def timeline_of(t: dict) -> BackwardTimeline:
     ready = [min(r, t["backward_end_ms"]) / 1e3 for r in t["ready_ms"]]
     return BackwardTimeline(tuple(t["bucket_elems"]), tuple(ready), t["backward_end_ms"] / 1e3,
@@ -184,7 +218,7 @@ def summary_of_rounds(rounds: list[dict], labels: tuple[str, ...]) -> dict:
 
 def noisy_keys(rows: dict, limit: float) -> list[str]:
     """Groups (and quarter rows) of a rows cache with a configuration whose rounds spread above ``limit``."""
-    bases = sorted({k.rsplit("#", 1)[0] for k in rows if "#" in k})
+    bases = sorted({k.rsplit("#", 1)[0] for k in rows if "#" in k and not k.startswith("timeline|")})
     noisy = []
     for base in bases:
         rounds = rounds_of(rows, base)
@@ -213,6 +247,9 @@ class Plan:
     def labels(self) -> tuple[str, ...]:
         return tuple(label for label, *_ in self.runs)
 
+    def describe(self, res: dict) -> str:
+        return ", ".join(f"{k} {1e3 * res[k]['step_s']:.1f} ms" for k in self.labels)
+
     def measure(self, opts) -> dict:
         out = {"load": load()}
         for label, rate, group, per_host in self.runs:
@@ -234,19 +271,18 @@ def quarter_plan(size: str, b_mbit: float) -> Plan:
                       for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4))))
 
 
-def measure_rounds(plans: list[Plan], opts, rows: RowCache) -> None:
-    """``opts.repeats`` rounds over every plan: round i of each group before round i + 1 of any, so that a
-    group's repeats fall minutes apart and a slow minute of the machine moves one repeat of several groups,
-    not the median of one (the configurations of a group still alternate within each round)."""
-    for i in range(opts.repeats):
+def measure_rounds(plans: list[Plan | TimelinePlan], opts, rows: RowCache, rounds: int | None = None) -> None:
+    """``opts.repeats`` (or ``rounds``) rounds over every plan: round i of each group before round i + 1 of
+    any, so that a group's repeats fall minutes apart and a slow minute of the machine moves one repeat of
+    several groups, not the median of one (the configurations of a group still alternate within a round)."""
+    for i in range(opts.repeats if rounds is None else rounds):
         for plan in plans:
             key = round_key(plan.base, i)
             if key in rows.rows:  # measured by an earlier invocation of this run
                 continue
             res = rows.rows[key] = plan.measure(opts)
             rows.save()
-            print(f"  round {i + 1}/{opts.repeats} {plan.name}: " + ", ".join(
-                f"{k} {1e3 * res[k]['step_s']:.1f} ms" for k in plan.labels) + f" ({res['load']})", flush=True)
+            print(f"  round {i + 1}/{opts.repeats} {plan.name}: {plan.describe(res)} ({res['load']})", flush=True)
 
 
 def reused_part(group: Group, reuse: dict) -> dict:
@@ -578,16 +614,16 @@ def main(argv: list[str] | None = None) -> None:
         rows.save()
     big = "toy" if opts.quick else "large"
     try:
-        timelines = {}
-        for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)}):
-            timelines[f"{size}|{dp}"] = rows.get(f"timeline|{size}|{dp}|{rate_key(PROFILE_RATE)}",
-                                                 lambda s=size, d=dp: measure_timeline(s, d, real))
-        fp32_bytes = 4 * sum(timelines[f"{big}|2"]["bucket_elems"])  # all-reduce at n = 2: S per rank
-        compute_s = (timelines[f"{big}|2"]["backward_end_ms"] + timelines[f"{big}|2"]["after_sync_ms"]) / 1e3
+        profiles = [TimelinePlan(size, dp) for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)})]
+        measure_rounds(profiles, real, rows, rounds=1)  # the first round up front: B is the large model's
+        first = rounds_of(rows.rows, TimelinePlan(big, 2).base)[0]
+        fp32_bytes = 4 * sum(first["bucket_elems"])  # all-reduce at n = 2: S per rank
+        compute_s = (first["backward_end_ms"] + first["after_sync_ms"]) / 1e3
         b_mbit = fp32_bytes * 8 / compute_s / 1e6  # B: fp32's gradient bytes take as long as the compute
         plans = [group_plan(g, missing, store_of(g, reuse)) for g in groups
                  if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
-        measure_rounds(plans + [quarter_plan(big, b_mbit)], real, rows)
+        measure_rounds(profiles + plans + [quarter_plan(big, b_mbit)], real, rows)
+        timelines = {f"{p.size}|{p.dp}": timeline_of_rounds(rounds_of(rows.rows, p.base)) for p in profiles}
         measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
         quarter = quarter_group(big, b_mbit, compute_s, fp32_bytes, rows)
     finally:

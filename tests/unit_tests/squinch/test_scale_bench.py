@@ -169,7 +169,7 @@ def _round(load: str, **steps: float) -> dict:
 
 
 def test_noisy_groups_are_named_for_a_remeasure():
-    rows = {"timeline|small|2": {"bucket_elems": [1]},
+    rows = {"timeline|small|2|unshaped#0": {"bucket_elems": [1], "load": "x"},
             # bf16 spreads (1.2 - 1.0) / 1.1 = 18% over its rounds
             **{f"dp2|small|256|False#{i}": _round("x", fp32=1.0, bf16=t) for i, t in enumerate((1.0, 1.1, 1.2))},
             **{f"dp2|small|64|True|rest#{i}": _round("x", fp32=1.0 + i / 100) for i in range(3)},  # 2%
@@ -179,7 +179,7 @@ def test_noisy_groups_are_named_for_a_remeasure():
     S.drop_rounds(rows, "dp2|small|256|False")
     assert sorted(rows) == ["dp2|small|64|True|rest#0", "dp2|small|64|True|rest#1", "dp2|small|64|True|rest#2",
                             "quarter-fp32|large|813#0", "quarter-fp32|large|813#1", "quarter-fp32|large|813#2",
-                            "timeline|small|2"]
+                            "timeline|small|2|unshaped#0"]
 
 
 def test_rounds_run_round_major_and_resume(tmp_path, monkeypatch):
@@ -213,6 +213,33 @@ def test_rounds_run_round_major_and_resume(tmp_path, monkeypatch):
     assert quarter["load"] == "load 1; load 3; load 5"
     group = S.group_rows(g, opts, again, {})
     assert group["fp32"]["runs_s"] == [1.0, 1, 2] and group["fp32"]["median_s"] == 1
+
+
+def test_a_timeline_is_the_median_of_its_rounds():
+    def tl(ready, end, after, raw, load):
+        return {"bucket_elems": [10, 20], "ready_ms": ready, "backward_end_ms": end, "after_sync_ms": after,
+                "raw_step_ms": raw, "iterations": 20, "load": load, "profile": "bf16"}
+    rounds = [tl([1.0, 5.0], 9.0, 2.0, 12.0, "a"), tl([3.0, 4.0], 7.0, 1.0, 10.0, "b"),
+              tl([2.0, 6.0], 8.0, 3.0, 20.0, "c")]
+    t = S.timeline_of_rounds(rounds)
+    assert t["ready_ms"] == [2.0, 5.0] and (t["backward_end_ms"], t["after_sync_ms"], t["raw_step_ms"]) == (8, 2, 12)
+    assert t["iterations"] == 60 and t["rounds"] == 3 and t["load"] == "a; b; c" and t["bucket_elems"] == [10, 20]
+    rounds[1]["bucket_elems"] = [30]
+    with pytest.raises(RuntimeError, match="different buckets"):
+        S.timeline_of_rounds(rounds)
+
+
+def test_a_link_is_the_median_of_every_round():
+    def raw(times, cpu, load):
+        return {"rate_mbit": 64.0, "loopback": False, "load": load,
+                "raw": {"times": {"allreduce_fp32|65536": times}, "issue": {"allreduce_fp32|65536": [1e-4] * 2},
+                        "cpu": {"allreduce_fp32|65536": cpu}}}
+    link = P.link_of([raw([1.0, 9.0], [0.1, 0.2], "first"), raw([2.0, 3.0], [0.3, 0.4], "mid"),
+                      raw([4.0], [0.5], "last")])
+    cell = link["samples"]["allreduce_fp32"]["65536"]
+    assert cell["runs_s"] == [1.0, 9.0, 2.0, 3.0, 4.0] and cell["median_s"] == 3.0
+    assert (cell["min_s"], cell["max_s"], cell["cpu_s"]) == (1.0, 9.0, 0.3)
+    assert link["load"] == "first ... last" and link["rate_mbit"] == 64.0
 
 
 def test_a_resumed_run_counts_the_time_of_every_invocation(tmp_path):
