@@ -80,7 +80,7 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
 ROOT = H.ROOT
 TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
-ROW_FORMAT = 3  # bump when a cached timeline or group changes shape (3: a group's repeats are rounds)
+ROW_FORMAT = 4  # bump when a cached timeline or group changes shape (3: rounds; 4: 3 timeline runs a round)
 
 
 @dataclass(frozen=True)
@@ -160,9 +160,13 @@ def measure_timeline(size: str, dp: int, opts) -> dict:
             "profile": f"bf16, overlap, {link_name(PROFILE_RATE)}"}
 
 
+TIMELINE_RUNS = 3  # processes per round: one process's compute varies ~10% (placement, allocator), its steps less
+
+
 @dataclass(frozen=True)
 class TimelinePlan:
-    """One round of a model's backward timeline (bf16, overlap, on PROFILE_RATE's link)."""
+    """One round of a model's backward timeline (bf16, overlap, on PROFILE_RATE's link): the median of
+    TIMELINE_RUNS processes."""
 
     size: str
     dp: int
@@ -176,22 +180,23 @@ class TimelinePlan:
         return f"timeline {self.size} DP {self.dp}"
 
     def measure(self, opts) -> dict:
-        return measure_timeline(self.size, self.dp, opts)
+        runs = [measure_timeline(self.size, self.dp, opts) for _ in range(TIMELINE_RUNS)]
+        return {**timeline_of_rounds(runs), "per_run": runs}
 
     def describe(self, res: dict) -> str:
         return f"backward end {res['backward_end_ms']:.1f} ms, after the sync {res['after_sync_ms']:.1f} ms"
 
 
 def timeline_of_rounds(rounds: list[dict]) -> dict:
-    """A timeline's rounds as one: every time the median over the rounds (the buckets are the model's)."""
+    """A timeline's rounds (or one round's runs) as one: every time the median (the buckets are the model's)."""
     if any(r["bucket_elems"] != rounds[0]["bucket_elems"] for r in rounds):
         raise RuntimeError("the rounds of one timeline saw different buckets")
     med = statistics.median
     return {"bucket_elems": rounds[0]["bucket_elems"],
             "ready_ms": [med(r["ready_ms"][i] for r in rounds) for i in range(len(rounds[0]["ready_ms"]))],
             **{k: med(r[k] for r in rounds) for k in ("backward_end_ms", "after_sync_ms", "raw_step_ms")},
-            "iterations": sum(r["iterations"] for r in rounds), "rounds": len(rounds),
-            "load": "; ".join(r["load"] for r in rounds), "profile": rounds[0]["profile"]}
+            "iterations": sum(r["iterations"] for r in rounds), "runs": sum(r.get("runs", 1) for r in rounds),
+            "load": rounds[-1]["load"], "profile": rounds[0]["profile"]}
 
 
 def timeline_of(t: dict) -> BackwardTimeline:
@@ -623,7 +628,8 @@ def main(argv: list[str] | None = None) -> None:
         plans = [group_plan(g, missing, store_of(g, reuse)) for g in groups
                  if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
         measure_rounds(profiles + plans + [quarter_plan(big, b_mbit)], real, rows)
-        timelines = {f"{p.size}|{p.dp}": timeline_of_rounds(rounds_of(rows.rows, p.base)) for p in profiles}
+        timelines = {f"{p.size}|{p.dp}": timeline_of_rounds([run for r in rounds_of(rows.rows, p.base)
+                                                             for run in r["per_run"]]) for p in profiles}
         measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
         quarter = quarter_group(big, b_mbit, compute_s, fp32_bytes, rows)
     finally:

@@ -223,7 +223,8 @@ def test_a_timeline_is_the_median_of_its_rounds():
               tl([2.0, 6.0], 8.0, 3.0, 20.0, "c")]
     t = S.timeline_of_rounds(rounds)
     assert t["ready_ms"] == [2.0, 5.0] and (t["backward_end_ms"], t["after_sync_ms"], t["raw_step_ms"]) == (8, 2, 12)
-    assert t["iterations"] == 60 and t["rounds"] == 3 and t["load"] == "a; b; c" and t["bucket_elems"] == [10, 20]
+    assert t["iterations"] == 60 and t["runs"] == 3 and t["load"] == "c" and t["bucket_elems"] == [10, 20]
+    assert S.timeline_of_rounds([t, t])["runs"] == 6  # rounds of runs: every process counted
     rounds[1]["bucket_elems"] = [30]
     with pytest.raises(RuntimeError, match="different buckets"):
         S.timeline_of_rounds(rounds)
