@@ -22,7 +22,7 @@ transport's CPU seconds per wire byte (the slope of CPU time against wire bytes)
 the codec one least-squares fit of time = launches x launch_s + elements / rate (a rate per codec step,
 launches as comm_model counts them). Medians [min-max] over repeats; every figure with the load average.
 
-    python bench/squinch_phases.py            # ~5-8 min on a quiet 2-core machine; root (ip netns, tc)
+    python bench/squinch_phases.py            # ~3 min on a quiet 2-core machine; root (ip netns, tc)
     python bench/squinch_phases.py --quick    # a smoke run: writes bench/.cache/quick/squinch_phases.*
     python bench/squinch_phases.py --quick --no-netns   # seconds, no root: the loopback link and the codec
 
