@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import harness as H
 import squinch_phases
@@ -160,6 +161,20 @@ def measure_timeline(size: str, dp: int, opts) -> dict:
             "profile": f"bf16, overlap, {link_name(PROFILE_RATE)}"}
 
 
+class RoundPlan(Protocol):
+    """One round of something measured in rounds, stored under ``round_key(base, i)``."""
+
+    @property
+    def base(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def measure(self, opts) -> dict: ...
+
+    def describe(self, res: dict) -> str: ...
+
+
 TIMELINE_RUNS = 3  # processes per round: one process's compute varies ~10% (placement, allocator), its steps less
 
 
@@ -276,7 +291,7 @@ def quarter_plan(size: str, b_mbit: float) -> Plan:
                       for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4))))
 
 
-def measure_rounds(plans: list[Plan | TimelinePlan], opts, rows: RowCache, rounds: int | None = None) -> None:
+def measure_rounds(plans: list[RoundPlan], opts, rows: RowCache, rounds: int | None = None) -> None:
     """``opts.repeats`` (or ``rounds``) rounds over every plan: round i of each group before round i + 1 of
     any, so that a group's repeats fall minutes apart and a slow minute of the machine moves one repeat of
     several groups, not the median of one (the configurations of a group still alternate within a round)."""
