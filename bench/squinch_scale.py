@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -81,7 +83,8 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
 ROOT = H.ROOT
 TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
-ROW_FORMAT = 4  # bump when a cached timeline or group changes shape (3: rounds; 4: 3 timeline runs a round)
+ROW_FORMAT = 5  # bump when a cached timeline or group changes shape (3: rounds; 4: 3 timeline runs a round;
+#                5: a configuration's steps cover --min-steady-s)
 
 
 @dataclass(frozen=True)
@@ -232,8 +235,10 @@ def rounds_of(rows: dict, base: str) -> list[dict]:
 
 def summary_of_rounds(rounds: list[dict], labels: tuple[str, ...]) -> dict:
     """Each configuration's summary over its rounds (``runs_s`` in round order, so paired ratios pair
-    runs of one round); the load average before every round."""
-    return {"load": "; ".join(r["load"] for r in rounds), **{k: summary([r[k] for r in rounds]) for k in labels}}
+    runs of one round, ``steps`` the steady steps of each); the load average before every round."""
+    return {"load": "; ".join(r["load"] for r in rounds),
+            **{k: {**summary([r[k] for r in rounds]), "steps": [len(r[k]["steps_ms"]) for r in rounds]}
+               for k in labels}}
 
 
 def noisy_keys(rows: dict, limit: float) -> list[str]:
@@ -242,7 +247,7 @@ def noisy_keys(rows: dict, limit: float) -> list[str]:
     noisy = []
     for base in bases:
         rounds = rounds_of(rows, base)
-        labels = tuple(k for k in rounds[0] if k != "load")
+        labels = tuple(k for k, v in rounds[0].items() if isinstance(v, dict))  # a configuration's run
         if len(rounds) > 1 and any(v["spread"] > limit for k, v in summary_of_rounds(rounds, labels).items()
                                    if k != "load"):
             noisy.append(base)
@@ -254,14 +259,21 @@ def drop_rounds(rows: dict, base: str) -> None:
         del rows[key]
 
 
+def steps_for(predicted_s: float, opts) -> int:
+    """Steady steps of one run: enough for ``opts.min_steady_s`` at the step time the model predicts, never
+    fewer than ``opts.steps``. A step's time varies about +-5% step to step: the median of 20 steps of a
+    65 ms step moved 65-72 ms between processes, of 100 steps 70-72 ms (docs/squinch-performance.md)."""
+    return max(opts.steps, math.ceil(opts.min_steady_s / predicted_s))
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one round of a group (or of the quarter row) measures: ``runs`` are (configuration, link rate,
-    group for its flags, ranks per host), in the order they run."""
+    group for its flags, ranks per host, steady steps), in the order they run."""
 
     base: str
     name: str
-    runs: tuple[tuple[str, float | None, Group, int], ...]
+    runs: tuple[tuple[str, float | None, Group, int, int], ...]
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -272,23 +284,33 @@ class Plan:
 
     def measure(self, opts) -> dict:
         out = {"load": load()}
-        for label, rate, group, per_host in self.runs:
+        for label, rate, group, per_host, steps in self.runs:
             setup_link(rate)
-            out[label] = run_job(flags_of(group, label), per_host, opts.steps, opts.warmup,
-                                 CONFIGS[label][2] or None)
+            out[label] = run_job(flags_of(group, label), per_host, steps, opts.warmup, CONFIGS[label][2] or None)
         return out
 
 
-def group_plan(group: Group, labels: tuple[str, ...], store: str) -> Plan:
+StepCounts = Callable[[Group, str], int]  # (group, configuration) -> steady steps of one run
+
+
+def group_plan(group: Group, labels: tuple[str, ...], store: str, steps: StepCounts) -> Plan:
     return Plan(store, f"{group.key} {link_name(group.rate)}",
-                tuple((label, group.rate, group, group.dp // 2) for label in labels))
+                tuple((label, group.rate, group, group.dp // 2, steps(group, label)) for label in labels))
 
 
-def quarter_plan(size: str, b_mbit: float) -> Plan:
-    """Squinch at B/4 against fp32 at B, both with overlap, the links alternating run by run."""
-    return Plan(f"quarter-fp32|{size}|{b_mbit:.4g}", f"quarter {size} B = {b_mbit:.0f} Mbit/s",
-                tuple((label, rate, Group(size, 2, rate, True, ()), 1)
-                      for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4))))
+def quarter_groups(size: str, b_mbit: float) -> tuple[tuple[str, Group], ...]:
+    """Squinch at B/4 against fp32 at B, both with overlap."""
+    return tuple((label, Group(size, 2, rate, True, ())) for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4)))
+
+
+def quarter_plan(size: str, b_mbit: float, steps: StepCounts) -> Plan:
+    """The quarter row, the links alternating run by run."""
+    return Plan(quarter_base(size, b_mbit), f"quarter {size} B = {b_mbit:.0f} Mbit/s",
+                tuple((label, g.rate, g, 1, steps(g, label)) for label, g in quarter_groups(size, b_mbit)))
+
+
+def quarter_base(size: str, b_mbit: float) -> str:
+    return f"quarter-fp32|{size}|{b_mbit:.4g}"
 
 
 def measure_rounds(plans: list[RoundPlan], opts, rows: RowCache, rounds: int | None = None) -> None:
@@ -300,7 +322,9 @@ def measure_rounds(plans: list[RoundPlan], opts, rows: RowCache, rounds: int | N
             key = round_key(plan.base, i)
             if key in rows.rows:  # measured by an earlier invocation of this run
                 continue
+            t0 = time.time()
             res = rows.rows[key] = plan.measure(opts)
+            res["wall_s"] = time.time() - t0
             rows.save()
             print(f"  round {i + 1}/{opts.repeats} {plan.name}: {plan.describe(res)} ({res['load']})", flush=True)
 
@@ -326,7 +350,7 @@ def group_rows(group: Group, opts, rows: RowCache, reuse: dict) -> dict:
 
 
 def quarter_group(size: str, b_mbit: float, compute_s: float, fp32_bytes: int, rows: RowCache) -> dict:
-    res = summary_of_rounds(rounds_of(rows.rows, quarter_plan(size, b_mbit).base), ("fp32", "squinch"))
+    res = summary_of_rounds(rounds_of(rows.rows, quarter_base(size, b_mbit)), ("fp32", "squinch"))
     return {"size": size, "B_mbit": b_mbit, "compute_s": compute_s, "fp32_bytes": fp32_bytes, **res,
             "squinch/fp32": paired_ratio(res, "squinch", "fp32")}
 
@@ -370,6 +394,15 @@ def predict_row(phases: dict, timeline: dict, dp: int, rate: float | None, overl
         mode.reducer, hierarchical=mode.hierarchical, overlap=overlap, stages=mode.stages))
 
 
+def model_steps(phases: dict, first_timelines: dict[str, dict], opts) -> StepCounts:
+    """Each configuration's steady steps (``steps_for``) at the step the model predicts from the phase fits
+    and the first round of its timeline: only the number of steps comes from the model, never a time."""
+    def steps(g: Group, label: str) -> int:
+        tl = first_timelines[f"{g.size}|{g.dp}"]
+        return steps_for(predict_row(phases, tl, g.dp, g.rate, g.overlap, label).step_s, opts)
+    return steps
+
+
 def validate(groups: list[tuple[Group, dict]], quarter: dict | None, timelines: dict, phases: dict) -> dict:
     rows = []
     for g, res in groups:
@@ -379,6 +412,7 @@ def validate(groups: list[tuple[Group, dict]], quarter: dict | None, timelines: 
             m = res[label]["median_s"]
             rows.append({"size": g.size, "dp": g.dp, "link": link_name(g.rate), "overlap": g.overlap,
                          "config": label, "measured_s": m, "spread": res[label]["spread"],
+                         "steps": res[label].get("steps"),  # absent from a reused row
                          "reused": res[label].get("reused", False), "predicted_s": p.step_s,
                          "ratio": p.step_s / m, "exposed_s": p.exposed_s, "compute_s": p.compute_s})
     if quarter:
@@ -388,8 +422,8 @@ def validate(groups: list[tuple[Group, dict]], quarter: dict | None, timelines: 
             m = quarter[label]["median_s"]
             rows.append({"size": quarter["size"], "dp": 2, "link": link_name(round(rate, 1)), "overlap": True,
                          "config": label + " (quarter)", "measured_s": m, "spread": quarter[label]["spread"],
-                         "reused": False, "predicted_s": p.step_s, "ratio": p.step_s / m,
-                         "exposed_s": p.exposed_s, "compute_s": p.compute_s})
+                         "steps": quarter[label].get("steps"), "reused": False, "predicted_s": p.step_s,
+                         "ratio": p.step_s / m, "exposed_s": p.exposed_s, "compute_s": p.compute_s})
         q_pred = rows[-1]["predicted_s"] / rows[-2]["predicted_s"]
         quarter["predicted squinch/fp32"] = q_pred
     errs = [abs(r["ratio"] - 1) for r in rows]
@@ -421,19 +455,21 @@ def report(res: dict) -> list[str]:
     v = res["validation"]
     L = ["# Squinch step time: the model against real runs over the shaped veth", "",
          f"Run id {res['run_id']}; {res['settings']['repeats']} rounds over the whole set (a group's configurations "
-         f"alternate within a round), {res['settings']['steps']} steady steps (after {res['settings']['warmup']}) "
-         f"per configuration and round; measured = median over the rounds. "
-         f"The model sees only the phase fits (`squinch_phases`) and one backward timeline per model and DP. "
+         f"alternate within a round), {steady_steps(res['settings'])} per configuration and round; measured = "
+         f"median over the rounds. The model sees only the phase fits (`squinch_phases`) and one backward "
+         f"timeline per model and DP{timeline_processes(res)}. "
          f"Machine before: {res['load_before']}; after: {res['load_after']}; wall time {res['wall_s'] / 60:.1f} min"
          f"{invocations(res)} "
-         f"(phases {res['phases_wall_s'] / 60:.1f} min).", "",
+         f"({wall_parts(res)}).", "",
          f"**Model error over {len(v['rows'])} rows: median {100 * v['median_abs_error']:.1f}%, "
          f"max {100 * v['max_abs_error']:.1f}%** (acceptance: 10% / 20%).", "",
-         "| DP | model | link | overlap | reducer | measured ms [spread] | predicted ms | predicted / measured |",
-         "|---|---|---|---|---|---|---|---|"]
+         "| DP | model | link | overlap | reducer | steps | measured ms [spread] | predicted ms "
+         "| predicted / measured |",
+         "|---|---|---|---|---|---|---|---|---|"]
     for r in v["rows"]:
         L.append(f"| {r['dp']} | {r['size']} | {r['link']} | {'yes' if r['overlap'] else 'no'} | {r['config']}"
-                 f"{' (reused)' if r['reused'] else ''} | {1e3 * r['measured_s']:.1f} [{100 * r['spread']:.0f}%] | "
+                 f"{' (reused)' if r['reused'] else ''} | {steps_cell(r.get('steps'), res['settings'])} | "
+                 f"{1e3 * r['measured_s']:.1f} [{100 * r['spread']:.0f}%] | "
                  f"{1e3 * r['predicted_s']:.1f} | {r['ratio']:.3f} |")
     q = res.get("quarter")
     if q:
@@ -458,6 +494,29 @@ def report(res: dict) -> list[str]:
 
 DOC = os.path.join(ROOT, "docs", "squinch-performance.md")
 DOC_BEGIN, DOC_END = "<!-- squinch_scale: begin -->", "<!-- squinch_scale: end -->"
+
+
+def steady_steps(settings: dict) -> str:
+    if not settings.get("min_steady_s"):
+        return f"{settings['steps']} steady steps (after {settings['warmup']})"
+    return (f"at least {settings['steps']} steady steps (after {settings['warmup']}), and enough for "
+            f"{settings['min_steady_s']:g} s at the model's predicted step (column steps)")
+
+
+def steps_cell(steps: list[int] | None, settings: dict) -> str:
+    if not steps:  # a reused row (measured with settings["steps"]), or a run before step counts were recorded
+        return str(settings["steps"])
+    return str(steps[0]) if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}"
+
+
+def timeline_processes(res: dict) -> str:
+    runs = {t.get("runs", 1) for t in res["timelines"].values()}
+    return f" (the median of {runs.pop()} processes)" if len(runs) == 1 and 1 not in runs else ""
+
+
+def wall_parts(res: dict) -> str:
+    parts = {"phases": res["phases_wall_s"], **res.get("parts_wall_s", {})}
+    return ", ".join(f"{k} {v / 60:.1f} min" for k, v in parts.items())
 
 
 def invocations(res: dict) -> str:
@@ -571,6 +630,8 @@ def main(argv: list[str] | None = None) -> None:
     squinch_phases.add_args(p)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-steady-s", dest="min_steady_s", type=float, default=4.0,
+                   help="more steady steps where the model predicts a short step: at least this many seconds of them")
     p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
@@ -592,7 +653,7 @@ def main(argv: list[str] | None = None) -> None:
     where = "results"
     if opts.quick:
         squinch_phases.quick(opts)
-        opts.steps, opts.warmup, opts.repeats_real, where = 4, 2, 2, ".cache"
+        opts.steps, opts.warmup, opts.repeats_real, opts.min_steady_s, where = 4, 2, 2, 0.0, ".cache"
     elif opts.repeats < 3 or opts.repeats_real < 3 or opts.steps < 20:
         p.error("a measurement needs --repeats >= 3, --repeats-real >= 3 and --steps >= 20 (--quick for a smoke run)")
     tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
@@ -604,7 +665,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(load(), flush=True)
     res = {"run_id": opts.run_id, "load_before": load(), "settings": {
-        "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "phase_repeats": opts.repeats}}
+        "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "min_steady_s": opts.min_steady_s,
+        "phase_repeats": opts.repeats}}
 
     # 1. phases
     phase_rows = RowCache(os.path.join(results, f"squinch_phases_rows_{tag}.json"), squinch_phases.row_settings(opts),
@@ -615,10 +677,11 @@ def main(argv: list[str] | None = None) -> None:
     squinch_phases.write(os.path.join(results, "squinch_phases" + ("_quick" if opts.quick else suffix)), phases)
 
     # 2.-3. timelines and the real set
-    real = argparse.Namespace(repeats=opts.repeats_real, steps=opts.steps, warmup=opts.warmup, reuse=None)
+    real = argparse.Namespace(repeats=opts.repeats_real, steps=opts.steps, warmup=opts.warmup, reuse=None,
+                              min_steady_s=opts.min_steady_s)
     settings = {k: getattr(real, k) for k in ROW_SETTINGS}
-    rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"), {"format": ROW_FORMAT, **settings},
-                    opts.fresh)
+    rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"),
+                    {"format": ROW_FORMAT, **settings, "min_steady_s": opts.min_steady_s}, opts.fresh)
     reuse_path = "none" if opts.quick else opts.reuse
     reuse = {}
     if reuse_path != "none" and os.path.exists(reuse_path):
@@ -640,12 +703,16 @@ def main(argv: list[str] | None = None) -> None:
         fp32_bytes = 4 * sum(first["bucket_elems"])  # all-reduce at n = 2: S per rank
         compute_s = (first["backward_end_ms"] + first["after_sync_ms"]) / 1e3
         b_mbit = fp32_bytes * 8 / compute_s / 1e6  # B: fp32's gradient bytes take as long as the compute
-        plans = [group_plan(g, missing, store_of(g, reuse)) for g in groups
+        steps = model_steps(phases, {f"{p.size}|{p.dp}": rounds_of(rows.rows, p.base)[0] for p in profiles}, real)
+        plans = [group_plan(g, missing, store_of(g, reuse), steps) for g in groups
                  if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
-        measure_rounds(profiles + plans + [quarter_plan(big, b_mbit)], real, rows)
+        measure_rounds(profiles + plans + [quarter_plan(big, b_mbit, steps)], real, rows)
         timelines = {f"{p.size}|{p.dp}": timeline_of_rounds([run for r in rounds_of(rows.rows, p.base)
                                                              for run in r["per_run"]]) for p in profiles}
         measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
+        res["parts_wall_s"] = {name: sum(r["wall_s"] for p in part for r in rounds_of(rows.rows, p.base))
+                               for name, part in (("timelines", profiles), ("real set", plans),
+                                                  ("quarter row", [quarter_plan(big, b_mbit, steps)]))}
         quarter = quarter_group(big, b_mbit, compute_s, fp32_bytes, rows)
     finally:
         teardown_link()

@@ -165,7 +165,8 @@ def test_fit_link_bounds_beta_when_time_does_not_grow():
 
 
 def _round(load: str, **steps: float) -> dict:
-    return {"load": load, **{k: {"step_s": t, "bytes": 1, "phases_ms": {}} for k, t in steps.items()}}
+    return {"load": load, **{k: {"step_s": t, "steps_ms": [1e3 * t] * 20, "bytes": 1, "phases_ms": {}}
+                             for k, t in steps.items()}}
 
 
 def test_noisy_groups_are_named_for_a_remeasure():
@@ -196,13 +197,14 @@ def test_rounds_run_round_major_and_resume(tmp_path, monkeypatch):
 
     monkeypatch.setattr(S.Plan, "measure", fake_measure)
     g = S.Group("small", 2, 256, True, ("fp32", "bf16"))
-    a = S.group_plan(g, g.configs, S.store_of(g, {}))
-    q = S.quarter_plan("large", 800.0)
+    a = S.group_plan(g, g.configs, S.store_of(g, {}), lambda *_: 20)
+    q = S.quarter_plan("large", 800.0, lambda *_: 20)
     opts = __import__("argparse").Namespace(repeats=3)
     rows = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
     rows.rows[S.round_key(a.base, 0)] = _round("earlier", fp32=1.0, bf16=1.0)  # an earlier invocation's round
     S.measure_rounds([a, q], opts, rows)
     assert calls == [q.base, a.base, q.base, a.base, q.base]
+    assert all(rows.rows[S.round_key(q.base, i)]["wall_s"] >= 0 for i in range(3))  # the report's time per part
     assert q.labels == ("fp32", "squinch") and q.runs[1][1] == 200.0  # Squinch at B/4
     again = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
     S.measure_rounds([a, q], opts, again)
@@ -213,6 +215,32 @@ def test_rounds_run_round_major_and_resume(tmp_path, monkeypatch):
     assert quarter["load"] == "load 1; load 3; load 5"
     group = S.group_rows(g, opts, again, {})
     assert group["fp32"]["runs_s"] == [1.0, 1, 2] and group["fp32"]["median_s"] == 1
+    assert group["fp32"]["steps"] == [20, 20, 20]
+
+
+def test_short_steps_run_for_the_minimum_time_at_the_predicted_step(monkeypatch):
+    """A configuration's steady steps cover --min-steady-s at the step the model predicts for it (never
+    fewer than --steps), and its plan runs exactly that many."""
+    opts = __import__("argparse").Namespace(steps=20, warmup=3, min_steady_s=4.0)
+    assert S.steps_for(0.065, opts) == 62 and S.steps_for(0.2, opts) == 20 and S.steps_for(0.199, opts) == 21
+    ns = __import__("argparse").Namespace
+    assert S.steps_for(0.3, opts) == 20 and S.steps_for(0.01, ns(steps=4, min_steady_s=0.0)) == 4  # --quick
+    ph = _phases()
+    tl = {"bucket_elems": [100000, 100000], "ready_ms": [10.0, 20.0], "backward_end_ms": 25.0,
+          "after_sync_ms": 3.0, "raw_step_ms": 40.0, "profile": "synthetic"}
+    steps = S.model_steps(ph, {"small|2": tl}, opts)
+    fast, slow = S.Group("small", 2, None, True, ("bf16",)), S.Group("small", 2, 1, True, ("fp32",))
+    assert steps(fast, "bf16") == S.steps_for(S.predict_row(ph, tl, 2, None, True, "bf16").step_s, opts) > 20
+    assert steps(slow, "fp32") == 20  # 1 Mbit/s: seconds a step
+    ran = []
+    monkeypatch.setattr(S, "setup_link", lambda rate: None)
+    monkeypatch.setattr(S, "load", lambda: "quiet")
+    monkeypatch.setattr(S, "run_job", lambda flags, per_host, n, warmup, env: ran.append((n, warmup)) or {"n": n})
+    plan = S.group_plan(fast, ("bf16",), fast.key, steps)
+    assert plan.measure(opts) == {"load": "quiet", "bf16": {"n": steps(fast, "bf16")}}
+    assert ran == [(steps(fast, "bf16"), 3)]
+    q = S.quarter_plan("small", 500.0, lambda g, label: 30 if label == "fp32" else 40)
+    assert [(label, rate, n) for label, rate, _, _, n in q.runs] == [("fp32", 500.0, 30), ("squinch", 125.0, 40)]
 
 
 def test_a_timeline_is_the_median_of_its_rounds():
