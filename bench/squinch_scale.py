@@ -173,6 +173,10 @@ class RoundPlan(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def rounds(self) -> int | None:
+        """This plan's rounds; None: the run's (``opts.repeats``)."""
+
     def measure(self, opts) -> dict: ...
 
     def describe(self, res: dict) -> str: ...
@@ -188,6 +192,7 @@ class TimelinePlan:
 
     size: str
     dp: int
+    rounds: int | None = None
 
     @property
     def base(self) -> str:
@@ -274,6 +279,7 @@ class Plan:
     base: str
     name: str
     runs: tuple[tuple[str, float | None, Group, int, int], ...]
+    rounds: int | None = None
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -293,9 +299,10 @@ class Plan:
 StepCounts = Callable[[Group, str], int]  # (group, configuration) -> steady steps of one run
 
 
-def group_plan(group: Group, labels: tuple[str, ...], store: str, steps: StepCounts) -> Plan:
+def group_plan(group: Group, labels: tuple[str, ...], store: str, steps: StepCounts,
+               rounds: int | None = None) -> Plan:
     return Plan(store, f"{group.key} {link_name(group.rate)}",
-                tuple((label, group.rate, group, group.dp // 2, steps(group, label)) for label in labels))
+                tuple((label, group.rate, group, group.dp // 2, steps(group, label)) for label in labels), rounds)
 
 
 def quarter_groups(size: str, b_mbit: float) -> tuple[tuple[str, Group], ...]:
@@ -303,10 +310,10 @@ def quarter_groups(size: str, b_mbit: float) -> tuple[tuple[str, Group], ...]:
     return tuple((label, Group(size, 2, rate, True, ())) for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4)))
 
 
-def quarter_plan(size: str, b_mbit: float, steps: StepCounts) -> Plan:
+def quarter_plan(size: str, b_mbit: float, steps: StepCounts, rounds: int | None = None) -> Plan:
     """The quarter row, the links alternating run by run."""
     return Plan(quarter_base(size, b_mbit), f"quarter {size} B = {b_mbit:.0f} Mbit/s",
-                tuple((label, g.rate, g, 1, steps(g, label)) for label, g in quarter_groups(size, b_mbit)))
+                tuple((label, g.rate, g, 1, steps(g, label)) for label, g in quarter_groups(size, b_mbit)), rounds)
 
 
 def quarter_base(size: str, b_mbit: float) -> str:
@@ -314,19 +321,24 @@ def quarter_base(size: str, b_mbit: float) -> str:
 
 
 def measure_rounds(plans: list[RoundPlan], opts, rows: RowCache, rounds: int | None = None) -> None:
-    """``opts.repeats`` (or ``rounds``) rounds over every plan: round i of each group before round i + 1 of
-    any, so that a group's repeats fall minutes apart and a slow minute of the machine moves one repeat of
-    several groups, not the median of one (the configurations of a group still alternate within a round)."""
-    for i in range(opts.repeats if rounds is None else rounds):
+    """Each plan's rounds (its own, else ``opts.repeats``; at most ``rounds``): round i of each plan before
+    round i + 1 of any, so that a group's repeats fall minutes apart and a slow minute of the machine moves
+    one repeat of several groups, not the median of one (the configurations of a group still alternate
+    within a round)."""
+    def count(plan: RoundPlan) -> int:
+        own = plan.rounds or opts.repeats
+        return own if rounds is None else min(own, rounds)
+
+    for i in range(max(map(count, plans), default=0)):
         for plan in plans:
             key = round_key(plan.base, i)
-            if key in rows.rows:  # measured by an earlier invocation of this run
+            if i >= count(plan) or key in rows.rows:  # done, or measured by an earlier invocation of this run
                 continue
             t0 = time.time()
             res = rows.rows[key] = plan.measure(opts)
             res["wall_s"] = time.time() - t0
             rows.save()
-            print(f"  round {i + 1}/{opts.repeats} {plan.name}: {plan.describe(res)} ({res['load']})", flush=True)
+            print(f"  round {i + 1}/{count(plan)} {plan.name}: {plan.describe(res)} ({res['load']})", flush=True)
 
 
 def reused_part(group: Group, reuse: dict) -> dict:
@@ -394,6 +406,17 @@ def predict_row(phases: dict, timeline: dict, dp: int, rate: float | None, overl
         mode.reducer, hierarchical=mode.hierarchical, overlap=overlap, stages=mode.stages))
 
 
+def compared_b(path: str | None, size: str) -> float | None:
+    """The B of the run this one is compared with (``--compare``), when it measured the same model: a
+    repeat then measures the same links, and its ratios differ by the machine alone (B from each run's own
+    compute moved 666 -> 695 Mbit/s between two runs, and Squinch's step at B/4 with it)."""
+    if not path:
+        return None
+    with open(path) as f:
+        q = json.load(f).get("quarter") or {}
+    return q["B_mbit"] if q.get("size") == size else None
+
+
 def model_steps(phases: dict, first_timelines: dict[str, dict], opts) -> StepCounts:
     """Each configuration's steady steps (``steps_for``) at the step the model predicts from the phase fits
     and the first round of its timeline: only the number of steps comes from the model, never a time."""
@@ -454,10 +477,10 @@ def compare(first: dict, second: dict, limit: float) -> list[str]:
 def report(res: dict) -> list[str]:
     v = res["validation"]
     L = ["# Squinch step time: the model against real runs over the shaped veth", "",
-         f"Run id {res['run_id']}; {res['settings']['repeats']} rounds over the whole set (a group's configurations "
-         f"alternate within a round), {steady_steps(res['settings'])} per configuration and round; measured = "
-         f"median over the rounds. The model sees only the phase fits (`squinch_phases`) and one backward "
-         f"timeline per model and DP{timeline_processes(res)}. "
+         f"Run id {res['run_id']}; {res['settings']['repeats']} rounds over the whole set{large_rounds(res)} "
+         f"(a group's configurations alternate within a round), {steady_steps(res['settings'])} per configuration "
+         f"and round; measured = median over the rounds. The model sees only the phase fits (`squinch_phases`) "
+         f"and one backward timeline per model and DP{timeline_processes(res)}. "
          f"Machine before: {res['load_before']}; after: {res['load_after']}; wall time {res['wall_s'] / 60:.1f} min"
          f"{invocations(res)} "
          f"({wall_parts(res)}).", "",
@@ -474,8 +497,7 @@ def report(res: dict) -> list[str]:
     q = res.get("quarter")
     if q:
         L += ["", f"## Quarter bandwidth, {q['size']} model: Squinch at B/4 against fp32 at B, with overlap", "",
-              f"B = {q['B_mbit']:.0f} Mbit/s (fp32's {q['fp32_bytes']} gradient bytes per step over the "
-              f"{1e3 * q['compute_s']:.0f} ms of compute). fp32 at B: {1e3 * q['fp32']['median_s']:.1f} ms; "
+              f"{b_origin(q)}. fp32 at B: {1e3 * q['fp32']['median_s']:.1f} ms; "
               f"Squinch at B/4: {1e3 * q['squinch']['median_s']:.1f} ms; **ratio {q['squinch/fp32']['ratio']:.3f}** "
               f"[{q['squinch/fp32']['min']:.3f}-{q['squinch/fp32']['max']:.3f}] (acceptance: <= 1.0); "
               f"the model predicted {q['predicted squinch/fp32']:.3f}."]
@@ -494,6 +516,20 @@ def report(res: dict) -> list[str]:
 
 DOC = os.path.join(ROOT, "docs", "squinch-performance.md")
 DOC_BEGIN, DOC_END = "<!-- squinch_scale: begin -->", "<!-- squinch_scale: end -->"
+
+
+def large_rounds(res: dict) -> str:
+    n = res["settings"].get("repeats_large", res["settings"]["repeats"])
+    return "" if n == res["settings"]["repeats"] else f", {n} over the large model's groups and the quarter row"
+
+
+def b_origin(q: dict) -> str:
+    own_b = q.get("own_B_mbit", q["B_mbit"])
+    why = f"fp32's {q['fp32_bytes']} gradient bytes per step over the {1e3 * q['compute_s']:.0f} ms of compute"
+    if own_b == q["B_mbit"]:
+        return f"B = {q['B_mbit']:.0f} Mbit/s ({why})"
+    return (f"B = {q['B_mbit']:.0f} Mbit/s, the B of the run compared with, so that both runs measure the same "
+            f"links ({why} give {own_b:.0f} Mbit/s)")
 
 
 def steady_steps(settings: dict) -> str:
@@ -633,6 +669,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-steady-s", dest="min_steady_s", type=float, default=4.0,
                    help="more steady steps where the model predicts a short step: at least this many seconds of them")
     p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
+    p.add_argument("--repeats-large", dest="repeats_large", type=int, default=5,
+                   help="repeats of the large model's runs (its groups and the quarter row): 20 steps of 0.3-0.6 s "
+                        "each, where the machine's drift over minutes shows")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
     p.add_argument("--reuse", default="none", help="a squinch_bandwidth rows file measured on this same tree whose "
@@ -653,9 +692,11 @@ def main(argv: list[str] | None = None) -> None:
     where = "results"
     if opts.quick:
         squinch_phases.quick(opts)
-        opts.steps, opts.warmup, opts.repeats_real, opts.min_steady_s, where = 4, 2, 2, 0.0, ".cache"
-    elif opts.repeats < 3 or opts.repeats_real < 3 or opts.steps < 20:
-        p.error("a measurement needs --repeats >= 3, --repeats-real >= 3 and --steps >= 20 (--quick for a smoke run)")
+        opts.steps, opts.warmup, opts.repeats_real, opts.repeats_large, opts.min_steady_s = 4, 2, 2, 2, 0.0
+        where = ".cache"
+    elif opts.repeats < 3 or opts.repeats_real < 3 or opts.repeats_large < 3 or opts.steps < 20:
+        p.error("a measurement needs --repeats, --repeats-real and --repeats-large >= 3, and --steps >= 20 "
+                "(--quick for a smoke run)")
     tag = f"quick{opts.run_id}" if opts.quick else opts.run_id
     suffix = "" if opts.run_id == "1" else f"_run{opts.run_id}"
     results = os.path.join(ROOT, "bench", where)
@@ -665,8 +706,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(load(), flush=True)
     res = {"run_id": opts.run_id, "load_before": load(), "settings": {
-        "repeats": opts.repeats_real, "steps": opts.steps, "warmup": opts.warmup, "min_steady_s": opts.min_steady_s,
-        "phase_repeats": opts.repeats}}
+        "repeats": opts.repeats_real, "repeats_large": opts.repeats_large, "steps": opts.steps, "warmup": opts.warmup,
+        "min_steady_s": opts.min_steady_s, "phase_repeats": opts.repeats}}
 
     # 1. phases
     phase_rows = RowCache(os.path.join(results, f"squinch_phases_rows_{tag}.json"), squinch_phases.row_settings(opts),
@@ -681,7 +722,8 @@ def main(argv: list[str] | None = None) -> None:
                               min_steady_s=opts.min_steady_s)
     settings = {k: getattr(real, k) for k in ROW_SETTINGS}
     rows = RowCache(os.path.join(results, f"squinch_scale_rows_{tag}.json"),
-                    {"format": ROW_FORMAT, **settings, "min_steady_s": opts.min_steady_s}, opts.fresh)
+                    {"format": ROW_FORMAT, **settings, "min_steady_s": opts.min_steady_s,
+                     "repeats_large": opts.repeats_large}, opts.fresh)
     reuse_path = "none" if opts.quick else opts.reuse
     reuse = {}
     if reuse_path != "none" and os.path.exists(reuse_path):
@@ -702,18 +744,20 @@ def main(argv: list[str] | None = None) -> None:
         first = rounds_of(rows.rows, TimelinePlan(big, 2).base)[0]
         fp32_bytes = 4 * sum(first["bucket_elems"])  # all-reduce at n = 2: S per rank
         compute_s = (first["backward_end_ms"] + first["after_sync_ms"]) / 1e3
-        b_mbit = fp32_bytes * 8 / compute_s / 1e6  # B: fp32's gradient bytes take as long as the compute
+        own_b = fp32_bytes * 8 / compute_s / 1e6  # B: fp32's gradient bytes take as long as the compute
+        b_mbit = compared_b(opts.compare, big) or own_b  # a repeat measures the same quarter row
         steps = model_steps(phases, {f"{p.size}|{p.dp}": rounds_of(rows.rows, p.base)[0] for p in profiles}, real)
-        plans = [group_plan(g, missing, store_of(g, reuse), steps) for g in groups
-                 if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
-        measure_rounds(profiles + plans + [quarter_plan(big, b_mbit, steps)], real, rows)
+        plans = [group_plan(g, missing, store_of(g, reuse), steps, opts.repeats_large if g.size == big else None)
+                 for g in groups if (missing := tuple(k for k in g.configs if k not in reused_part(g, reuse)))]
+        quarter_row = quarter_plan(big, b_mbit, steps, opts.repeats_large)
+        measure_rounds(profiles + plans + [quarter_row], real, rows)
         timelines = {f"{p.size}|{p.dp}": timeline_of_rounds([run for r in rounds_of(rows.rows, p.base)
                                                              for run in r["per_run"]]) for p in profiles}
         measured = [(g, group_rows(g, real, rows, reuse)) for g in groups]
         res["parts_wall_s"] = {name: sum(r["wall_s"] for p in part for r in rounds_of(rows.rows, p.base))
                                for name, part in (("timelines", profiles), ("real set", plans),
-                                                  ("quarter row", [quarter_plan(big, b_mbit, steps)]))}
-        quarter = quarter_group(big, b_mbit, compute_s, fp32_bytes, rows)
+                                                  ("quarter row", [quarter_row]))}
+        quarter = {**quarter_group(big, b_mbit, compute_s, fp32_bytes, rows), "own_B_mbit": own_b}
     finally:
         teardown_link()
     # a refused (noisy) invocation's measurements are part of this run when it resumes: its time counts too

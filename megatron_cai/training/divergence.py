@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..core.distributed.contracts import ModelChunk
 from ..core.optimizer.clip_grads import GlobalNormClipping
@@ -79,12 +80,19 @@ def all_ranks_true(local: bool, device: torch.device) -> bool:
     return bool(flag.item() > 0)
 
 
+def all_finite(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether every element of this rank's ``tensors`` is finite, with one host sync (not one per tensor).
+    A DTensor is checked on its local shard: the caller's all-reduce covers the other ranks' shards."""
+    flags = [torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all().to(device) for t in tensors]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def state_finite(model_chunks: list[ModelChunk], optimizer: GlobalNormClipping | None, device: torch.device) -> bool:
     """Collective: whether all parameters and all optimizer state (DDP's or FSDP2's) on every rank are finite."""
     tensors = [p.detach() for m in model_chunks for p in m.module.parameters()]
     if optimizer is not None:
         tensors += list(optimizer.moment_tensors())
-    return all_ranks_true(all(bool(torch.isfinite(t).all()) for t in tensors), device)
+    return all_ranks_true(all_finite(tensors, device), device)
 
 
 class DivergenceMonitor:

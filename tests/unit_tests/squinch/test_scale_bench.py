@@ -243,6 +243,40 @@ def test_short_steps_run_for_the_minimum_time_at_the_predicted_step(monkeypatch)
     assert [(label, rate, n) for label, rate, _, _, n in q.runs] == [("fp32", 500.0, 30), ("squinch", 125.0, 40)]
 
 
+def test_a_plan_with_more_rounds_goes_on_after_the_others(tmp_path, monkeypatch):
+    """The large model's plans take --repeats-large rounds: the same round-major order while every plan has
+    rounds left, then the longer plans alone; ``rounds`` caps every plan (the timelines' first round)."""
+    from harness.shaped_link import RowCache
+
+    calls = []
+    monkeypatch.setattr(S.Plan, "measure",
+                        lambda plan, opts: calls.append(plan.base) or _round("x", **dict.fromkeys(plan.labels, 1.0)))
+    g = S.Group("small", 2, 256, True, ("fp32",))
+    small = S.group_plan(g, g.configs, g.key, lambda *_: 20)
+    q = S.quarter_plan("large", 800.0, lambda *_: 20, rounds=5)
+    rows = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
+    opts = __import__("argparse").Namespace(repeats=3)
+    S.measure_rounds([small, q], opts, rows, rounds=1)
+    assert calls == [small.base, q.base]
+    S.measure_rounds([small, q], opts, rows)
+    assert calls == [small.base, q.base] * 3 + [q.base, q.base]
+    assert len(S.rounds_of(rows.rows, q.base)) == 5 and len(S.rounds_of(rows.rows, small.base)) == 3
+
+
+def test_a_repeat_measures_the_quarter_row_at_the_b_of_the_run_it_is_compared_with(tmp_path):
+    import json
+
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"quarter": {"size": "large", "B_mbit": 665.7}}))
+    assert S.compared_b(str(first), "large") == 665.7
+    assert S.compared_b(str(first), "toy") is None and S.compared_b(None, "large") is None
+    q = {"B_mbit": 665.7, "own_B_mbit": 695.2, "fp32_bytes": 24442368, "compute_s": 0.2813}
+    assert S.b_origin(q) == ("B = 666 Mbit/s, the B of the run compared with, so that both runs measure the same "
+                             "links (fp32's 24442368 gradient bytes per step over the 281 ms of compute give 695 "
+                             "Mbit/s)")
+    assert S.b_origin({**q, "own_B_mbit": 665.7}).startswith("B = 666 Mbit/s (fp32's 24442368")
+
+
 def test_a_timeline_is_the_median_of_its_rounds():
     def tl(ready, end, after, raw, load):
         return {"bucket_elems": [10, 20], "ready_ms": ready, "backward_end_ms": end, "after_sync_ms": after,

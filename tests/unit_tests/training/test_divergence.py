@@ -64,6 +64,28 @@ def test_refuse_save_after_a_skip_or_with_non_finite_state():
     assert "non-finite values" in m.refuse_save([model], None)
 
 
+def test_the_finite_check_before_a_save_reads_back_once():
+    """One host sync for the whole state (it runs before every save), not one per tensor; a non-finite
+    value in any tensor, on any device the caller names, still refuses."""
+    from testlib.host_sync import HostSyncCounter
+
+    from megatron_cai.training.divergence import all_finite
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(6)])
+    tensors = [p.detach() for p in model.parameters()]
+    counter = HostSyncCounter().install()
+    try:
+        finite = all_finite(tensors, CPU)
+    finally:
+        counter.uninstall()
+    assert finite and counter.total() == 1 and len(tensors) == 12, counter.calls
+    for i in (0, 7, 11):
+        bad = [t.clone() for t in tensors]
+        bad[i].view(-1)[-1] = float("nan") if i != 7 else float("-inf")
+        assert not all_finite(bad, CPU), i
+    assert all_finite([], CPU)
+
+
 def test_divergence_state_round_trips():
     m = DivergenceMonitor(DivergenceConfig(), CPU)
     m.observe(7, {"lm loss": 3.5}, skipped=False)
@@ -119,6 +141,44 @@ def _refusals_for_non_finite_adam_state(rank, world_size):
         out[kind] = (before, m.refuse_save([chunk], optimizer), len(moments),
                      all(bool(torch.isfinite(p).all()) for p in chunk.module.parameters()))
     return out
+
+
+def _refusals_for_one_ranks_non_finite_fsdp2_shard(rank, world_size):
+    """FSDP2 over 2 ranks: one element of rank 1's shard of an Adam moment set to NaN; every rank refuses."""
+    from megatron_cai.core import parallel_state as ps
+    from megatron_cai.core.distributed.fsdp import FSDPSettings, wrap_model_chunks
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.core.optimizer.config import OptimizerConfig
+    from megatron_cai.core.optimizer.optimizer import build_optimizer
+
+    ps.initialize_model_parallel(1, 1)
+    net = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8))
+    net.initialize(seed=1)
+    chunk = wrap_model_chunks([net], CPU, FSDPSettings())[0]
+    optimizer = build_optimizer([chunk], OptimizerConfig(use_distributed_optimizer=False))
+    tokens = torch.arange(16).remainder(32).view(2, 8)
+    chunk.zero_grad_buffer()
+    chunk.set_is_last_microbatch(True)
+    chunk(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
+    chunk.finish_grad_sync()
+    optimizer.step(lr=1e-3)
+    m = DivergenceMonitor(DivergenceConfig(), CPU)
+    before = m.refuse_save([chunk], optimizer)
+    moments = [t for t in optimizer.moment_tensors() if t.numel()]  # this rank's shards
+    if rank == 1:
+        with torch.no_grad():
+            moments[-1].view(-1)[0] = float("nan")
+    return before, m.refuse_save([chunk], optimizer), type(next(chunk.module.parameters())).__name__
+
+
+def test_one_ranks_non_finite_shard_refuses_the_save_on_every_rank():
+    from testlib.distributed import run_distributed
+
+    found = run_distributed(_refusals_for_one_ranks_non_finite_fsdp2_shard, 2)
+    assert [f[2] for f in found] == ["DTensor", "DTensor"]  # sharded parameters: each rank checks its shards
+    assert [f[0] for f in found] == [None, None]
+    assert all(f[1] is not None and "non-finite values" in f[1] for f in found), found
 
 
 def test_refuse_save_with_non_finite_adam_state_of_either_optimizer():
