@@ -552,7 +552,8 @@ def timeline_processes(res: dict) -> str:
 
 def wall_parts(res: dict) -> str:
     parts = {"phases": res["phases_wall_s"], **res.get("parts_wall_s", {})}
-    return ", ".join(f"{k} {v / 60:.1f} min" for k, v in parts.items())
+    return ", ".join(f"{k} {v / 60:.1f} min" if v >= 1 or k != "phases" else "phases in an earlier invocation, "
+                     "time not recorded" for k, v in parts.items())
 
 
 def invocations(res: dict) -> str:
@@ -714,7 +715,9 @@ def main(argv: list[str] | None = None) -> None:
                           opts.fresh)
     t0 = time.time()
     phases = squinch_phases.run(opts, phase_rows)
-    res["phases_wall_s"] = time.time() - t0
+    phase_rows.spent.append(time.time() - t0)  # a resumed run's phases were measured by an earlier invocation
+    phase_rows.save()
+    res["phases_wall_s"] = sum(phase_rows.spent)
     squinch_phases.write(os.path.join(results, "squinch_phases" + ("_quick" if opts.quick else suffix)), phases)
 
     # 2.-3. timelines and the real set

@@ -319,4 +319,8 @@ def test_a_resumed_run_counts_the_time_of_every_invocation(tmp_path):
     res = {"wall_s": sum(again.spent), "invocations": len(again.spent)}
     assert S.invocations(res) == " over 2 invocations" and S.invocations({"wall_s": 1.0}) == ""
     assert RowCache(path, {"steps": 20}, fresh=True).spent == []
+    parts = {"phases_wall_s": 162.0, "parts_wall_s": {"timelines": 210.0, "real set": 768.0, "quarter row": 156.0}}
+    assert S.wall_parts(parts) == "phases 2.7 min, timelines 3.5 min, real set 12.8 min, quarter row 2.6 min"
+    # a run resumed by a build that did not yet add the phases' time of every invocation
+    assert S.wall_parts({"phases_wall_s": 0.01}) == "phases in an earlier invocation, time not recorded"
     assert RowCache(path, {"steps": 40}, fresh=False).spent == []  # other settings: another run
