@@ -108,30 +108,38 @@ def test_divergence_flags_have_megatron_defaults():
         parse_config(base + ["--max-consecutive-skipped-iterations", "-1"], world_size=1)
 
 
-def _refusals_for_non_finite_adam_state(rank, world_size):
-    """For each optimizer (DDP's distributed Adam, FSDP2's AdamW over its shards): refuse_save after one
-    finite step, then after one moment element is set to NaN (the parameters stay finite)."""
-    from megatron_cai.core import parallel_state as ps
+def _after_one_step(kind: str):
+    """A one-layer GPT wrapped by DDP (distributed Adam) or FSDP2 (AdamW over its shards), one finite step
+    taken: (model chunk, optimizer)."""
     from megatron_cai.core.distributed.fsdp import FSDPSettings, wrap_model_chunks
     from megatron_cai.core.models.gpt.config import GPTConfig
     from megatron_cai.core.models.gpt.model import GPTModel
     from megatron_cai.core.optimizer.config import OptimizerConfig
     from megatron_cai.core.optimizer.optimizer import build_optimizer
 
+    net = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8))
+    net.initialize(seed=1)
+    chunk = (wrap_model_chunks([net], CPU, FSDPSettings())[0] if kind == "fsdp2" else
+             DistributedDataParallel(net, AllReduceReducer(None, 1), DDPConfig(), device=CPU))
+    optimizer = build_optimizer([chunk], OptimizerConfig(use_distributed_optimizer=kind == "ddp"))
+    tokens = torch.arange(16).remainder(32).view(2, 8)
+    chunk.zero_grad_buffer()  # through the ModelChunk contract, as the schedules drive it
+    chunk.set_is_last_microbatch(True)
+    chunk(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
+    chunk.finish_grad_sync()
+    optimizer.step(lr=1e-3)
+    return chunk, optimizer
+
+
+def _refusals_for_non_finite_adam_state(rank, world_size):
+    """For each optimizer (DDP's distributed Adam, FSDP2's AdamW over its shards): refuse_save after one
+    finite step, then after one moment element is set to NaN (the parameters stay finite)."""
+    from megatron_cai.core import parallel_state as ps
+
     ps.initialize_model_parallel(1, 1)
     out = {}
     for kind in ("ddp", "fsdp2"):
-        net = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8))
-        net.initialize(seed=1)
-        chunk = (wrap_model_chunks([net], CPU, FSDPSettings())[0] if kind == "fsdp2" else
-                 DistributedDataParallel(net, AllReduceReducer(None, 1), DDPConfig(), device=CPU))
-        optimizer = build_optimizer([chunk], OptimizerConfig(use_distributed_optimizer=kind == "ddp"))
-        tokens = torch.arange(16).remainder(32).view(2, 8)
-        chunk.zero_grad_buffer()  # through the ModelChunk contract, as the schedules drive it
-        chunk.set_is_last_microbatch(True)
-        chunk(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
-        chunk.finish_grad_sync()
-        optimizer.step(lr=1e-3)
+        chunk, optimizer = _after_one_step(kind)
         m = DivergenceMonitor(DivergenceConfig(), CPU)
         before = m.refuse_save([chunk], optimizer)
         moments = list(optimizer.moment_tensors())
@@ -146,23 +154,9 @@ def _refusals_for_non_finite_adam_state(rank, world_size):
 def _refusals_for_one_ranks_non_finite_fsdp2_shard(rank, world_size):
     """FSDP2 over 2 ranks: one element of rank 1's shard of an Adam moment set to NaN; every rank refuses."""
     from megatron_cai.core import parallel_state as ps
-    from megatron_cai.core.distributed.fsdp import FSDPSettings, wrap_model_chunks
-    from megatron_cai.core.models.gpt.config import GPTConfig
-    from megatron_cai.core.models.gpt.model import GPTModel
-    from megatron_cai.core.optimizer.config import OptimizerConfig
-    from megatron_cai.core.optimizer.optimizer import build_optimizer
 
     ps.initialize_model_parallel(1, 1)
-    net = GPTModel(GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=8))
-    net.initialize(seed=1)
-    chunk = wrap_model_chunks([net], CPU, FSDPSettings())[0]
-    optimizer = build_optimizer([chunk], OptimizerConfig(use_distributed_optimizer=False))
-    tokens = torch.arange(16).remainder(32).view(2, 8)
-    chunk.zero_grad_buffer()
-    chunk.set_is_last_microbatch(True)
-    chunk(tokens, torch.arange(8).expand(2, 8), labels=tokens).mean().backward()
-    chunk.finish_grad_sync()
-    optimizer.step(lr=1e-3)
+    chunk, optimizer = _after_one_step("fsdp2")
     m = DivergenceMonitor(DivergenceConfig(), CPU)
     before = m.refuse_save([chunk], optimizer)
     moments = [t for t in optimizer.moment_tensors() if t.numel()]  # this rank's shards
