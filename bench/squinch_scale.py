@@ -546,8 +546,10 @@ def steps_cell(steps: list[int] | None, settings: dict) -> str:
 
 
 def timeline_processes(res: dict) -> str:
-    runs = {t.get("runs", 1) for t in res["timelines"].values()}
-    return f" (the median of {runs.pop()} processes)" if len(runs) == 1 and 1 not in runs else ""
+    runs = sorted({t.get("runs", 1) for t in res["timelines"].values()})
+    if runs == [1]:
+        return ""
+    return f" (the median of {runs[0]}{'' if len(runs) == 1 else '-' + str(runs[-1])} processes)"
 
 
 def wall_parts(res: dict) -> str:
@@ -671,8 +673,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="more steady steps where the model predicts a short step: at least this many seconds of them")
     p.add_argument("--repeats-real", dest="repeats_real", type=int, default=3, help="repeats of each training run")
     p.add_argument("--repeats-large", dest="repeats_large", type=int, default=5,
-                   help="repeats of the large model's runs (its groups and the quarter row): 20 steps of 0.3-0.6 s "
-                        "each, where the machine's drift over minutes shows")
+                   help="repeats of the large model's runs (its timeline, its groups and the quarter row): 20 steps "
+                        "of 0.3-0.6 s each, where the machine's drift over minutes shows")
     p.add_argument("--run-id", default="1")
     p.add_argument("--fresh", action="store_true", help="discard this run id's finished measurements")
     p.add_argument("--reuse", default="none", help="a squinch_bandwidth rows file measured on this same tree whose "
@@ -742,7 +744,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.save()
     big = "toy" if opts.quick else "large"
     try:
-        profiles = [TimelinePlan(size, dp) for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)})]
+        profiles = [TimelinePlan(size, dp, opts.repeats_large if size == big else None)  # as its rows
+                    for size, dp in sorted({(g.size, g.dp) for g in groups} | {(big, 2)})]
         measure_rounds(profiles, real, rows, rounds=1)  # the first round up front: B is the large model's
         first = rounds_of(rows.rows, TimelinePlan(big, 2).base)[0]
         fp32_bytes = 4 * sum(first["bucket_elems"])  # all-reduce at n = 2: S per rank

@@ -287,6 +287,10 @@ def test_a_timeline_is_the_median_of_its_rounds():
     assert t["ready_ms"] == [2.0, 5.0] and (t["backward_end_ms"], t["after_sync_ms"], t["raw_step_ms"]) == (8, 2, 12)
     assert t["iterations"] == 60 and t["runs"] == 3 and t["load"] == "c" and t["bucket_elems"] == [10, 20]
     assert S.timeline_of_rounds([t, t])["runs"] == 6  # rounds of runs: every process counted
+    assert S.timeline_processes({"timelines": {"small|2": {"runs": 9}, "large|2": {"runs": 15}}}) == \
+        " (the median of 9-15 processes)"
+    assert S.timeline_processes({"timelines": {"small|2": {"runs": 9}}}) == " (the median of 9 processes)"
+    assert S.timeline_processes({"timelines": {"small|2": {}}}) == ""  # one process, before the rounds
     rounds[1]["bucket_elems"] = [30]
     with pytest.raises(RuntimeError, match="different buckets"):
         S.timeline_of_rounds(rounds)
