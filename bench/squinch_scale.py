@@ -305,15 +305,11 @@ def group_plan(group: Group, labels: tuple[str, ...], store: str, steps: StepCou
                 tuple((label, group.rate, group, group.dp // 2, steps(group, label)) for label in labels), rounds)
 
 
-def quarter_groups(size: str, b_mbit: float) -> tuple[tuple[str, Group], ...]:
-    """Squinch at B/4 against fp32 at B, both with overlap."""
-    return tuple((label, Group(size, 2, rate, True, ())) for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4)))
-
-
 def quarter_plan(size: str, b_mbit: float, steps: StepCounts, rounds: int | None = None) -> Plan:
-    """The quarter row, the links alternating run by run."""
+    """Squinch at B/4 against fp32 at B, both with overlap, the links alternating run by run."""
+    links = [(label, Group(size, 2, rate, True, ())) for label, rate in (("fp32", b_mbit), ("squinch", b_mbit / 4))]
     return Plan(quarter_base(size, b_mbit), f"quarter {size} B = {b_mbit:.0f} Mbit/s",
-                tuple((label, g.rate, g, 1, steps(g, label)) for label, g in quarter_groups(size, b_mbit)), rounds)
+                tuple((label, g.rate, g, 1, steps(g, label)) for label, g in links), rounds)
 
 
 def quarter_base(size: str, b_mbit: float) -> str:
