@@ -328,3 +328,41 @@ def test_a_resumed_run_counts_the_time_of_every_invocation(tmp_path):
     # a run resumed by a build that did not yet add the phases' time of every invocation
     assert S.wall_parts({"phases_wall_s": 0.01}) == "phases in an earlier invocation, time not recorded"
     assert RowCache(path, {"steps": 40}, fresh=False).spent == []  # other settings: another run
+
+
+def test_from_five_rounds_one_stray_process_at_each_end_does_not_count_as_spread():
+    assert S.inner_spread([1.0, 1.1, 1.2]) == pytest.approx(0.2 / 1.1)  # 3 rounds: every one counts
+    assert S.inner_spread([1.0, 1.1, 1.2, 1.0]) == pytest.approx(0.2 / 1.05)
+    assert S.inner_spread([1.5, 1.0, 1.02, 0.9, 1.01]) == pytest.approx(0.02 / 1.01)  # without 0.9 and 1.5
+    assert S.inner_spread([1.0, 1.0, 1.3, 1.3, 1.0]) == pytest.approx(0.3 / 1.0)  # two slow ones still count
+
+
+def test_a_noisy_group_gets_more_rounds_and_is_judged_without_its_stray_ends(tmp_path, monkeypatch):
+    """A group whose rounds spread above the limit gets --extra-rounds more; from 5 rounds its fastest and
+    slowest no longer count, so one stray process passes and a group that stays noisy is still named."""
+    from harness.shaped_link import RowCache
+
+    steps = {"dp2|small|256|True": [1.0, 1.2, 1.01, 1.02, 0.99], "dp2|small|64|True": [1.0, 1.3, 1.3, 1.0, 1.0],
+             "dp2|small|1000|True": [1.0, 1.01, 1.02, 9.0, 9.0]}
+    calls = []
+
+    def fake_measure(plan, opts):
+        calls.append(plan.base)
+        return _round("x", bf16=steps[plan.base][calls.count(plan.base) - 1])
+
+    monkeypatch.setattr(S.Plan, "measure", fake_measure)
+    plans = [S.group_plan(g, g.configs, g.key, lambda *_: 20)
+             for g in (S.Group("small", 2, rate, True, ("bf16",)) for rate in (256, 64, 1000))]
+    rows = RowCache(str(tmp_path / "rows.json"), {}, fresh=False)
+    opts = __import__("argparse").Namespace(repeats=3)
+    S.measure_rounds(plans, opts, rows)
+    assert S.noisy_keys(rows.rows, 0.10) == ["dp2|small|256|True", "dp2|small|64|True"]
+    S.extend_noisy(plans, opts, rows, 0.10, 0)
+    assert len(calls) == 9  # no extra rounds asked for
+    S.extend_noisy(plans, opts, rows, 0.10, 2)
+    assert sorted(calls[9:]) == ["dp2|small|256|True"] * 2 + ["dp2|small|64|True"] * 2  # the quiet one: not again
+    assert S.noisy_keys(rows.rows, 0.10) == ["dp2|small|64|True"]  # 1.0 1.0 1.0 1.3 1.3: two slow rounds
+    S.extend_noisy(plans, opts, rows, 0.10, 2)
+    assert len(calls) == 13  # extended once: its rounds are its own + 2, all measured
+    summary = S.group_rows(plans[0].runs[0][2], opts, rows, {})["bf16"]
+    assert len(summary["runs_s"]) == 5 and summary["median_s"] == 1.01 and summary["inner_spread"] < 0.10
