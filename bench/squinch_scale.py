@@ -514,7 +514,8 @@ def report(res: dict) -> list[str]:
     L = ["# Squinch step time: the model against real runs over the shaped veth", "",
          f"Run id {res['run_id']}; {res['settings']['repeats']} rounds over the whole set{large_rounds(res)} "
          f"(a group's configurations alternate within a round), {steady_steps(res['settings'])} per configuration "
-         f"and round; measured = median over the rounds. The model sees only the phase fits (`squinch_phases`) "
+         f"and round; measured = median over the rounds.{extended(res)} "
+         f"The model sees only the phase fits (`squinch_phases`) "
          f"and one backward timeline per model and DP{timeline_processes(res)}. "
          f"Machine before: {res['load_before']}; after: {res['load_after']}; wall time {res['wall_s'] / 60:.1f} min"
          f"{invocations(res)} "
@@ -556,6 +557,19 @@ DOC_BEGIN, DOC_END = "<!-- squinch_scale: begin -->", "<!-- squinch_scale: end -
 def large_rounds(res: dict) -> str:
     n = res["settings"].get("repeats_large", res["settings"]["repeats"])
     return "" if n == res["settings"]["repeats"] else f", {n} over the large model's groups and the quarter row"
+
+
+def extended(res: dict) -> str:
+    """The groups (and quarter row) that took more rounds than planned (``extend_noisy``), with their count."""
+    planned = res["settings"]["repeats"]
+    large = res["settings"].get("repeats_large", planned)
+    parts = [(g["key"], g["size"], next((len(r["runs_s"]) for r in g["rows"].values()
+                                         if isinstance(r, dict) and not r.get("reused")), 0)) for g in res["groups"]]
+    if res.get("quarter"):
+        q = res["quarter"]
+        parts.append((f"quarter {q['size']}", q["size"], len(q["fp32"]["runs_s"])))
+    more = [f"{key} {n}" for key, size, n in parts if n > (large if size == "large" else planned)]
+    return f" Noisy after its planned rounds, so measured in more (--extra-rounds): {', '.join(more)}." if more else ""
 
 
 def b_origin(q: dict) -> str:

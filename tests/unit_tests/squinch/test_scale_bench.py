@@ -366,3 +366,17 @@ def test_a_noisy_group_gets_more_rounds_and_is_judged_without_its_stray_ends(tmp
     assert len(calls) == 13  # extended once: its rounds are its own + 2, all measured
     summary = S.group_rows(plans[0].runs[0][2], opts, rows, {})["bf16"]
     assert len(summary["runs_s"]) == 5 and summary["median_s"] == 1.01 and summary["inner_spread"] < 0.10
+
+
+def test_the_report_names_the_groups_measured_in_more_rounds_than_planned():
+    def group(key, size, **runs):
+        return {"key": key, "size": size, "rows": {"load": "x", **{k: {"runs_s": [1.0] * n} for k, n in runs.items()}}}
+
+    reused = group("c", "small", bf16=3)
+    reused["rows"]["fp32"] = {"runs_s": [1.0] * 9, "reused": True}  # a squinch_bandwidth row: not this run's rounds
+    res = {"settings": {"repeats": 3, "repeats_large": 5},
+           "groups": [group("a", "small", bf16=5), group("b", "large", bf16=5), reused],
+           "quarter": {"size": "large", "fp32": {"runs_s": [1.0] * 7}}}
+    assert S.extended(res) == " Noisy after its planned rounds, so measured in more (--extra-rounds): a 5, quarter large 7."
+    res["quarter"]["fp32"]["runs_s"], res["groups"] = [1.0] * 5, res["groups"][1:]
+    assert S.extended(res) == ""
