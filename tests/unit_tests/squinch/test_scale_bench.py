@@ -377,6 +377,7 @@ def test_the_report_names_the_groups_measured_in_more_rounds_than_planned():
     res = {"settings": {"repeats": 3, "repeats_large": 5},
            "groups": [group("a", "small", bf16=5), group("b", "large", bf16=5), reused],
            "quarter": {"size": "large", "fp32": {"runs_s": [1.0] * 7}}}
-    assert S.extended(res) == " Noisy after its planned rounds, so measured in more (--extra-rounds): a 5, quarter large 7."
+    assert S.extended(res) == (" Noisy after its planned rounds, so measured in more (--extra-rounds): "
+                               "a 5, quarter large 7.")
     res["quarter"]["fp32"]["runs_s"], res["groups"] = [1.0] * 5, res["groups"][1:]
     assert S.extended(res) == ""
