@@ -352,8 +352,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-op-s", type=float, default=1.0, help="skip sizes whose all-reduce takes longer")
 
 
-ROW_FORMAT = 4  # bump when a finished link's record changes shape (2: transport CPU time; 3: rounds;
-#                4: a rank on its own core, shaped_link.rank_cores)
+ROW_FORMAT = 3  # bump when a finished link's record changes shape (2: transport CPU time; 3: rounds)
 
 
 def row_settings(opts) -> dict:

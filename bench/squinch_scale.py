@@ -84,8 +84,8 @@ CONFIGS = {  # label -> (flags, the model's reducer mode without overlap, extra 
 ROOT = H.ROOT
 TBF_BURST = 64 * 1024  # harness/shaped_link.py's tbf burst
 ROW_SETTINGS = ("repeats", "steps", "warmup")  # as squinch_bandwidth's: its rows are reused on these
-ROW_FORMAT = 6  # bump when a cached timeline or group changes shape (3: rounds; 4: 3 timeline runs a round;
-#                5: a configuration's steps cover --min-steady-s; 6: a rank on its own core, rank_cores)
+ROW_FORMAT = 5  # bump when a cached timeline or group changes shape (3: rounds; 4: 3 timeline runs a round;
+#                5: a configuration's steps cover --min-steady-s)
 
 
 @dataclass(frozen=True)

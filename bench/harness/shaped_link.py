@@ -16,7 +16,6 @@ host's loopback, nothing is shaped, and a link's name says "loopback".
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -99,27 +98,13 @@ class _Ports:
 PORTS = _Ports()
 
 
-def rank_cores(world: int) -> list[set[int]] | None:
-    """The core each rank of a ``world``-rank job is bound to, when this process may run on at least one
-    core per rank; None (the scheduler places them) when ranks outnumber cores.
-
-    Why: two free ranks on 2 cores let a rank's threads (its compute, gloo's, the Squinch stages) share a
-    core with the other rank's now and then. Of ten free processes of the large model's Squinch at
-    1000 Mbit/s, two ran 372 and 377 ms, the others 334-349 ms; five bound ones ran 337-341 ms (five free
-    ones just before them 340-349 ms). Ranks that outnumber the cores stay free: bound in pairs, DP 4's
-    hierarchical runs spread more (135-144 ms against 140-145 ms free, four each)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return [{cores[r]} for r in range(world)] if world <= len(cores) else None
-
-
 def spawn_ranks(argv: list[str], per_ns: int, extra_env: dict | None = None, *, namespaces: int = 2,
                 timeout: float = 3600) -> list[str]:
     """Run ``python argv...`` as ``namespaces * per_ns`` ranks (torch.distributed env variables set;
-    ranks [k*per_ns, (k+1)*per_ns) in namespace k, gloo bound to its veth end; each on its own core where
-    there are enough, ``rank_cores``). Returns every rank's output; raises naming the first rank that
-    failed. ``namespaces=1``: every rank in the first one (their traffic stays on its loopback)."""
+    ranks [k*per_ns, (k+1)*per_ns) in namespace k, gloo bound to its veth end). Returns every rank's
+    output; raises naming the first rank that failed. ``namespaces=1``: every rank in the first one
+    (their traffic stays on its loopback)."""
     world, port, procs = namespaces * per_ns, PORTS.next(), []
-    cores = rank_cores(world)
     for rank in range(world):
         ns, dev, _ = NS[rank // per_ns]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
@@ -129,8 +114,7 @@ def spawn_ranks(argv: list[str], per_ns: int, extra_env: dict | None = None, *, 
                     "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if netns else "lo", "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": ROOT, **(extra_env or {})})
         prefix = ["ip", "netns", "exec", ns] if netns else []
-        bind = None if cores is None else functools.partial(os.sched_setaffinity, 0, cores[rank])
-        procs.append(subprocess.Popen([*prefix, sys.executable, *argv], cwd=ROOT, env=env, preexec_fn=bind,
+        procs.append(subprocess.Popen([*prefix, sys.executable, *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     if any(p.returncode for p in procs):
