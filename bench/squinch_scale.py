@@ -402,8 +402,8 @@ def quarter_group(size: str, b_mbit: float, compute_s: float, fp32_bytes: int, r
 
 # --------------------------------------------------------------------------------------- the model
 def op_costs(fits: dict) -> dict[str, OpCost]:
-    return {k: OpCost(f["alpha_s"], f["bytes_per_s"], issue_s=f["issue_s"], cpu_s_per_byte=f["cpu_s_per_byte"])
-            for k, f in fits.items()}
+    return {k: OpCost(f["alpha_s"], f["bytes_per_s"], issue_s=f["issue_s"], cpu_s_per_byte=f["cpu_s_per_byte"],
+                      issue_s_per_byte=f["issue_s_per_byte"]) for k, f in fits.items()}
 
 
 def inter_tier(phases: dict, rate: float | None) -> Tier:
@@ -416,7 +416,8 @@ def inter_tier(phases: dict, rate: float | None) -> Tier:
         shaped = [(float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback")]
         fits = {name: {"alpha_s": statistics.median(v[name]["alpha_s"] for _, v in shaped),
                        "bytes_per_s": rate * statistics.median(v[name]["bytes_per_s"] / r for r, v in shaped),
-                       **{k: statistics.median(v[name][k] for _, v in shaped) for k in ("issue_s", "cpu_s_per_byte")}}
+                       **{k: statistics.median(v[name][k] for _, v in shaped)
+                          for k in ("issue_s", "issue_s_per_byte", "cpu_s_per_byte")}}
                 for name in shaped[0][1]}
     costs = op_costs(fits)
     refill = rate * 1e6 / 8 if rate is not None else 0.0
@@ -695,11 +696,24 @@ def add_comparison(res: dict, path: str, limit: float) -> None:
     res["compare"] = {"path": os.path.relpath(path, ROOT), "limit": limit, "lines": lines}
 
 
+def measured_groups(res: dict) -> list[tuple[Group, dict]]:
+    """A finished run's groups with their measured rows, as ``validate`` takes them."""
+    return [(Group(g["size"], g["dp"], None if (r := g["key"].split("|")[2]) == "unshaped" else float(r), g["overlap"],
+                   tuple(g["configs"])), g["rows"]) for g in res["groups"]]
+
+
 def rerender(out: str, opts, results: str, doc: bool) -> None:
     """The report, plot (and, for the committed results, the doc section) of a finished run from its JSON
-    (``--rerender``)."""
+    (``--rerender``), with today's fits of its phases' samples and today's model on its measurements
+    (run 1 first: a repeat's comparison reads run 1's JSON)."""
     with open(out + ".json") as f:
         res = json.load(f)
+    phases_out = os.path.join(os.path.dirname(out), os.path.basename(out).replace("squinch_scale", "squinch_phases"))
+    with open(phases_out + ".json") as f:
+        phases = json.load(f)
+    phases["fits"] = squinch_phases.fits_of(phases)
+    squinch_phases.write(phases_out, phases)
+    res["validation"] = validate(measured_groups(res), res["quarter"], res["timelines"], phases)
     if opts.compare:
         add_comparison(res, opts.compare, opts.max_drift)
     with open(out + ".json", "w") as f:

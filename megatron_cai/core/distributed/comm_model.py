@@ -58,7 +58,9 @@ STAGE_POLICIES = ("progress", "wait", "chained")
 @dataclass(frozen=True)
 class OpCost:
     """alpha-beta cost of a collective on one tier: ``alpha_s`` per algorithm step, ``bytes_per_s`` per
-    direction; ``issue_s``: executor time to start it (gloo: the host enqueues it; GPU: a launch);
+    direction; ``issue_s`` + ``issue_s_per_byte`` x the bytes a rank sends: executor time to start it
+    (gloo: the host enqueues it, and its all-to-all's issue grows with the message: ~0.1 ms at 64 KiB,
+    ~8 ms at 64 MiB over the veth; GPU: a launch);
     ``per_peer_s``: an all-to-all's extra latency per peer; ``cpu_s_per_byte``: host CPU time the
     transport spends per byte a rank sends (gloo over TCP: its threads and the kernel's network stack),
     which takes cores from compute when it overlaps backward (``CodecCost.on_host``)."""
@@ -68,6 +70,7 @@ class OpCost:
     issue_s: float = 0.0
     per_peer_s: float = 0.0
     cpu_s_per_byte: float = 0.0
+    issue_s_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,7 @@ def collective_time(topo: Topology, c: Collective, tokens: float = 0.0) -> tuple
             t_bw = max(t_bw, local / intra.bytes_per_s)
     else:
         t_bw = rank_bytes / main.bytes_per_s
-    return tier_name, t + t_bw, main.issue_s
+    return tier_name, t + t_bw, main.issue_s + main.issue_s_per_byte * rank_bytes
 
 
 # -------------------------------------------------------------------------------------- the stages

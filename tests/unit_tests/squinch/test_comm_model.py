@@ -223,3 +223,11 @@ def test_transport_cpu_overlapping_backward_delays_compute_on_the_host():
     # on an accelerator (the reducer on its own stream) compute is not delayed
     gpu = predict(tl, dp2(link), replace(free, on_host=False), ReducerMode("fp32"))
     assert gpu.step_s == pytest.approx(21 * MS)
+
+
+def test_issue_time_grows_with_the_bytes_a_rank_sends():
+    # 0.1 ms to issue plus 1 ns per byte a rank sends: an all-to-all of 1000 B over 2 ranks sends 500 B,
+    # a ring all-reduce of 4000 B sends 2 x (2 - 1) / 2 x 4000 = 4000 B
+    topo = dp2(Tier(OpCost(0.0, 1e6, issue_s=1e-4, issue_s_per_byte=1e-9)))
+    assert collective_time(topo, Collective("all_to_all", "uint8", 1000, 2, 1))[2] == pytest.approx(1e-4 + 500e-9)
+    assert collective_time(topo, Collective("allreduce", "fp32", 4000, 2, 1))[2] == pytest.approx(1e-4 + 4000e-9)

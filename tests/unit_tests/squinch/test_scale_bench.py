@@ -17,8 +17,10 @@ from megatron_cai.core.distributed.comm_timing import timeline_log_lines  # noqa
 KIB = 1024
 
 
-def _link(alpha: float, beta: float, cpu: float, sizes=(64 * KIB, 1024 * KIB, 16384 * KIB)) -> dict:
-    """Samples of a link whose every collective takes steps x alpha + wire bytes / beta exactly."""
+def _link(alpha: float, beta: float, cpu: float, sizes=(64 * KIB, 1024 * KIB, 16384 * KIB),
+          issue=(1e-4, 0.0)) -> dict:
+    """Samples of a link whose every collective takes steps x alpha + wire bytes / beta exactly, and
+    issue[0] + issue[1] x wire bytes to issue."""
     samples = {}
     for op, dt in P.OPS:
         name = P.op_key(op, dt)
@@ -26,7 +28,8 @@ def _link(alpha: float, beta: float, cpu: float, sizes=(64 * KIB, 1024 * KIB, 16
         for s in sizes:
             x = P.wire_bytes_at_2(op, s)
             t = P.STEPS_AT_2[op] * alpha + x / beta
-            samples[name][str(s)] = {"median_s": t, "min_s": t, "max_s": t, "runs_s": [t], "issue_s": 1e-4,
+            samples[name][str(s)] = {"median_s": t, "min_s": t, "max_s": t, "runs_s": [t],
+                                     "issue_s": issue[0] + issue[1] * x,
                                      "cpu_s": 2e-5 + cpu * x}
     return {"rate_mbit": None, "loopback": False, "load": "", "samples": samples}
 
@@ -381,3 +384,13 @@ def test_the_report_names_the_groups_measured_in_more_rounds_than_planned():
                                "a 5, quarter large 7.")
     res["quarter"]["fp32"]["runs_s"], res["groups"] = [1.0] * 5, res["groups"][1:]
     assert S.extended(res) == ""
+
+
+def test_fit_link_fits_the_issue_time_as_a_line_in_bytes():
+    """gloo's all-to-all takes ~0.1 ms to issue at 64 KiB and ~8 ms at 64 MiB: one median over the sizes
+    fell on that knee."""
+    fits = P.fit_link(_link(alpha=3e-4, beta=2.5e7, cpu=4e-9, issue=(5e-5, 2e-10)))
+    for f in fits.values():
+        assert f["issue_s"] == pytest.approx(5e-5, rel=1e-6) and f["issue_s_per_byte"] == pytest.approx(2e-10, rel=1e-6)
+    flat = P.fit_link(_link(alpha=3e-4, beta=2.5e7, cpu=4e-9))["all_to_all"]
+    assert flat["issue_s"] == pytest.approx(1e-4, rel=1e-6) and flat["issue_s_per_byte"] == pytest.approx(0, abs=1e-15)
