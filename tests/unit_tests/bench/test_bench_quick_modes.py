@@ -302,14 +302,11 @@ def test_committed_squinch_scale_reports_are_the_model_on_their_measurements():
                                            glob.glob(os.path.join(RESULTS, "squinch_scale_run*.json"))):
         phases, phases_md = committed(name.replace("scale", "phases"))  # each run measured its own phases
         assert "\n".join(squinch_phases.report(phases)) + "\n" == phases_md
+        assert squinch_phases.fits_of(phases) == phases["fits"], name  # today's fits of its samples
         res, md = committed(name)
         assert "\n".join(squinch_scale.report(res)) + "\n" == md, name
-        groups = []
-        for g in res["groups"]:
-            rate = g["key"].split("|")[2]
-            groups.append((squinch_scale.Group(g["size"], g["dp"], None if rate == "unshaped" else float(rate),
-                                               g["overlap"], tuple(g["configs"])), g["rows"]))
-        again = squinch_scale.validate(groups, dict(res["quarter"]), res["timelines"], phases)
+        again = squinch_scale.validate(squinch_scale.measured_groups(res), dict(res["quarter"]), res["timelines"],
+                                       phases)
         assert [r["predicted_s"] for r in again["rows"]] == pytest.approx(
             [r["predicted_s"] for r in res["validation"]["rows"]], rel=1e-9), name
         assert again["max_abs_error"] == pytest.approx(res["validation"]["max_abs_error"], rel=1e-9)
