@@ -569,7 +569,8 @@ def extended(res: dict) -> str:
     if res.get("quarter"):
         q = res["quarter"]
         parts.append((f"quarter {q['size']}", q["size"], len(q["fp32"]["runs_s"])))
-    more = [f"{key} {n}" for key, size, n in parts if n > (large if size == "large" else planned)]
+    big = res["quarter"]["size"] if res.get("quarter") else "large"  # the model --repeats-large is for ("toy": --quick)
+    more = [f"{key} {n}" for key, size, n in parts if n > (large if size == big else planned)]
     return f" Noisy after its planned rounds, so measured in more (--extra-rounds): {', '.join(more)}." if more else ""
 
 
@@ -843,8 +844,9 @@ def main(argv: list[str] | None = None) -> None:
                       "configs": list(g.configs), "rows": r} for g, r in measured]
     res["quarter"] = quarter
 
+    validation = validate(measured, quarter, timelines, phases)
     noisy = [f"{r['size']} DP {r['dp']} {r['link']} overlap={r['overlap']} {r['config']}: spread "
-             f"{100 * r['inner_spread']:.0f}%" for r in validate(measured, quarter, timelines, phases)["rows"]
+             f"{100 * r['inner_spread']:.0f}%" for r in validation["rows"]
              if r["inner_spread"] > opts.max_spread and not r["reused"]]
     if noisy and not opts.quick:
         os.makedirs(os.path.join(ROOT, "bench", ".cache"), exist_ok=True)
@@ -856,7 +858,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(3)
 
     # 4.-5. the model against them
-    res["validation"] = validate(measured, quarter, timelines, phases)
+    res["validation"] = validation
     res["load_after"], res["wall_s"], res["invocations"] = load(), sum(rows.spent), len(rows.spent)
     if opts.compare:
         add_comparison(res, opts.compare, opts.max_drift)
