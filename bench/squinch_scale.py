@@ -433,12 +433,49 @@ def codec_of(phases: dict) -> CodecCost:
                      c["memory_bytes_per_s"], c["launch_s"], per_rank_launches=True, on_host=True)
 
 
+CPUS_RE = re.compile(r"on (\d+) CPUs")
+
+
+def shared_cores(phases: dict, dp: int) -> float:
+    """How many ranks share one core of the machine that measured ``phases`` (at least 1): the phases ran
+    2 processes, a DP = 4 job runs 4 on the same 2 cores, so each rank's host work (codec, gloo's issue and
+    transport CPU, the loopback's copies) runs at half the measured speed. 1 where the phases do not say
+    how many CPUs measured them (a synthetic input)."""
+    found = CPUS_RE.search(phases.get("load_before", ""))
+    return max(1.0, dp / int(found.group(1))) if found else 1.0
+
+
+def on_shared_cores(cost: OpCost, share: float, beta_is_cpu: bool) -> OpCost:
+    """``cost`` for a rank with 1 / ``share`` of a core: host time x share; bandwidth too where the CPU
+    moves the bytes (the loopback), not where a shaper does (the veth)."""
+    return replace(cost, issue_s=cost.issue_s * share, issue_s_per_byte=cost.issue_s_per_byte * share,
+                   cpu_s_per_byte=cost.cpu_s_per_byte * share,
+                   bytes_per_s=cost.bytes_per_s / share if beta_is_cpu else cost.bytes_per_s)
+
+
+def tier_on_shared_cores(tier: Tier, share: float, beta_is_cpu: bool) -> Tier:
+    return replace(tier, default=on_shared_cores(tier.default, share, beta_is_cpu),
+                   ops={k: on_shared_cores(v, share, beta_is_cpu) for k, v in tier.ops.items()})
+
+
+def codec_on_shared_cores(codec: CodecCost, share: float) -> CodecCost:
+    return replace(codec, encode_elems_per_s=codec.encode_elems_per_s / share,
+                   decode_accumulate_elems_per_s=codec.decode_accumulate_elems_per_s / share,
+                   decode_elems_per_s=codec.decode_elems_per_s / share,
+                   memory_bytes_per_s=codec.memory_bytes_per_s / share, launch_s=codec.launch_s * share)
+
+
 def predict_row(phases: dict, timeline: dict, dp: int, rate: float | None, overlap: bool, label: str):
+    """The model's step for one real row: the phase fits (host costs on the cores each rank has,
+    ``shared_cores``) and the row's (model, DP) timeline, which already ran DP processes."""
+    share = shared_cores(phases, dp)
     loop = op_costs(phases["fits"]["links"]["loopback"])
-    topo = Topology(dp=dp, ranks_per_node=dp // 2, intra=Tier(loop["allreduce_fp32"], loop),
-                    inter=inter_tier(phases, rate), reduce_scatter="all_to_all")
+    topo = Topology(dp=dp, ranks_per_node=dp // 2,
+                    intra=tier_on_shared_cores(Tier(loop["allreduce_fp32"], loop), share, beta_is_cpu=True),
+                    inter=tier_on_shared_cores(inter_tier(phases, rate), share, beta_is_cpu=False),
+                    reduce_scatter="all_to_all")
     mode = CONFIGS[label][1]
-    return predict(timeline_of(timeline), topo, codec_of(phases), ReducerMode(
+    return predict(timeline_of(timeline), topo, codec_on_shared_cores(codec_of(phases), share), ReducerMode(
         mode.reducer, hierarchical=mode.hierarchical, overlap=overlap, stages=mode.stages))
 
 

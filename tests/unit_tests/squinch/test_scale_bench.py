@@ -394,3 +394,26 @@ def test_fit_link_fits_the_issue_time_as_a_line_in_bytes():
         assert f["issue_s"] == pytest.approx(5e-5, rel=1e-6) and f["issue_s_per_byte"] == pytest.approx(2e-10, rel=1e-6)
     flat = P.fit_link(_link(alpha=3e-4, beta=2.5e7, cpu=4e-9))["all_to_all"]
     assert flat["issue_s"] == pytest.approx(1e-4, rel=1e-6) and flat["issue_s_per_byte"] == pytest.approx(0, abs=1e-15)
+
+
+def test_dp4_on_two_cores_runs_host_work_at_half_speed():
+    """Phases measured by 2 processes on 2 CPUs; a DP = 4 job runs 4 there: every host cost of a rank
+    doubles (codec, issue, transport CPU, the loopback's bandwidth), the shaped veth's bandwidth does not."""
+    ph = {**_phases(), "load_before": "load average 0.50, 0.40, 0.30 on 2 CPUs"}
+    assert S.shared_cores(ph, 2) == 1.0 and S.shared_cores(ph, 4) == 2.0
+    assert S.shared_cores({**ph, "load_before": "load average 0.1, 0.1, 0.1 on 8 CPUs"}, 4) == 1.0
+    assert S.shared_cores(_phases(), 4) == 1.0  # a synthetic input that does not say
+    loop = S.op_costs(ph["fits"]["links"]["loopback"])["all_to_all"]
+    half = S.on_shared_cores(loop, 2.0, beta_is_cpu=True)
+    assert (half.bytes_per_s, half.issue_s, half.cpu_s_per_byte, half.alpha_s) == pytest.approx(
+        (loop.bytes_per_s / 2, 2 * loop.issue_s, 2 * loop.cpu_s_per_byte, loop.alpha_s))
+    veth = S.on_shared_cores(loop, 2.0, beta_is_cpu=False)
+    assert veth.bytes_per_s == loop.bytes_per_s and veth.issue_s == pytest.approx(2 * loop.issue_s)
+    codec = S.codec_on_shared_cores(S.codec_of(ph), 2.0)
+    assert (codec.encode_elems_per_s, codec.launch_s) == pytest.approx((5e8 / 2, 2e-5))
+    # a DP = 4 Squinch step over a fast link with all of it after backward: slower with 4 ranks on 2 cores
+    tl = {"bucket_elems": [400000], "ready_ms": [20.0], "backward_end_ms": 20.0, "after_sync_ms": 1.0,
+          "raw_step_ms": 30.0, "profile": "synthetic"}
+    own_cores = {**ph, "load_before": "load average 0.5, 0.4, 0.3 on 4 CPUs"}
+    slow, fast = (S.predict_row(p, tl, 4, None, False, "hierarchical").step_s for p in (ph, own_cores))
+    assert slow > fast
