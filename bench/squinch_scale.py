@@ -409,18 +409,26 @@ def op_costs(fits: dict) -> dict[str, OpCost]:
 
 
 def inter_tier(phases: dict, rate: float | None) -> Tier:
-    """The veth at ``rate``: its own fit if the phases measured it, else every collective's efficiency
-    (beta / rate) and alpha, medians over the shaped links measured, at this rate."""
+    """The veth at ``rate``: its own fit if the phases measured it, else each collective's efficiency
+    (beta / rate), alpha, issue and transport CPU interpolated in log(rate) between the two measured shaped
+    rates around it (the nearest one's outside them)."""
     links = phases["fits"]["links"]
     if rate is None or rate_key(rate) in links:
         fits = links[rate_key(rate)]
     else:
-        shaped = [(float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback")]
-        fits = {name: {"alpha_s": statistics.median(v[name]["alpha_s"] for _, v in shaped),
-                       "bytes_per_s": rate * statistics.median(v[name]["bytes_per_s"] / r for r, v in shaped),
-                       **{k: statistics.median(v[name][k] for _, v in shaped)
-                          for k in ("issue_s", "issue_s_per_byte", "cpu_s_per_byte")}}
-                for name in shaped[0][1]}
+        shaped = sorted((float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback"))
+        below = [x for x in shaped if x[0] < rate] or shaped[:1]
+        above = [x for x in shaped if x[0] > rate] or shaped[-1:]
+        (lo, f_lo), (hi, f_hi) = below[-1], above[0]
+        w = math.log(rate / lo) / math.log(hi / lo) if hi != lo else 0.0
+
+        def at(name: str, get) -> float:
+            return (1 - w) * get(f_lo[name], lo) + w * get(f_hi[name], hi)
+
+        fits = {name: {"bytes_per_s": rate * at(name, lambda f, r: f["bytes_per_s"] / r),
+                       **{k: at(name, lambda f, r, k=k: f[k])
+                          for k in ("alpha_s", "issue_s", "issue_s_per_byte", "cpu_s_per_byte")}}
+                for name in f_lo}
     costs = op_costs(fits)
     refill = rate * 1e6 / 8 if rate is not None else 0.0
     return Tier(costs["allreduce_fp32"], costs, burst_bytes=TBF_BURST if rate is not None else 0.0,

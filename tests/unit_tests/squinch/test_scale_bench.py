@@ -111,6 +111,20 @@ def test_inter_tier_between_measured_rates():
     assert unshaped.burst_bytes == 0 and unshaped.cost("allreduce", "bf16").bytes_per_s == pytest.approx(3e8)
 
 
+def test_inter_tier_interpolates_in_log_rate_between_its_neighbours():
+    """At 128 Mbit/s, half-way in log(rate) between 64 (90% efficient, alpha 2e-4) and 256 (70%, 4e-4):
+    80% and 3e-4; above the fastest measured rate, the fastest's efficiency."""
+    def link(eff: float, alpha: float) -> dict:
+        return {"allreduce_fp32": {"alpha_s": alpha, "bytes_per_s": eff, "issue_s": alpha, "issue_s_per_byte": 0.0,
+                                   "cpu_s_per_byte": 1e-9}}
+    ph = {"fits": {"links": {"64": link(0.9 * 8e6, 2e-4), "256": link(0.7 * 32e6, 4e-4),
+                             "unshaped": link(1e9, 1e-4), "loopback": link(1e9, 1e-5)}}}
+    mid = S.inter_tier(ph, 128).cost("allreduce", "fp32")
+    assert (mid.bytes_per_s, mid.alpha_s, mid.issue_s) == pytest.approx((0.8 * 16e6, 3e-4, 3e-4))
+    assert S.inter_tier(ph, 1024).cost("allreduce", "fp32").bytes_per_s == pytest.approx(0.7 * 128e6)
+    assert S.inter_tier(ph, 16).cost("allreduce", "fp32").alpha_s == pytest.approx(2e-4)
+
+
 def test_validation_rows_ratios_and_drift():
     ph = _phases()
     tl = {"bucket_elems": [100000, 100000], "ready_ms": [10.0, 20.0], "backward_end_ms": 25.0,
