@@ -18,7 +18,7 @@ One command runs the whole chain and writes every result file:
      which fp32's gradient bytes take as long as the compute), measured and predicted;
   6. ``squinch_cluster_projection`` (the model on H100-class clusters).
 
-    python bench/squinch_scale.py                        # run 1: ~22 min on a quiet 2-core machine
+    python bench/squinch_scale.py                        # run 1: ~18 min on a quiet 2-core machine
     python bench/squinch_scale.py --run-id 2 --compare bench/results/squinch_scale.json
                                                          # run 2, its own rows; exit 4 if a ratio moved > 5%
     python bench/squinch_scale.py --quick                # a few minutes: toy sizes, writes bench/.cache/
