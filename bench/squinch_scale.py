@@ -47,6 +47,7 @@ from typing import Protocol
 
 import harness as H
 import squinch_phases
+from harness.results import cpus_of_load_line
 from harness.shaped_link import (
     WAIT_ENV,
     RowCache,
@@ -417,18 +418,15 @@ def inter_tier(phases: dict, rate: float | None) -> Tier:
         fits = links[rate_key(rate)]
     else:
         shaped = sorted((float(k), v) for k, v in links.items() if k not in ("unshaped", "loopback"))
-        below = [x for x in shaped if x[0] < rate] or shaped[:1]
-        above = [x for x in shaped if x[0] > rate] or shaped[-1:]
-        (lo, f_lo), (hi, f_hi) = below[-1], above[0]
+        (lo, f_lo) = ([x for x in shaped if x[0] < rate] or shaped[:1])[-1]
+        (hi, f_hi) = ([x for x in shaped if x[0] > rate] or shaped[-1:])[0]
         w = math.log(rate / lo) / math.log(hi / lo) if hi != lo else 0.0
-
-        def at(name: str, get) -> float:
-            return (1 - w) * get(f_lo[name], lo) + w * get(f_hi[name], hi)
-
-        fits = {name: {"bytes_per_s": rate * at(name, lambda f, r: f["bytes_per_s"] / r),
-                       **{k: at(name, lambda f, r, k=k: f[k])
-                          for k in ("alpha_s", "issue_s", "issue_s_per_byte", "cpu_s_per_byte")}}
-                for name in f_lo}
+        keys = ("alpha_s", "issue_s", "issue_s_per_byte", "cpu_s_per_byte")
+        fits = {}
+        for name in f_lo:
+            a, b = f_lo[name], f_hi[name]
+            fits[name] = {k: (1 - w) * a[k] + w * b[k] for k in keys}
+            fits[name]["bytes_per_s"] = rate * ((1 - w) * a["bytes_per_s"] / lo + w * b["bytes_per_s"] / hi)
     costs = op_costs(fits)
     refill = rate * 1e6 / 8 if rate is not None else 0.0
     return Tier(costs["allreduce_fp32"], costs, burst_bytes=TBF_BURST if rate is not None else 0.0,
@@ -441,16 +439,13 @@ def codec_of(phases: dict) -> CodecCost:
                      c["memory_bytes_per_s"], c["launch_s"], per_rank_launches=True, on_host=True)
 
 
-CPUS_RE = re.compile(r"on (\d+) CPUs")
-
-
 def shared_cores(phases: dict, dp: int) -> float:
     """How many ranks share one core of the machine that measured ``phases`` (at least 1): the phases ran
     2 processes, a DP = 4 job runs 4 on the same 2 cores, so each rank's host work (codec, gloo's issue and
     transport CPU, the loopback's copies) runs at half the measured speed. 1 where the phases do not say
     how many CPUs measured them (a synthetic input)."""
-    found = CPUS_RE.search(phases.get("load_before", ""))
-    return max(1.0, dp / int(found.group(1))) if found else 1.0
+    cpus = cpus_of_load_line(phases.get("load_before", ""))
+    return max(1.0, dp / cpus) if cpus else 1.0
 
 
 def on_shared_cores(cost: OpCost, share: float, beta_is_cpu: bool) -> OpCost:

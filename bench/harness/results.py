@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,12 @@ def machine() -> dict:
 def load_line(m: dict | None = None) -> str:
     m = m or machine()
     return "load average {:.2f}, {:.2f}, {:.2f} on {} CPUs".format(*m["load_average"], m["cpus"])
+
+
+def cpus_of_load_line(line: str) -> int | None:
+    """The CPU count a ``load_line`` recorded (None where ``line`` is not one)."""
+    found = re.search(r"on (\d+) CPUs", line)
+    return int(found.group(1)) if found else None
 
 
 def _finite(x):
