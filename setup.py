@@ -7,6 +7,7 @@ setup(
     description="Megatron-style GPT pretraining with Squinch 6-bit gradients, Z-Reg, visibility masks, "
     "dynamic-clamp QAT and Gumbel top-k distillation; runs on CPU (gloo) and GPU clusters (NCCL).",
     packages=find_packages(include=["megatron_cai", "megatron_cai.*"]),
+    package_data={"megatron_cai.training.flags": ["megatron_core_flags.txt"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "sentencepiece", "tqdm"],
     extras_require={

@@ -7,7 +7,7 @@ import importlib.util
 import re
 
 from ..config import ArgumentError
-from .megatron_compat import attention_backend_for, check_compat
+from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .report import FlagProblems
 
@@ -49,7 +49,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
         args.qat = "fp8"
     elif args.qat == "fp8":
         args.fp8_format = "hybrid"
-    args.megatron_notes = resolve_megatron_features(args, problems)
+    args.megatron_notes = resolve_megatron_features(args, problems) + mapped_messages(args)
     if args.ckpt_format not in ("torch", "torch_dist"):
         problems.add("refused", f"--ckpt-format {args.ckpt_format}: the formats here are torch and torch_dist "
                                 f"(torch.distributed.checkpoint, Megatron-LM's default)")

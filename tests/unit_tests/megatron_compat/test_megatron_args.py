@@ -155,14 +155,14 @@ def test_allow_abbrev_is_off_in_both(megatron_parser):
 def test_compat_tables_copy_megatrons_flag_shapes(megatron_parser):
     theirs = _actions(megatron_parser)
     ours = _actions(build_parser())
-    for f in compat.NO_OP_FLAGS + compat.REFUSED_FLAGS:
+    for f in compat.NO_OP_FLAGS + compat.MAPPED_FLAGS + compat.REFUSED_FLAGS:
         assert f.flag in theirs, f"{f.flag} is not a megatron-core 0.19.2 flag"
         b = theirs[f.flag]
         assert _switch(ours[f.flag]) == _switch(b), f.flag
         if not _switch(b):
             assert _plain(b.default) == f.default, f.flag
-            assert (tuple(b.choices) if b.choices else None) == f.choices, f.flag
-    names = [f.flag for f in compat.NO_OP_FLAGS + compat.REFUSED_FLAGS]
+            assert (tuple(map(_plain, b.choices)) if b.choices else None) == f.choices, f.flag
+    names = [f.flag for f in compat.NO_OP_FLAGS + compat.MAPPED_FLAGS + compat.REFUSED_FLAGS]
     assert len(names) == len(set(names))
 
 
@@ -177,7 +177,7 @@ def test_common_gpt_flags_are_each_implemented_no_op_or_refused(megatron_parser)
         assert implemented + (flag in no_op) + (flag in refused) == 1
 
 
-_SAMPLE = {int: "4", float: "0.5", str: "x"}
+_SAMPLE = {int: ("4", "7"), float: ("0.5", "0.37"), str: ("x",)}
 
 
 @pytest.mark.parametrize("entry", compat.REFUSED_FLAGS, ids=lambda f: f.flag)
@@ -185,8 +185,9 @@ def test_refused_flags_fail_with_one_line_naming_them(entry):
     if entry.nargs == 0:
         extra = [entry.flag]
     else:
-        value = next((c for c in entry.choices if c not in entry.allowed), None) if entry.choices else \
-            _SAMPLE[entry.type]
+        candidates = entry.choices or _SAMPLE[entry.type]
+        value = next(c for c in candidates if c not in entry.allowed and c != entry.default and [c] != entry.default
+                     and entry.type(c) not in entry.allowed and entry.type(c) != entry.default)
         extra = [entry.flag, str(value)]
     with pytest.raises(ArgumentError) as err:
         build(extra)
@@ -203,7 +204,7 @@ def test_refused_flags_accept_the_values_that_mean_the_same(extra):
 
 def test_no_op_flags_are_listed_once():
     args = resolved(["--use-mcore-models", "--no-bias-gelu-fusion", "--fp8-margin", "3"])
-    assert args.megatron_no_op_flags == ["--use-mcore-models", "--no-bias-gelu-fusion", "--fp8-margin"]
+    assert sorted(args.megatron_no_op_flags) == ["--fp8-margin", "--no-bias-gelu-fusion", "--use-mcore-models"]
     message = compat.no_op_message(args.megatron_no_op_flags)
     assert "accepted for Megatron-LM compatibility, no effect here" in message
     assert message.count("--use-mcore-models") == 1
