@@ -78,7 +78,7 @@ def build_tokenizer_from_args(args):
 def build_run(argv=None, world_size: int | None = None) -> tuple[TrainConfig, object]:
     """Parse the flags once; return the run's TrainConfig (for ``world_size``, default the launcher's) and
     its tokenizer."""
-    args = parse_args(argv)
+    args = parse_args(argv, machine=True)  # the flags and what they need from this machine, in one report
     tokenizer = build_tokenizer_from_args(args)
     world = world_size if world_size is not None else discover_env().world_size
     config = build_config(args, world, vocab_size=tokenizer.vocab_size if tokenizer is not None else None)

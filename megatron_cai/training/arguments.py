@@ -37,7 +37,7 @@ from .flags.megatron_features import (
     step_schedule_global_batch,
 )
 from .flags.report import FlagProblems, parse_collecting
-from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
+from .flags.rules import check_flags, check_machine, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.
@@ -290,7 +290,12 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
 def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--eval-interval", type=int, default=None, help="default: no periodic evaluation")
-    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="batches per evaluation; after training (unless an exit flag or signal ended it), the "
+                        "validation and test sets are evaluated once more, as in Megatron-LM (0: never)")
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training loop: evaluate the validation and test sets (of --load's model) and exit; "
+                        "nothing is saved or written to TensorBoard")
     g.add_argument("--eval-global-batch-size", type=int, default=None,
                    help="samples per evaluation iteration (default: the global batch)")
     g.add_argument("--eval-micro-batch-size", type=int, default=None,
@@ -350,14 +355,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, machine: bool = False) -> argparse.Namespace:
     """The parsed flags, as given (nothing derived, nothing validated: see :func:`build_config`).
 
     Unknown flags and values a flag cannot take raise one :class:`FlagProblemsError` that lists them all,
-    together with the refused and conflicting flags among the rest (never argparse's usage dump)."""
+    together with the refused and conflicting flags among the rest (never argparse's usage dump).
+    ``machine``: also check what the flags need from this machine (backend, device, files: ``check_machine``),
+    in the same report."""
     import sys
 
     args, problems = parse_collecting(build_parser(), sys.argv[1:] if argv is None else list(argv))
+    if machine:
+        check_machine(args, problems)
     if problems:
         resolve_megatron_flags(args, problems)  # the refused and conflicting flags too, in the same report
         problems.raise_if_any()
@@ -523,6 +532,7 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         manual_gc=args.manual_gc,
         manual_gc_interval=args.manual_gc_interval,
         compile=args.compile,
+        skip_train=args.skip_train,
     )
 
 

@@ -90,6 +90,7 @@ class TrainingConfig:
     manual_gc: bool = False                   # no automatic Python GC; collect every manual_gc_interval steps
     manual_gc_interval: int = 0
     compile: bool = False                     # torch.compile each transformer layer (core/transformer/compile.py)
+    skip_train: bool = False                  # --skip-train: no training loop; the final evaluation only
 
 
 @dataclass

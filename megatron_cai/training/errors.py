@@ -6,7 +6,9 @@ impossible parallel layout, a diverged run. Every such class of ``training/`` de
 ``DivergenceError``); ``core/`` knows nothing of ``training/``, so its three (``IndexedDatasetError``,
 ``ParallelLayoutError``, ``TreeFormatError``) are named in :data:`KNOWN_ERRORS`. ``run_cli(main)`` wraps an entry point:
 
-- an error every rank finds alike (flags, layout, data, divergence) is printed once, by rank 0;
+- an error every rank finds alike (flags, layout, data, divergence) is printed by rank 0; the other ranks wait
+  (``PEER_REPORT_GRACE_S``) and print it too unless the launcher stopped them first, so that no rank's exit can
+  make torchrun stop rank 0 before the report is out;
 - an error only some ranks find (their own checkpoint file: ``RankLocalError``) is printed by each such
   rank, prefixed with ``[rank R]``;
 - either way the process exits with status 2 and no traceback. Anything else propagates unchanged.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -94,10 +97,23 @@ def format_known_error(exc: BaseException, rank: int, world: int) -> str | None:
     return f"error: {message}" if rank == 0 else None
 
 
+# How long a rank other than 0 waits before it prints an error every rank finds alike (and exits): rank 0 normally
+# prints first and exits, and the launcher (torchrun) then stops the waiting ranks, so the report shows once. A rank
+# that exits first would have torchrun stop rank 0, perhaps before it printed; so no rank exits before the report
+# is out: a waiting rank that is not stopped prints the report itself.
+PEER_REPORT_GRACE_S = 5.0
+
+
 def report_known_error(exc: BaseException) -> int:
-    line = format_known_error(exc, current_rank(), world_size())
-    if line is not None:
-        safe_print(line, file=sys.stderr)
+    """Print this rank's line for a known error (see :func:`format_known_error`); a rank other than 0 waits
+    :data:`PEER_REPORT_GRACE_S`, then prints rank 0's line itself (it was not stopped: rank 0 may not have
+    printed)."""
+    rank, world = current_rank(), world_size()
+    line = format_known_error(exc, rank, world)
+    if line is None:
+        time.sleep(PEER_REPORT_GRACE_S)
+        line = format_known_error(exc, 0, world)
+    safe_print(line, file=sys.stderr)
     return EXIT_KNOWN_ERROR
 
 

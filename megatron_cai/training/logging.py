@@ -75,9 +75,12 @@ def parameter_count_line(num_parameters: int, tp_rank: int = 0, pp_rank: int = 0
             f"model parallel rank ({tp_rank}, 0, {pp_rank}): {num_parameters}")
 
 
-def validation_log_lines(iteration: int, losses: dict[str, float], what: str = "validation") -> str:
-    """megatron-core's validation block: a rule, the values and PPLs, a rule one character longer."""
-    string = f" {what} loss at iteration {iteration} | "
+def validation_log_lines(iteration: int, losses: dict[str, float], what: str = "validation",
+                         on: str | None = None) -> str:
+    """megatron-core's validation block: a rule, the values and PPLs, a rule one character longer. ``on``: the
+    final evaluation's set ("validation set", "test set"; megatron-core's prefix "iteration N on <set>")."""
+    where = f"iteration {iteration}" + (f" on {on}" if on else "")
+    string = f" {what} loss at {where} | "
     for k, v in losses.items():
         string += f"{k} value: {v:.6E} | "
         string += f"{k} PPL: {math.exp(min(20, v)):.6E} | "

@@ -285,9 +285,9 @@ class Trainer:
     def _num_samples(self) -> tuple[int, int, int]:
         run, log = self.config.training, self.config.logging
         gbs, eval_gbs = run.global_batch_size, log.eval_global_batch_size or run.global_batch_size
-        evals = 0
-        if log.eval_iters and log.eval_interval:
-            evals = (run.train_iters // log.eval_interval + 1) * log.eval_iters
+        # megatron-core's get_train_valid_test_num_samples: every periodic evaluation and the final one
+        periodic = run.train_iters // log.eval_interval if log.eval_interval else 0
+        evals = (periodic + 1) * log.eval_iters
         return (run.train_iters * gbs, evals * eval_gbs, log.eval_iters * eval_gbs)
 
     def _loader(self, dataset, consumed: int, lookahead: bool | None = False) -> DevicePrefetcher | None:
@@ -405,8 +405,11 @@ class Trainer:
         return dict(zip(keys, means.tolist())) if means is not None else {}
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        if self.valid_iter is None:
+    def evaluate(self, iterator: DevicePrefetcher | None = None) -> dict[str, float]:
+        """--eval-iters iterations of forward passes on the validation set (or ``iterator``'s set): the mean
+        of each loss."""
+        iterator = self.valid_iter if iterator is None else iterator
+        if iterator is None:
             return {}
         self.optimizer.finish_param_sync()
         for m in self.model:
@@ -418,10 +421,11 @@ class Trainer:
         eval_gbs = self.config.logging.eval_global_batch_size or run.global_batch_size  # --eval-global-batch-size
         self.num_microbatches = eval_gbs // (run.micro_batch_size * self.config.parallel.data_parallel_size)
         for _ in range(eval_iters):
-            stats = self._average_stats(self._run_schedule(self._next_microbatches(self.valid_iter), True))
+            stats = self._average_stats(self._run_schedule(self._next_microbatches(iterator), True))
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v / eval_iters
-            self.state.consumed_valid_samples += eval_gbs
+            if iterator is self.valid_iter:
+                self.state.consumed_valid_samples += eval_gbs
             if self.config.training.empty_unused_memory_level >= 1:
                 empty_device_cache(self.device)
         self.num_microbatches = train_microbatches
@@ -484,7 +488,10 @@ class Trainer:
         if run.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection; collect at fixed steps
             gc.disable()
             gc.collect()
-        while st.iteration < run.train_iters:
+        exited = False  # an exit (signal, --exit-interval, --exit-duration-in-mins): no final evaluation
+        if run.skip_train:
+            print_rank_0("skipping training (--skip-train is on) ...")
+        while st.iteration < run.train_iters and not run.skip_train:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
@@ -536,18 +543,24 @@ class Trainer:
             if step.exit_requested:
                 self.save()  # the checkpoint first: a failing log write must not lose it
                 print_rank_0(f" exit signal received at iteration {st.iteration}: saved and exiting")
+                exited = True
                 break
             if run.exit_interval and st.iteration % run.exit_interval == 0:
                 self.save()
                 print_rank_0(f" exiting at iteration {st.iteration} (--exit-interval)")
+                exited = True
                 break
             if run.exit_duration_in_mins and (time.time() - start_time) / 60 > run.exit_duration_in_mins:
                 self.save()
                 print_rank_0(f" exiting after {run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                exited = True
                 break
         else:
-            if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
+            if (self.config.checkpoint.save and not run.skip_train
+                    and not (save_interval and st.iteration % save_interval == 0)):
                 self.save()
+        if not exited:
+            self._final_evaluation(write_to_tensorboard=not run.skip_train)
         if "memory" not in st.extra:  # no iteration logged
             st.extra["memory"] = self._log_memory("at the end of training")
         self.finalize_async_save(blocking=True)  # exit paths and the end of training wait for the write
@@ -559,6 +572,25 @@ class Trainer:
         self.tb.close()
         self.wandb.close()
         return st
+
+    def _final_evaluation(self, write_to_tensorboard: bool) -> None:
+        """megatron-core's end of ``pretrain``: with --eval-iters > 0, evaluate the validation set, then the test
+        set, each printed as "validation loss at iteration N on validation set / test set"; TensorBoard gets
+        Megatron's validation tags (both sets write them, as in megatron-core) unless --skip-train."""
+        if not self.config.logging.eval_iters:
+            return
+        st = self.state
+        test_iter = self._loader(self.test_ds, 0, lookahead=False)
+        for name, iterator in (("validation set", self.valid_iter), ("test set", test_iter)):
+            if iterator is None:
+                continue
+            val = self.evaluate(iterator)
+            st.extra.setdefault("final_evaluation", {})[name] = val
+            print_rank_last(validation_log_lines(st.iteration, val, on=name))
+            if write_to_tensorboard:
+                self.tb.add(validation_scalars(val, st.iteration, st.consumed_train_samples,
+                                               self.config.logging.log_validation_ppl_to_tensorboard))
+                self.wandb.log({f"{k} validation": v for k, v in val.items()}, st.iteration)
 
     def _loss_scale(self) -> float:
         """The fp16 loss scale (1.0 without a loss scaler, as Megatron-LM logs it for bf16 / fp32)."""

@@ -11,7 +11,10 @@ TINY_MODEL = ["--squared-relu",
               "--vocab-size", "100", "--make-vocab-size-divisible-by", "8",
               # what the tests were written against (Megatron-LM's defaults differ: GeLU, learned_absolute,
               # linear, 2)
-              "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0"]
+              "--position-embedding-type", "rope", "--lr-decay-style", "cosine", "--num-workers", "0",
+              # no final evaluation (Megatron-LM's: --eval-iters 100 batches of each set after training); a test
+              # that evaluates passes its own --eval-iters after these
+              "--eval-iters", "0"]
 
 
 def with_activation(argv: list[str], *flags: str) -> list[str]:

@@ -67,6 +67,10 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
                          "pip install wandb (or pip install -e '.[wandb]')")
     if args.manual_gc_interval < 0:
         problems.invalid(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # Megatron's validate_args: a warning
+        args.sequence_parallel = False
+        args.megatron_notes.append(" > warning: Disabling sequence parallelism because tensor model parallelism is "
+                                   "disabled")
     if own:
         problems.raise_if_any()
     return args
@@ -203,3 +207,37 @@ def _check_eval_batch(args: argparse.Namespace, problems: FlagProblems) -> None:
     if args.eval_micro_batch_size is not None and args.eval_micro_batch_size != args.micro_batch_size:
         problems.add("refused", f"--eval-micro-batch-size {args.eval_micro_batch_size}: evaluation runs the training "
                                 f"micro-batch (--micro-batch-size {args.micro_batch_size}) here")
+
+
+def check_machine(args: argparse.Namespace, problems: FlagProblems) -> None:
+    """What the flags need from this machine: the distributed backend, the device, and the files they name
+    (dataset prefixes, GPT-2 BPE files); recorded in ``problems`` beside the flag problems (one report)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if args.distributed_backend == "nccl" and not (dist.is_available() and dist.is_nccl_available()):
+        problems.missing("--distributed-backend nccl: this PyTorch has no NCCL (\"Distributed package doesn't have "
+                         "NCCL built in\"); use --distributed-backend gloo, or leave it unset")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        problems.missing("--device cuda: no CUDA device is available here; use --device cpu, or leave it unset")
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        for prefix in vars(args)[flag[2:].replace("-", "_")] or []:
+            if _is_number(prefix):  # a blend weight
+                continue
+            absent = [f"{prefix}{ext}" for ext in (".idx", ".bin") if not os.path.isfile(f"{prefix}{ext}")]
+            if absent:
+                problems.missing(f"{flag} {prefix}: {' and '.join(absent)} not found (a dataset prefix names "
+                                 f"<prefix>.idx and <prefix>.bin, e.g. what tools/preprocess_data.py writes)")
+    for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if path is not None and not os.path.isfile(path):
+            problems.missing(f"{flag} {path}: file not found")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -154,7 +154,6 @@ TABLE = FlagTable(
         CompatFlag("--warmup", _DEPRECATED, None, int, None),
         CompatFlag("--freeze-all-layers", "freezing layers is not implemented here"),
         CompatFlag("--start-eval-at-iter", "evaluation starts at the first --eval-interval here", None, int, None),
-        CompatFlag("--skip-train", "not implemented here yet"),
         CompatFlag("--full-validation", "evaluation runs --eval-iters batches here"),
         CompatFlag("--multiple-validation-sets", "one validation set is evaluated here"),
         CompatFlag("--validation-set-names", "one validation set is evaluated here", "+", str, None),

@@ -1,0 +1,66 @@
+"""One round of problems: what the flags need from the machine joins the flag report; --sequence-parallel at
+TP = 1 is disabled with Megatron's warning; a rank other than 0 prints an error every rank finds, after a grace."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from megatron_cai.training import errors
+from megatron_cai.training.arguments import ArgumentError, parse_args, parse_config, resolve_megatron_flags
+
+MINIMAL = ["--mock-data", "--vocab-size", "64", "--train-iters", "2"]
+
+
+def _report(argv: list[str]) -> list[str]:
+    with pytest.raises(ArgumentError) as err:
+        parse_args(argv, machine=True)
+    return str(err.value).splitlines()
+
+
+def test_missing_files_and_bad_flags_in_one_report(tmp_path):
+    (tmp_path / "half.idx").write_bytes(b"")
+    lines = _report(MINIMAL + ["--data-path", "0.7", str(tmp_path / "none"), "0.3", str(tmp_path / "half"),
+                               "--vocab-file", str(tmp_path / "vocab.json"), "--bogus"])
+    assert lines[0].startswith("4 flag problems")
+    body = "\n".join(lines)
+    assert f"--data-path {tmp_path}/none: {tmp_path}/none.idx and {tmp_path}/none.bin not found" in body
+    assert f"--data-path {tmp_path}/half: {tmp_path}/half.bin not found" in body  # the .idx is there
+    assert f"--vocab-file {tmp_path}/vocab.json: file not found" in body and "unknown   --bogus" in body
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_cuda_device_without_cuda_is_reported():
+    assert _report(MINIMAL + ["--device", "cuda"]) == [
+        "--device cuda: no CUDA device is available here; use --device cpu, or leave it unset"]
+
+
+def test_machine_checks_are_only_for_the_launch():
+    parse_args(MINIMAL + ["--data-path", "nowhere/prefix", "--device", "cuda"])  # a config built elsewhere
+
+
+@pytest.mark.parametrize("tp,disabled", [(1, True), (2, False)])
+def test_sequence_parallel_at_tp1_is_disabled_with_megatrons_warning(tp, disabled):
+    args = resolve_megatron_flags(parse_args(MINIMAL + ["--sequence-parallel", "--tensor-model-parallel-size",
+                                                        str(tp)]))
+    warning = " > warning: Disabling sequence parallelism because tensor model parallelism is disabled"
+    assert args.sequence_parallel is (not disabled)
+    assert (warning in args.megatron_notes) is disabled
+    if disabled:
+        config = parse_config(MINIMAL + ["--sequence-parallel"], world_size=1)
+        assert not config.parallel.sequence_parallel and not config.model.sequence_parallel
+        assert config.logging.megatron_notes.count(warning) == 1
+
+
+def test_other_ranks_print_the_report_after_the_grace(monkeypatch):
+    slept, err = [], io.StringIO()
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setattr(errors.sys, "stderr", err)
+    for rank, expect_sleep in ((0, []), (3, [errors.PEER_REPORT_GRACE_S])):
+        slept.clear()
+        monkeypatch.setattr(errors, "current_rank", lambda r=rank: r)
+        monkeypatch.setattr(errors, "world_size", lambda: 4)
+        assert errors.report_known_error(ArgumentError("--x: bad")) == 2
+        assert slept == expect_sleep
+    assert err.getvalue() == "error: --x: bad\nerror: --x: bad\n"
