@@ -140,6 +140,10 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                    help="ranks per node for hierarchical reduction (default: LOCAL_WORLD_SIZE); "
                         "set it to simulate nodes on one machine")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="the same losses and weights run to run (CPU: always): Megatron-LM's NCCL_ALGO=Ring, "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 where unset, and "
+                        "torch.use_deterministic_algorithms (megatron_cai/training/determinism.py)")
     s = p.add_argument_group("squinch gradient compression")
     s.add_argument("--squinch", action="store_true", help="6-bit Squinch compression of DP gradients")
     s.add_argument("--squinch-error-feedback", dest="squinch_error_feedback", action="store_true", default=True)
@@ -506,6 +510,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         ranks_per_node=args.ranks_per_node,
         device=args.device,
+        deterministic_mode=args.deterministic_mode,
     )
 
 

@@ -62,6 +62,7 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10
     ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
     device: str | None = None                 # None: cuda when available
+    deterministic_mode: bool = False          # Megatron's deterministic environment + algorithms (determinism.py)
 
 
 @dataclass

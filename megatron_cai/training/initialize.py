@@ -25,6 +25,7 @@ from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
 from . import errors
 from .config import ParallelConfig
+from .determinism import apply_deterministic_mode
 from .errors import safe_print
 
 DEFAULT_INTERVAL_S = 30.0
@@ -203,6 +204,8 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         raise RuntimeError(f"the configuration was built for {parallel.world_size} ranks but this job has "
                            f"{env.world_size} ({env.source}); rebuild it for the job's world size")
     device = device_mod.resolve_device(parallel.device, env.local_rank)
+    if parallel.deterministic_mode:  # before the first NCCL communicator and cuBLAS handle
+        apply_deterministic_mode(os.environ)
     if env.world_size > 1 and not dist.is_initialized():
         backend = parallel.distributed_backend or device_mod.backend_for(device)
         with log_while_waiting(env.rank, env.world_size):  # a rank waiting for its peers says so

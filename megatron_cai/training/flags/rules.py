@@ -7,6 +7,7 @@ import importlib.util
 import re
 
 from ..config import ArgumentError
+from ..determinism import check_deterministic_flags
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .report import FlagProblems
@@ -65,6 +66,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
     if args.wandb_project and importlib.util.find_spec("wandb") is None:
         problems.missing("--wandb-project needs the wandb package, which is not installed: "
                          "pip install wandb (or pip install -e '.[wandb]')")
+    check_deterministic_flags(args, problems)
     if args.manual_gc_interval < 0:
         problems.invalid(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # Megatron's validate_args: a warning
@@ -217,9 +219,12 @@ def check_machine(args: argparse.Namespace, problems: FlagProblems) -> None:
     import torch
     import torch.distributed as dist
 
+    from ..determinism import check_deterministic_environment
+
     if args.distributed_backend == "nccl" and not (dist.is_available() and dist.is_nccl_available()):
         problems.missing("--distributed-backend nccl: this PyTorch has no NCCL (\"Distributed package doesn't have "
                          "NCCL built in\"); use --distributed-backend gloo, or leave it unset")
+    check_deterministic_environment(args, os.environ, problems)
     if args.device == "cuda" and not torch.cuda.is_available():
         problems.missing("--device cuda: no CUDA device is available here; use --device cpu, or leave it unset")
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):

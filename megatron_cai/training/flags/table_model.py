@@ -215,7 +215,6 @@ TABLE = FlagTable(
             "--hybrid-context-parallel",
             "hybrid (dynamic) context parallelism is not implemented here; --context-parallel-size is",
         ),
-        CompatFlag("--deterministic-mode", "bit-exact determinism on GPU is not guaranteed here"),
         CompatFlag("--microbatch-group-size-per-virtual-pipeline-stage", _NOT_YET, None, int, None),
         CompatFlag("--mtp-standalone", _MTP),
         CompatFlag("--mtp-num-layers", _MTP, None, int, None),
