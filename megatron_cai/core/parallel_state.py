@@ -91,12 +91,16 @@ def new_group(ranks=None, **kwargs):
     return dist.new_group(ranks, **kwargs)
 
 
+DEFAULT_ORDER = "tp-cp-dp-pp"  # megatron-core's default ('tp-cp-ep-dp-pp', EP = 1 here)
+TP_PP_DP_ORDER = "tp-cp-pp-dp"  # --use-tp-pp-dp-mapping (megatron-core's 'tp-cp-ep-pp-dp')
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               ranks_per_node: int | None = None, context_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None, order: str = DEFAULT_ORDER) -> None:
     """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
-    the same arguments."""
+    the same arguments. ``order``: how global ranks enumerate the layout (see :func:`rank_layouts`)."""
     global _STATE, _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -107,7 +111,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                    vpp=virtual_pipeline_model_parallel_size,
                    vpp_rank=0 if virtual_pipeline_model_parallel_size else None)
     rpn = ranks_per_node or world
-    tcp, dcp = tp * cp, dp * cp
+    tcp = tp * cp
     if rpn % tcp != 0 or ((tcp * dp) % rpn != 0 and rpn % (tcp * dp) != 0):
         # A node must hold whole TP x CP groups and a whole number of DP peers (or whole DP groups).
         if ranks_per_node is not None and world > 1:
@@ -118,26 +122,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         rpn = world
     state.ranks_per_node = rpn
 
-    def grank(t, c, d, p):
-        return t + tp * (c + cp * (d + dp * p))
-
-    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
-    layouts = {
-        "tp": [[grank(t, c, d, p) for t in T] for p in P for d in D for c in C],
-        "cp": [[grank(t, c, d, p) for c in C] for p in P for d in D for t in T],
-        "dp": [[grank(t, c, d, p) for d in D] for p in P for c in C for t in T],
-        "dp_cp": [[grank(t, c, d, p) for d in D for c in C] for p in P for t in T],
-        "pp": [[grank(t, c, d, p) for p in P] for d in D for c in C for t in T],
-        "mp": [[grank(t, c, d, p) for p in P for t in T] for d in D for c in C],
-        "embd": [sorted({grank(t, c, d, 0), grank(t, c, d, pp - 1)}) for d in D for c in C for t in T],
-    }
-    per_node = max(min(rpn // tp, dcp), 1)  # members of a DP x CP group on one node (whole CP groups)
+    layouts = rank_layouts(tp, cp, dp, pp, order)
     intra, inter = [], []
-    for group in layouts["dp_cp"]:
-        for n in range(dcp // per_node):
-            intra.append(group[n * per_node:(n + 1) * per_node])
-        for i in range(per_node):
-            inter.append(group[i::per_node])
+    for group in layouts["dp_cp"]:  # each node's members of a DP x CP group, and the same member across nodes
+        nodes: dict[int, list[int]] = {}
+        for r in group:
+            nodes.setdefault(r // rpn, []).append(r)
+        chunks = list(nodes.values())
+        if len({len(c) for c in chunks}) > 1:  # not whole groups per node: one node
+            chunks = [group]
+        intra += chunks
+        inter += [[c[i] for c in chunks] for i in range(len(chunks[0]))]
     layouts["dp_intra"] = intra
     layouts["dp_inter"] = inter
 
@@ -148,6 +143,34 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                 state.groups[name] = pg
                 state.ranks[name] = ranks
     _STATE = state
+
+
+def rank_layouts(tp: int, cp: int, dp: int, pp: int, order: str = DEFAULT_ORDER) -> dict[str, list[list[int]]]:
+    """The rank groups of each kind (tp, cp, dp, dp_cp, pp, mp, embd) when global ranks enumerate the layout in
+    ``order``, the first dimension fastest (megatron-core's RankGenerator)."""
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    dims = order.split("-")
+    if sorted(dims) != sorted(sizes):
+        raise ValueError(f"rank order {order!r}: expected a permutation of tp, cp, dp, pp")
+
+    def grank(t, c, d, p):
+        index = {"tp": t, "cp": c, "dp": d, "pp": p}
+        rank, stride = 0, 1
+        for dim in dims:
+            rank += index[dim] * stride
+            stride *= sizes[dim]
+        return rank
+
+    T, C, D, P = range(tp), range(cp), range(dp), range(pp)
+    return {
+        "tp": [[grank(t, c, d, p) for t in T] for p in P for d in D for c in C],
+        "cp": [[grank(t, c, d, p) for c in C] for p in P for d in D for t in T],
+        "dp": [[grank(t, c, d, p) for d in D] for p in P for c in C for t in T],
+        "dp_cp": [sorted(grank(t, c, d, p) for d in D for c in C) for p in P for t in T],
+        "pp": [[grank(t, c, d, p) for p in P] for d in D for c in C for t in T],
+        "mp": [sorted(grank(t, c, d, p) for p in P for t in T) for d in D for c in C],
+        "embd": [sorted({grank(t, c, d, 0), grank(t, c, d, pp - 1)}) for d in D for c in C for t in T],
+    }
 
 
 def model_parallel_is_initialized() -> bool:

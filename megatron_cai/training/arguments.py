@@ -120,6 +120,9 @@ def _parallel(p: argparse.ArgumentParser) -> None:
                         "gradients reduce over DP x CP); attention moves and computes only the key/value "
                         "chunks some query can see (docs/context-parallel.md)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="global ranks enumerate TP, CP, PP, then DP (megatron-core's order tp-cp-ep-pp-dp); default "
+                        "TP, CP, DP, then PP")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="fully sharded data parallel on PyTorch FSDP2 (parameters, gradients and optimizer "
@@ -511,6 +514,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         ranks_per_node=args.ranks_per_node,
         device=args.device,
         deterministic_mode=args.deterministic_mode,
+        use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
     )
 
 

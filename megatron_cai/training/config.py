@@ -63,6 +63,7 @@ class ParallelConfig:
     ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
     device: str | None = None                 # None: cuda when available
     deterministic_mode: bool = False          # Megatron's deterministic environment + algorithms (determinism.py)
+    use_tp_pp_dp_mapping: bool = False        # global ranks enumerate TP, CP, PP, then DP (default: TP, CP, DP, PP)
 
 
 @dataclass

@@ -28,6 +28,22 @@ MIXTRAL = "train_mixtral_8x7b_distributed.sh"
 MODEL_FLAG_FILES = sorted(p.name for p in (FIXTURES / "model_flags").glob("*.sh"))
 RELEASE_CONFIGS = sorted(p.name for p in FIXTURES.glob("*.yaml"))
 MISTRAL_DOC = "mistral_7b_launch_flags.txt"
+# Megatron-LM's GPT functional-test configurations (tests/functional_tests/test_cases/gpt/<name>/model_config.yaml)
+FUNCTIONAL_CONFIGS = sorted(p.stem for p in (FIXTURES / "functional_tests").glob("*.yaml"))
+# their ${VAR} paths, as Megatron-LM's CI environment names them
+FUNCTIONAL_DATA = "text/common_pile/v01_filtered_data"
+
+
+def functional_env(root: Path) -> dict[str, str]:
+    """The launcher's variables of a functional-test configuration, pointing under ``root``."""
+    return {"DATA_PATH": str(root), "CHECKPOINT_SAVE_PATH": str(root / "ckpt"),
+            "CHECKPOINT_LOAD_PATH": str(root / "ckpt"), "TENSORBOARD_PATH": str(root / "tb"),
+            "DATA_CACHE_PATH": str(root / "cache")}
+
+
+def functional_argv(name: str, env: dict[str, str]) -> list[str]:
+    """A functional-test configuration's ``MODEL_ARGS`` as flags, as Megatron-LM's launcher expands them."""
+    return release_argv(f"functional_tests/{name}.yaml", env)
 
 _TORCHRUN = r'''#!{python}
 import json, os, sys

@@ -87,7 +87,6 @@ TABLE = FlagTable(
     ],
     refused=[
         CompatFlag("--lazy-mpu-init", "process groups are created at start-up here"),
-        CompatFlag("--use-tp-pp-dp-mapping", "not implemented here yet"),
         CompatFlag(
             "--decoder-first-pipeline-num-layers", "uneven pipeline stages are not implemented here", None, int, None
         ),

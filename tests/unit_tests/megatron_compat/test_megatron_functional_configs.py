@@ -1,0 +1,25 @@
+"""Megatron-LM's GPT functional-test configurations (tests/fixtures/megatron_scripts/functional_tests, verbatim)
+parse here with no problem at all and build their configuration at their own layout (TP x PP x CP ranks), the
+paths pointing at a temporary directory and --distributed-backend gloo (there is no NCCL on CPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from testlib.megatron_scripts import FUNCTIONAL_CONFIGS, functional_argv, functional_env, resize
+
+from megatron_cai.training.arguments import build_config, parse_args
+
+
+def test_the_fixtures_are_there():
+    assert len(FUNCTIONAL_CONFIGS) >= 10
+
+
+@pytest.mark.parametrize("name", FUNCTIONAL_CONFIGS)
+def test_functional_config_parses_and_builds(name, tmp_path: Path):
+    argv = resize(functional_argv(name, functional_env(tmp_path)), {"--distributed-backend": ["gloo"]})
+    args = parse_args(argv)  # raises with every problem, if there is any
+    world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    config = build_config(args, world, vocab_size=args.vocab_size or 50257)
+    assert config.parallel.data_parallel_size == 1
+    assert config.training.train_iters == args.train_iters
