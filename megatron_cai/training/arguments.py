@@ -169,6 +169,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay on the query / key layernorms' parameters too (other 1-D parameters: none)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -574,6 +576,7 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         optimizer=args.optimizer,
         sgd_momentum=args.sgd_momentum,
         overlap_param_gather=args.overlap_param_gather,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm or args.no_weight_decay_cond_type is not None,
     )
 
 

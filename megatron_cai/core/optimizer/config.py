@@ -22,6 +22,7 @@ class OptimizerConfig:
     optimizer: str = "adam"                  # adam (AdamW) | sgd (momentum, L2 weight decay on matrices)
     sgd_momentum: float = 0.9
     overlap_param_gather: bool = False       # distributed optimizer: all-gather overlapped with the next forward
+    apply_wd_to_qk_layernorm: bool = False   # weight decay on the QK-layernorm's parameters too (Qwen3-Next)
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -80,3 +81,11 @@ class SchedulerConfig:
                                              or not 0 < self.lr_wsd_decay_samples <= self.lr_decay_samples):
             raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples) within "
                              f"the decay length ({self.lr_decay_samples} samples), got {self.lr_wsd_decay_samples}")
+
+
+def applies_weight_decay(name: str, is_matrix: bool, apply_wd_to_qk_layernorm: bool = False) -> bool:
+    """megatron-core's rule (get_standard_config_overrides): no weight decay on 1-D parameters (norm weights,
+    biases); with --apply-wd-to-qk-layernorm, the query / key layernorms' parameters decay too."""
+    if apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
+        return True
+    return is_matrix

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..distributed.fsdp import FullyShardedChunk, local
 from .clip_grads import GlobalNormClipping
-from .config import OptimizerConfig
+from .config import OptimizerConfig, applies_weight_decay
 
 
 class FullyShardedAdamW(GlobalNormClipping):
@@ -27,7 +27,8 @@ class FullyShardedAdamW(GlobalNormClipping):
             for name, p in c.module.named_parameters():
                 # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
                 decoupled = name.endswith(("word_embeddings.weight", "output_layer.weight"))
-                groups.setdefault((c.meta[name].decay, decoupled), []).append(p)
+                decay = applies_weight_decay(name, c.meta[name].decay, config.apply_wd_to_qk_layernorm)
+                groups.setdefault((decay, decoupled), []).append(p)
                 if c.counted_in_norm(name):
                     self.counted.append(p)
         # PyTorch's fused kernel over the local shards (one pass, no per-step host read of the step counts)

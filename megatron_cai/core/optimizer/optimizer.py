@@ -18,7 +18,7 @@ from .. import parallel_state as ps
 from ..distributed.contracts import ModelChunk
 from ..distributed.ddp import DistributedDataParallel
 from .clip_grads import GlobalNormClipping
-from .config import OptimizerConfig
+from .config import OptimizerConfig, applies_weight_decay
 from .fsdp_adamw import FullyShardedAdamW
 
 
@@ -110,7 +110,9 @@ class DistributedAdamW(GlobalNormClipping):
             def decoupled(p, special=special) -> bool:
                 return id(p) in special
 
-            decay = buf.segments(lambda p: p.dim() > 1)
+            decayed = {id(p) for name, p in ddp.module.named_parameters()
+                       if applies_weight_decay(name, p.dim() > 1, config.apply_wd_to_qk_layernorm)}
+            decay = buf.segments(lambda p, decayed=decayed: id(p) in decayed)
             decoupled_all = buf.segments(decoupled)
 
             def counts(p, ddp=ddp) -> bool:

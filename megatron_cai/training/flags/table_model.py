@@ -330,7 +330,6 @@ TABLE = FlagTable(
         CompatFlag("--no-rope-freq", "RoPE is applied on every layer here", None, str, None),
         CompatFlag("--quick-geglu", "quick GeGLU is not implemented here; --activation chooses the MLP activation"),
         CompatFlag("--bert-no-binary-head", _BIENCODER),
-        CompatFlag("--apply-wd-to-qk-layernorm", "not implemented here yet"),
         CompatFlag("--muon-momentum", _MUON, None, float, 0.9),
         CompatFlag("--muon-no-split-qkv", _MUON),
         CompatFlag("--muon-nesterov", _MUON),

@@ -58,7 +58,11 @@ def test_the_report_survives_a_late_rank_0(tmp_path, delay):
 
 @pytest.mark.slow
 def test_thirty_launches_at_four_ranks_all_report(tmp_path):
-    missing = [i for i in range(30) if not _reported(_launch(tmp_path, BAD))]
+    missing = {}
+    for i in range(30):
+        proc = _launch(tmp_path, BAD)
+        if not _reported(proc):
+            missing[i] = (proc.returncode, (proc.stdout + proc.stderr)[-2000:])
     assert not missing, f"launches without the error line: {missing}"
 
 
