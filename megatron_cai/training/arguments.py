@@ -69,6 +69,11 @@ def _model(p: argparse.ArgumentParser) -> None:
                    help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1 and 4, "
                         "original context 8192)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="the factor of --use-rope-scaling")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates pairs of even and odd dimensions (RoFormer), not the two halves of each head")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="multiply the attention output by sigmoid of a per-head gate projected from the layer input "
+                        "(megatron-core's gated attention, Qwen3-Next)")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (same as --activation swiglu)")
@@ -477,6 +482,8 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         rotary_percent=args.rotary_percent,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        rotary_interleaved=args.rotary_interleaved,
+        attention_output_gate=args.attention_output_gate,
         qk_layernorm=args.qk_layernorm,
         apply_layernorm_1p=args.apply_layernorm_1p,
         normalization=args.normalization,

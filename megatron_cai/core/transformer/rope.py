@@ -33,22 +33,28 @@ def rotary_inv_freq(head_dim: int, base: float = 10000.0, scaling_factor: float 
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0,
-                   dtype: torch.dtype = torch.float32,
-                   scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [batch, seq, head_dim] for integer positions [batch, seq]."""
+                   dtype: torch.dtype = torch.float32, scaling_factor: float | None = None,
+                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [batch, seq, head_dim] for integer positions [batch, seq]: each frequency for the two
+    halves (f0 .. fn, f0 .. fn), or ``interleaved`` for each (even, odd) pair (f0 f0 f1 f1 ..., --rotary-interleaved,
+    as megatron-core's RotaryEmbedding)."""
     inv_freq = rotary_inv_freq(head_dim, base, scaling_factor, position_ids.device)
     freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] by cos/sin [batch, seq, rot_dim]; with rot_dim < head_dim
-    (--rotary-percent) only the first rot_dim dims rotate, the rest pass through (Megatron's rule)."""
+    (--rotary-percent) only the first rot_dim dims rotate, the rest pass through (Megatron's rule). The pairs
+    rotated together are (i, i + rot_dim / 2), or (2i, 2i + 1) when ``interleaved``."""
     rot_dim = cos.shape[-1]
     if rot_dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rot_dim], cos, sin), x[..., rot_dim:]), dim=-1)
+        return torch.cat((apply_rotary(x[..., :rot_dim], cos, sin, interleaved), x[..., rot_dim:]), dim=-1)
     cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    if interleaved:
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -86,6 +86,12 @@ class SelfAttention(nn.Module):
                                               sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
+        # --attention-output-gate: one gate per query head and dim (megatron-core's, packed there in linear_qkv
+        # after each group's query heads), sharded over TP with the query heads
+        self.linear_gate = None
+        if config.attention_output_gate:
+            self.linear_gate = ColumnParallelLinear(config.hidden_size, q_size, bias=config.qkv_bias,
+                                                    init_method=init_method, sequence_parallel=sp)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:  # one norm over head_dim shared by all heads: weights summed over TP ranks
             self.q_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
@@ -111,7 +117,8 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            interleaved = self.config.rotary_interleaved
+            q, k = apply_rotary(q, cos, sin, interleaved), apply_rotary(k, cos, sin, interleaved)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
@@ -123,6 +130,9 @@ class SelfAttention(nn.Module):
         if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
             self.lse_slot.record(lse)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        if self.linear_gate is not None:  # megatron-core's _apply_output_gate: the sigmoid in fp32
+            gate = self.linear_gate(x, predicted_input_rms=input_rms)
+            out = (out * torch.sigmoid(gate.float())).to(out.dtype)
         return self.linear_proj(out)
 
     def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:

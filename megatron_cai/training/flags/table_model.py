@@ -241,12 +241,10 @@ TABLE = FlagTable(
         ),
         CompatFlag("--glu-linear-offset", "the GLU runs without an offset here", None, float, 0.0, allowed=(0.0,)),
         CompatFlag("--activation-func-clamp-value", "activation clamping is not implemented here", None, float, None),
-        CompatFlag("--rotary-interleaved", "not implemented here yet"),
         CompatFlag("--qk-l2-norm", "not implemented here; --qk-layernorm is"),
         CompatFlag("--qk-clip", "QK-clip (for Muon) is not implemented here"),
         CompatFlag("--qk-clip-alpha", "QK-clip (for Muon) is not implemented here", None, float, 0.5),
         CompatFlag("--qk-clip-threshold", "QK-clip (for Muon) is not implemented here", None, float, 100),
-        CompatFlag("--attention-output-gate", "not implemented here yet"),
         CompatFlag(
             "--embedding-init-method-std",
             ("a separate embedding init std is not implemented here (--init-method-std applies to every weight)"),

@@ -34,6 +34,8 @@ class GPTConfig:
     rotary_percent: float = 1.0            # fraction of each head's dims that RoPE rotates
     rope_scaling: bool = False             # Llama 3.x frequency scaling of RoPE (--use-rope-scaling)
     rope_scaling_factor: float = 8.0       # its factor (--rope-scaling-factor, Megatron-LM's default 8)
+    rotary_interleaved: bool = False       # RoPE rotates (even, odd) pairs (RoFormer) instead of the two halves
+    attention_output_gate: bool = False    # attention output x sigmoid(gate), the gate projected per head
     qk_layernorm: bool = False             # norm over head_dim on queries and keys (before RoPE)
     apply_layernorm_1p: bool = False       # zero-centred norm weights: scale by (1 + weight)
     recompute_granularity: str | None = None  # None | full | selective (core attention)
@@ -95,7 +97,8 @@ class GPTConfig:
                            "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
                            "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
                            "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor")
+                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "rotary_interleaved",
+                           "attention_output_gate")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -123,7 +123,8 @@ class GPTModel(nn.Module):
         if self.config.position_embedding_type == "rope":
             c = self.config
             rotary = rotary_cos_sin(position_ids, rotary_dim(c), c.rotary_base,
-                                    scaling_factor=c.rope_scaling_factor if c.rope_scaling else None)
+                                    scaling_factor=c.rope_scaling_factor if c.rope_scaling else None,
+                                    interleaved=c.rotary_interleaved)
         x = self.decoder(x, rotary, visibility, position_ids, kv_cache)
         if not self.post_process:
             return x
