@@ -194,6 +194,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's automatic garbage collection; collect every --manual-gc-interval steps")
     g.add_argument("--manual-gc-interval", type=int, default=0, help="0: collect only at the end of training")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations, check that the data-parallel replicas hold bit-identical weights "
+                        "(stops with the ranks that differ); not with --use-torch-fsdp2")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (inductor; off by default, as in torchtitan)")
     q = p.add_argument_group("quantization-aware training")
@@ -551,6 +554,7 @@ def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfi
         manual_gc_interval=args.manual_gc_interval,
         compile=args.compile,
         skip_train=args.skip_train,
+        check_weight_hash_across_dp_replicas_interval=args.check_weight_hash_across_dp_replicas_interval,
     )
 
 

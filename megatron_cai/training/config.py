@@ -93,6 +93,7 @@ class TrainingConfig:
     manual_gc_interval: int = 0
     compile: bool = False                     # torch.compile each transformer layer (core/transformer/compile.py)
     skip_train: bool = False                  # --skip-train: no training loop; the final evaluation only
+    check_weight_hash_across_dp_replicas_interval: int | None = None  # DP replicas' weights compared (weight_hash.py)
 
 
 @dataclass

@@ -73,6 +73,7 @@ from .training_log import (
     prints_log_line,
     validation_scalars,
 )
+from .weight_hash import check_weight_replicas
 
 
 @dataclass
@@ -521,6 +522,10 @@ class Trainer:
                             "grad comm bytes": comm_bytes, "global batch size": batch, **loss_scale})
             if run.manual_gc and run.manual_gc_interval and st.iteration % run.manual_gc_interval == 0:
                 gc.collect()
+            hash_interval = run.check_weight_hash_across_dp_replicas_interval
+            if hash_interval and st.iteration % hash_interval == 0:
+                self.optimizer.finish_param_sync()  # the replicas' updated parameters, all gathered
+                check_weight_replicas([m.module for m in self.model], st.iteration, self.device)
             stats = self._iteration_stats(losses, grad_norm, finite, batch)
             if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
                 self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))

@@ -80,7 +80,6 @@ TABLE = FlagTable(
         ),
     ],
     refused=[
-        CompatFlag("--check-weight-hash-across-dp-replicas-interval", "not implemented here yet", None, int, None),
         CompatFlag(
             "--exit-signal",
             "the signal handler here catches SIGTERM and SIGUSR1 (--exit-signal-handler)",
