@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import re
 
 from ..config import ArgumentError
@@ -180,8 +181,29 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
     _check_context_parallel(args, problems)
 
 
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+
+
+def _check_cp_comm_type(args: argparse.Namespace, problems: FlagProblems) -> None:
+    """--cp-comm-type and --hierarchical-context-parallel-sizes: Megatron's values and rules (mapped: the same
+    exchange runs for every value)."""
+    kinds = args.cp_comm_type
+    bad = [k for k in kinds if k not in CP_COMM_TYPES]
+    if bad:
+        problems.invalid(f"--cp-comm-type {' '.join(bad)}: each value must be one of {', '.join(CP_COMM_TYPES)}")
+    if len(kinds) not in (1, args.num_layers):
+        problems.invalid(f"--cp-comm-type: one value, or one per layer ({args.num_layers}); got {len(kinds)}")
+    sizes = args.hierarchical_context_parallel_sizes
+    if "a2a+p2p" in kinds and sizes is None:
+        problems.conflict("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (Megatron-LM's rule)")
+    if sizes is not None and math.prod(sizes) != args.context_parallel_size:
+        problems.conflict(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: their product must be "
+                          f"--context-parallel-size {args.context_parallel_size}")
+
+
 def _check_context_parallel(args: argparse.Namespace, problems: FlagProblems) -> None:
     """What --context-parallel-size > 1 needs from the other flags."""
+    _check_cp_comm_type(args, problems)
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     if cp < 1:
         problems.invalid(f"--context-parallel-size {cp}: must be >= 1")

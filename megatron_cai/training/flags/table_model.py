@@ -26,6 +26,11 @@ _T5 = "encoder-decoder (T5 / BERT) models are not implemented here (GPT only)"
 _BIENCODER = "BERT / ICT / REALM retrieval models are not implemented here (GPT only)"
 _MUON = "the optimizers here are adam and sgd (--optimizer)"
 
+_CP_COMM = (
+    "context-parallel attention here exchanges only the key/value chunks that some query sees (one scheme for "
+    "every value; the result is the exact attention each of Megatron's schemes computes)"
+)
+
 TABLE = FlagTable(
     topic="model",
     no_op=[
@@ -180,6 +185,7 @@ TABLE = FlagTable(
         CompatFlag("--fp8-param-gather", "parameters are gathered in their training dtype"),
     ],
     mapped=[
+        CompatFlag("--hierarchical-context-parallel-sizes", _CP_COMM, "+", int, None),
         CompatFlag(
             "--no-weight-decay-cond-type",
             "same as --apply-wd-to-qk-layernorm",
@@ -194,13 +200,6 @@ TABLE = FlagTable(
             "--tensor-parallel-num-weight-shards",
             "uneven tensor-parallel weight sharding is not implemented here",
             None,
-            int,
-            None,
-        ),
-        CompatFlag(
-            "--hierarchical-context-parallel-sizes",
-            "context-parallel communication here is our own scheme",
-            "+",
             int,
             None,
         ),

@@ -19,6 +19,11 @@ _FSDP = (
     "on PyTorch FSDP2 here, which manages its own buffers"
 )
 
+_CP_COMM = (
+    "context-parallel attention here exchanges only the key/value chunks that some query sees (one scheme for "
+    "every value; the result is the exact attention each of Megatron's schemes computes)"
+)
+
 TABLE = FlagTable(
     topic="parallel",
     no_op=[
@@ -76,6 +81,7 @@ TABLE = FlagTable(
         CompatFlag("--torch-fsdp2-no-reshard-after-forward", _FSDP),
     ],
     mapped=[
+        CompatFlag("--cp-comm-type", _CP_COMM, "+", str, ["p2p"]),
         CompatFlag(
             "--disable-gloo-process-groups",
             ("the only Gloo group here is the --async-save writer's; none is created without --async- save"),
@@ -130,7 +136,6 @@ TABLE = FlagTable(
             1,
             allowed=(1,),
         ),
-        CompatFlag("--cp-comm-type", "context-parallel communication here is our own scheme", "+", str, ["p2p"]),
         CompatFlag("--fake-process-group", "fake process groups are not supported here"),
     ],
 )
