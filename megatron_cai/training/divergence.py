@@ -69,6 +69,22 @@ def add_arguments(parser) -> None:
                    help="log and count losses above --spiky-loss-factor x the running median")
     g.add_argument("--spiky-loss-factor", type=float, default=10.0)
     g.add_argument("--spiky-loss-window", type=int, default=100, help="finite losses in the running median")
+    g.add_argument("--rerun-mode", choices=RERUN_MODES, default="validate_results",
+                   help="Megatron-LM's rerun state machine, its meaningful subset here: validate_results (the "
+                        "default) and disabled both leave non-finite losses and gradients to "
+                        "--check-for-nan-in-loss-and-grad (the step is skipped on every rank, the run stops after "
+                        "--max-consecutive-skipped-iterations); no iteration is re-run. report_stats is refused")
+
+
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+
+
+def rerun_mode_note(mode: str) -> str | None:
+    """The start-up line of --rerun-mode, or the refusal (raised by the caller) of report_stats."""
+    if mode == "disabled":
+        return (" > --rerun-mode disabled: no iteration is re-run here in any mode; non-finite losses and gradients "
+                "are still handled by --check-for-nan-in-loss-and-grad")
+    return None
 
 
 def all_ranks_true(local: bool, device: torch.device) -> bool:

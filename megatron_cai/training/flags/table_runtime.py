@@ -338,15 +338,6 @@ TABLE = FlagTable(
             "transient_error",
             ("correct_result", "transient_error", "persistent_error"),
         ),
-        CompatFlag(
-            "--rerun-mode",
-            "Megatron's rerun state machine is not implemented here",
-            None,
-            str,
-            "validate_results",
-            ("disabled", "validate_results", "report_stats"),
-            allowed=("validate_results",),
-        ),
         CompatFlag("--enable-msc", _MSC),
         CompatFlag("--sft", _SFT, allowed=("nemotron-h-aligned",)),
         CompatFlag(
