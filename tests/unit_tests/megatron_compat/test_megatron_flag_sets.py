@@ -85,7 +85,8 @@ def test_complete_flag_sets_build_a_config_for_their_own_layout(flag_sets):
     assert fsdp.ddp.use_torch_fsdp2 and not fsdp.ddp.use_distributed_optimizer
     assert fsdp.checkpoint.ckpt_format == "torch_dist"
     assert [n.split(":")[0] for n in fsdp.logging.megatron_notes] == [
-        " > --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", " > --ckpt-format fsdp_dtensor"]
+        " > --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params", " > --ckpt-format fsdp_dtensor",
+        " > warning"]  # --sequence-parallel at TP 1: Megatron's "Disabling sequence parallelism ..."
 
 
 
