@@ -181,7 +181,7 @@ TABLE = FlagTable(
             0.005,
             allowed=(0.005,),
         ),
-        CompatFlag("--fim-data", "not implemented here yet"),
+        CompatFlag("--fim-data", "fill-in-the-middle data (megatron-core's GPTFIMDataset) is not implemented here yet"),
         CompatFlag("--fim-rate", "fill-in-the-middle data (--fim-data) is not implemented here", None, float, 0.5),
         CompatFlag("--fim-spm-rate", "fill-in-the-middle data (--fim-data) is not implemented here", None, float, 0.5),
         CompatFlag(
