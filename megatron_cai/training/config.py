@@ -324,7 +324,7 @@ FLAG_RANGES: dict[str, Range] = {
                      "rotary_seq_len_interpolation_factor", "num_virtual_stages_per_pipeline_rank",
                      "microbatch_group_size_per_virtual_pipeline_stage", "non_persistent_save_interval",
                      "save_retain_interval", "eval_global_batch_size", "eval_micro_batch_size",
-                     "padded_vocab_size"], _AT_LEAST_1),
+                     "padded_vocab_size", "check_weight_hash_across_dp_replicas_interval"], _AT_LEAST_1),
     **dict.fromkeys(["recompute_num_layers", "train_iters", "lr_warmup_iters", "lr_decay_iters", "seed",
                      "manual_gc_interval", "num_workers", "ckpt_step", "eval_interval", "eval_iters",
                      "profile_step_start", "profile_ranks", "rampup_batch_size", "tiktoken_num_special_tokens",

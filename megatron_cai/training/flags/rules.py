@@ -165,10 +165,7 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
                          "or set --vocab-size")
     if args.save_interval is not None and args.save is None:
         problems.conflict("--save-interval needs --save DIR")
-    interval = args.check_weight_hash_across_dp_replicas_interval
-    if interval is not None and interval < 1:
-        problems.invalid(f"--check-weight-hash-across-dp-replicas-interval {interval}: must be >= 1")
-    if interval is not None and args.use_torch_fsdp2:
+    if args.check_weight_hash_across_dp_replicas_interval is not None and args.use_torch_fsdp2:
         problems.conflict("--check-weight-hash-across-dp-replicas-interval does not run with --use-torch-fsdp2: its "
                           "data-parallel ranks hold shards, not replicas (megatron-core's rule for Megatron-FSDP)")
     if args.use_torch_fsdp2 and args.fp16:
