@@ -33,6 +33,20 @@ LAYOUTS = {"vp1": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["4"
            "cp2": {"--context-parallel-size": ["2"]}}
 
 
+@pytest.fixture(autouse=True)
+def _restore_determinism(monkeypatch):
+    """--deterministic-mode (most of these configurations) sets process-wide state in an in-process run."""
+    import os
+
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.setenv(name, os.environ[name]) if name in os.environ else monkeypatch.delenv(name, raising=False)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
     """The demo corpus where the configurations' ${DATA_PATH} paths look: GPT-2 BPE files and the dataset."""
