@@ -79,6 +79,10 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} has no Llama 3 RoPE scaling (the model has --use-rope-scaling)")
     if c.apply_layernorm_1p:
         why.append(f"{arch} stores plain norm weights (the model has --apply-layernorm-1p)")
+    if c.rotary_interleaved:
+        why.append(f"{arch} rotates the two halves of each head (the model has --rotary-interleaved)")
+    if c.attention_output_gate:
+        why.append(f"{arch} has no attention output gate (the model has --attention-output-gate)")
     return why
 
 

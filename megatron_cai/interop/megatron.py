@@ -159,6 +159,9 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
                               "the tanh GeLU only in its bias-GeLU fusion")
     if c.window_size is not None:
         raise ConversionError(f"sliding-window attention (window_size={c.window_size}) is not written to Megatron-LM")
+    if c.attention_output_gate or c.rotary_interleaved:
+        raise ConversionError("--attention-output-gate and --rotary-interleaved models are not converted to "
+                              "Megatron-LM yet (its linear_qkv packs the gate after each group's query heads)")
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,

@@ -107,3 +107,15 @@ def test_the_flags_reach_the_model_config():
     assert {"rotary_interleaved", "attention_output_gate"} <= set(GPTConfig.ARCHITECTURE_FIELDS)
     plain = parse_config(base, world_size=1).model
     assert not plain.rotary_interleaved and not plain.attention_output_gate
+
+
+@pytest.mark.parametrize("field", ["rotary_interleaved", "attention_output_gate"])
+def test_conversions_refuse_what_they_cannot_write(field):
+    from megatron_cai.interop.hf import ARCHITECTURES, unsupported_reasons
+    from megatron_cai.interop.megatron import ConversionError, megatron_args
+
+    config = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, **{field: True})
+    flag = "--" + field.replace("_", "-")
+    assert all(any(flag in why for why in unsupported_reasons(config, arch)) for arch in ARCHITECTURES)
+    with pytest.raises(ConversionError, match=flag):
+        megatron_args(config, tp=1, pp=1, padded_vocab_size=64, divisible=1, iteration=0, counters={})
