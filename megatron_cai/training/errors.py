@@ -7,8 +7,8 @@ impossible parallel layout, a diverged run. Every such class of ``training/`` de
 ``ParallelLayoutError``, ``TreeFormatError``) are named in :data:`KNOWN_ERRORS`. ``run_cli(main)`` wraps an entry point:
 
 - an error every rank finds alike (flags, layout, data, divergence) is printed by rank 0; the other ranks wait
-  (``PEER_REPORT_GRACE_S``) and print it too unless the launcher stopped them first, so that no rank's exit can
-  make torchrun stop rank 0 before the report is out;
+  for its report (``PEER_REPORT_GRACE_S``; the process group's store says when it is out) and print it
+  themselves if it does not come, so that no rank's exit can make torchrun stop rank 0 before the report is out;
 - an error only some ranks find (their own checkpoint file: ``RankLocalError``) is printed by each such
   rank, prefixed with ``[rank R]``;
 - either way the process exits with status 2 and no traceback. Anything else propagates unchanged.
@@ -97,23 +97,58 @@ def format_known_error(exc: BaseException, rank: int, world: int) -> str | None:
     return f"error: {message}" if rank == 0 else None
 
 
-# How long a rank other than 0 waits before it prints an error every rank finds alike (and exits): rank 0 normally
-# prints first and exits, and the launcher (torchrun) then stops the waiting ranks, so the report shows once. A rank
-# that exits first would have torchrun stop rank 0, perhaps before it printed; so no rank exits before the report
-# is out: a waiting rank that is not stopped prints the report itself.
+# How long a rank other than 0 waits for rank 0's report of an error every rank finds alike. A rank that exits
+# first would have torchrun stop rank 0, perhaps before it printed; so no rank exits before the report is out.
+# With the process group up, rank 0 marks its report in the group's store and the others leave silently once it
+# is there; before (a flag error), rank 0 prints and exits and the launcher stops the waiting ranks. A waiting rank
+# that sees no report within the grace prints it itself.
 PEER_REPORT_GRACE_S = 5.0
+_REPORTED_KEY = "megatron_cai/error_reported"
+
+
+def _default_store():
+    """The default process group's store (None before torch.distributed is initialised)."""
+    if not _distributed_initialized():
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - reporting another error: never fail here
+        return None
+
+
+def _rank0_reported(grace_s: float) -> bool:
+    """Whether rank 0 marked its report within ``grace_s`` (False after sleeping the grace without a store)."""
+    store = _default_store()
+    if store is None:
+        time.sleep(grace_s)
+        return False
+    try:
+        import datetime
+
+        store.wait([_REPORTED_KEY], datetime.timedelta(seconds=grace_s))
+        return True
+    except Exception:  # noqa: BLE001 - timed out, or rank 0 (the store's host) is gone
+        return False
 
 
 def report_known_error(exc: BaseException) -> int:
-    """Print this rank's line for a known error (see :func:`format_known_error`); a rank other than 0 waits
-    :data:`PEER_REPORT_GRACE_S`, then prints rank 0's line itself (it was not stopped: rank 0 may not have
-    printed)."""
+    """Print this rank's line for a known error (see :func:`format_known_error`). Rank 0 prints and marks the
+    report; a rank whose line rank 0 prints waits up to :data:`PEER_REPORT_GRACE_S` for that mark and prints the
+    line itself when it does not come."""
     rank, world = current_rank(), world_size()
     line = format_known_error(exc, rank, world)
     if line is None:
-        time.sleep(PEER_REPORT_GRACE_S)
+        if _rank0_reported(PEER_REPORT_GRACE_S):
+            return EXIT_KNOWN_ERROR
         line = format_known_error(exc, 0, world)
     safe_print(line, file=sys.stderr)
+    if rank == 0 and (store := _default_store()) is not None:
+        try:
+            store.set(_REPORTED_KEY, "1")
+        except Exception:  # noqa: BLE001
+            pass
     return EXIT_KNOWN_ERROR
 
 

@@ -53,6 +53,34 @@ def test_sequence_parallel_at_tp1_is_disabled_with_megatrons_warning(tp, disable
         assert config.logging.megatron_notes.count(warning) == 1
 
 
+class _Store:
+    def __init__(self, reported: bool) -> None:
+        self.keys = {"megatron_cai/error_reported"} if reported else set()
+
+    def set(self, key, value):
+        self.keys.add(key)
+
+    def wait(self, keys, timeout):
+        if not set(keys) <= self.keys:
+            raise RuntimeError("Socket Timeout")
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_with_a_process_group_rank_0_marks_its_report(monkeypatch, reported):
+    err, store = io.StringIO(), _Store(reported)
+    monkeypatch.setattr(errors.sys, "stderr", err)
+    monkeypatch.setattr(errors, "_default_store", lambda: store)
+    monkeypatch.setattr(errors, "world_size", lambda: 2)
+    monkeypatch.setattr(errors, "current_rank", lambda: 1)
+    errors.report_known_error(ArgumentError("--x: bad"))
+    assert err.getvalue() == ("" if reported else "error: --x: bad\n")  # silent once rank 0 has printed
+    monkeypatch.setattr(errors, "current_rank", lambda: 0)
+    fresh = _Store(False)
+    monkeypatch.setattr(errors, "_default_store", lambda: fresh)
+    errors.report_known_error(ArgumentError("--x: bad"))
+    assert "megatron_cai/error_reported" in fresh.keys
+
+
 def test_other_ranks_print_the_report_after_the_grace(monkeypatch):
     slept, err = [], io.StringIO()
     monkeypatch.setattr(errors.time, "sleep", slept.append)
