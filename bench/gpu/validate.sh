@@ -58,17 +58,19 @@ T_ALL=$(date +%s)
 # Step limits (s), from an estimate for one H200 with cold compile caches (each Python step pays ~7 s of
 # interpreter, torch and CUDA start-up); they add up to 420 s:
 #   env        20  start-up + 1 GiB copies and 8k^3 bf16 matmuls (~10 s)
-#   codec      40  five Triton compiles (~10 s) + byte checks at 16M elements + graph-timed ops (~20 s)
-#   attention 110  our 4 kernels (~15 s), flex compiled fwd+bwd for two shapes (~50 s), timing (~10 s)
-#   training  150  350M: 4 rows of ours (~10 s each) + compiled peer (~45 s) + eager peer (~7 s);
+#   codec      36  five Triton compiles (~10 s) + byte checks at 16M elements + graph-timed ops (~15 s)
+#   attention 104  our 4 kernels (~15 s), flex compiled fwd+bwd for two shapes (~50 s), timing (~10 s)
+#   training  160  350M: ours (~10 s) + compiled peer (~45 s); ours alternated with megatron-core's
+#                  GPTModel (~25 s); the packed-document rows (~10 s each) and the eager peer (~7 s);
 #                  then 1.3B rows (~20 s each) as the budget allows (each row is skipped, not cut, when
 #                  its estimate no longer fits)
-#   qat        20  two 8k x 4k x 4k GEMM paths (~12 s)
-#   pytest     80  collection of the 7 files with GPU tests (~10 s), ~40 GPU tests (flex ones last:
+#   qat        32  two 8k x 4k x 4k GEMM paths; qat.py asks for 8 s left before each (ROW_NEED_S),
+#                  so its budget (17 s) holds both (tests/unit_tests/gpu/test_gpu_validate_limits.py)
+#   pytest     68  collection of the 7 files with GPU tests (~10 s), ~40 GPU tests (flex ones last:
 #                  ~50 s of compiles), 45 s per test at most
 # Each step's own budget (--budget-s) is its limit minus 15 s, so it ends its rows itself and writes
 # them; `timeout` is the backstop (its rows so far are already on disk).
-LIMITS=(env:20 codec:40 attention:110 training:150 qat:20 pytest:80)
+LIMITS=(env:20 codec:36 attention:104 training:160 qat:32 pytest:68)
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%:*}" = "$1" ] && echo $(( ${kv##*:} * SCALE )); done; }
 
 # run NAME CMD...: runs under timeout at the step's limit; output to the terminal and gpu_log.txt.
