@@ -5,12 +5,15 @@
 #   env        versions, the GPU, measured copy bandwidth and bf16 matmul rate (the ceilings)
 #   codec      Squinch encode / error feedback / decode-accumulate / wire rows vs copy bandwidth
 #   attention  our Triton kernels vs SDPA flash (causal) and FlexAttention (packed docs, trees), fwd / bwd
-#   training   350M and 1.3B GPTs through pretrain_gpt's Trainer vs a plain torch.compile loop
+#   training   350M and 1.3B GPTs through pretrain_gpt's Trainer vs a plain torch.compile loop, and the
+#              350M alternated with megatron-core 0.19.2's GPTModel (its wheel carried in bench/gpu/wheels/)
 #   qat        the int8 / FP8 real-GEMM paths (and Transformer Engine if installed)
 #   pytest     pytest -m gpu over the test files holding GPU tests, per-test time limit
 # Results in ${OUT:-bench/results}: gpu_{env,codec,attention,train,qat,pytest}.json (each rewritten after
 # every finished row or test, so a step stopped by its time limit keeps what it measured), gpu_summary.md
-# (every step's status and table) and gpu_log.txt (this script's whole output): 8 files.
+# (every step's status and table, at most 10 KB) and gpu_log.txt (this script's whole output): 8 files.
+# After each step its one summary line is printed (summary.py --step), and a step JSON left at
+# "running" by a killed or crashed process is marked "killed" or "crashed".
 #
 #   OUT=/tmp/out PYTHONPATH=$PWD bash bench/gpu/validate.sh    # on the GPU machine (bench/gpu/RUNBOOK.md)
 #   OUT=$(mktemp -d) bash bench/gpu/validate.sh --dry-run       # every step at toy sizes on the CPU
@@ -89,6 +92,8 @@ run() {
   local secs=$(( $(date +%s) - t0 ))
   echo "=== $name: $status in ${secs}s" | tee -a "$LOG"
   STEPS="$STEPS $name:$status:$secs:$limit"
+  # a JSON left at "running" becomes killed / crashed; the step's summary line goes to the output now
+  "$PY" bench/gpu/summary.py --out "$OUT" --step "$name:$status:$secs:$limit" --rc "$rc" 2>&1 | tee -a "$LOG"
 }
 
 budget() { echo $(( $(limit_of "$1") - 15 * SCALE )); }

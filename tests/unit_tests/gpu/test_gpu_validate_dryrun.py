@@ -92,7 +92,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_step_stopped_by_its_time_limit_keeps_its_rows(tmp_path) -> None:
     """The codec step, stopped (SIGTERM, as `timeout` does) once it has written a row: its JSON parses,
-    holds the finished rows and says it was still running; the summary reports the step's state."""
+    holds the finished rows and says it was killed; the summary reports the step's state."""
     pytest.importorskip("triton")
     out = tmp_path / "gpu_codec.json"
     proc = subprocess.Popen([sys.executable, "-c", _WAIT_AFTER_FIRST_ROW, GPU, os.path.join(GPU, "codec.py"),
@@ -114,9 +114,10 @@ def test_step_stopped_by_its_time_limit_keeps_its_rows(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
     data = json.loads(out.read_text())
-    assert data["status"] == "running" and len(data["rows"]) >= 1 and data["rows"][0]["op"] == "d2d copy"
+    assert data["status"] == "killed" and len(data["rows"]) >= 1 and data["rows"][0]["op"] == "d2d copy"
+    assert data["stopped_by"] == "SIGTERM"
     subprocess.run([sys.executable, os.path.join(GPU, "summary.py"), "--out", str(tmp_path), "--steps",
                     "codec:TIMEOUT:160:160"], check=True, capture_output=True, timeout=60)
     summary = (tmp_path / "gpu_summary.md").read_text()
     assert f"| codec | TIMEOUT | 160 | 160 | {len(data['rows'])} |" in summary
-    assert "status running" in summary and "d2d copy" in summary
+    assert "status killed" in summary and "d2d copy" in summary
