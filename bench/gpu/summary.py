@@ -27,7 +27,8 @@ KILLED_RC = (124, 137, 143)  # timeout's exit status, SIGKILL, SIGTERM
 OMIT = {"codec": {"timing"}, "attention": {"batch", "kernels", "fwd_TFLOPs", "bwd_TFLOPs"},
         "training": {"params_M", "TFLOPs", "MFU_datasheet"}}
 STEP_FILES = {"env": "gpu_env.json", "codec": "gpu_codec.json", "attention": "gpu_attention.json",
-              "training": "gpu_train.json", "qat": "gpu_qat.json", "pytest": "gpu_pytest.json"}
+              "training": "gpu_train.json", "qat": "gpu_qat.json", "pytest": "gpu_pytest.json",
+              "cp": "gpu_context_parallel.json", "overhead": "gpu_overhead.json"}  # the last two: --extra
 
 
 def _fmt(v) -> str:
@@ -93,12 +94,19 @@ def goals(res: dict) -> list[str]:
                        f"(spread {theirs['spread_ms']:.1f}) per iteration; tokens/s ratio "
                        f"{ours['vs_megatron_core']:.3f}; MFU {ours['MFU_measured']:.3f} vs "
                        f"{theirs['MFU_measured']:.3f}")
+    for r in (res.get("overhead") or {}).get("rows", []):
+        if r.get("vs_uncompiled") is not None:
+            out.append(f"{r['model']} {r['row']}: tokens/s with / without --compile {r['vs_uncompiled']:.3f}")
+    for r in (res.get("cp") or {}).get("rows", []):
+        out.append(f"CP=4 {r['batch']}: busiest rank / CP=1 time "
+                   f"{r['busiest rank ms'] / r['CP=1 fwd+bwd ms']:.3f}, max error out {r['max err out']:.2g}, "
+                   f"dq {r['max err dq']:.2g}")
     return out or ["no goal could be evaluated (see the steps)"]
 
 
 def render(out: str, steps: str, total_s: int | None, dry_run: bool) -> str:
     res = {name: load(out, name) for name in STEP_FILES}
-    env = (res.get("env") or {}).get("environment", {})
+    env = next((d["environment"] for d in res.values() if d and d.get("environment")), {})
     ceil = (res.get("env") or {}).get("ceilings", {})
     lines = [f"# GPU validation summary{' (DRY RUN: toy sizes on the CPU)' if dry_run else ''}", ""]
     lines.append(f"{env.get('device', '?')} (sm_{env.get('capability', '?')}); torch {env.get('torch', '?')}, "
@@ -121,7 +129,8 @@ def render(out: str, steps: str, total_s: int | None, dry_run: bool) -> str:
         lines.append(f"| {name} | {status} | {secs} | {limit} | {n_rows} | {len(data.get('skipped', []))} |")
     lines.append(f"\nTotal {total_s} s; step limits add up to {limit_sum} s.")
     lines += ["", "## Goals", ""] + [f"- {g}" for g in goals(res)]
-    for name in ("codec", "attention", "training", "qat"):
+    ran = [item.split(":")[0] for item in steps.split()]
+    for name in [n for n in STEP_FILES if n not in ("env", "pytest") and (n in ran or res.get(n))]:
         data = res.get(name)
         lines += ["", f"## {name}: {data.get('title', '') if data else 'no result file'}", ""]
         if data:
@@ -131,7 +140,8 @@ def render(out: str, steps: str, total_s: int | None, dry_run: bool) -> str:
                 lines.append(f"byte-identical to the torch reference: {data.get('all_identical')}")
             lines += ["", table(data.get("rows", []), data.get("columns", []), OMIT.get(name, set()))]
     py = res.get("pytest")
-    lines += ["", "## pytest -m gpu", ""]
+    if "pytest" in ran or py:
+        lines += ["", "## pytest -m gpu", ""]
     if py:
         lines.append(f"status {py.get('status')}, counts {py.get('counts')}, collection errors "
                      f"{len(py.get('collection_errors', []))}")
@@ -140,7 +150,7 @@ def render(out: str, steps: str, total_s: int | None, dry_run: bool) -> str:
                   for p in problems[:PROBLEMS_MAX]]
         if len(problems) > PROBLEMS_MAX:
             lines.append(f"- and {len(problems) - PROBLEMS_MAX} more (gpu_pytest.json)")
-    else:
+    elif "pytest" in ran:
         lines.append("no result file")
     return fit("\n".join(lines) + "\n")
 
@@ -188,6 +198,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", default="", help="space-separated name:status:seconds:limit")
     p.add_argument("--total-s", type=int, default=None)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--name", default="gpu_summary.md", help="the summary's file name in --out")
     p.add_argument("--step", default=None, help="name:status:seconds:limit of the step that just ended")
     p.add_argument("--rc", type=int, default=0, help="with --step: its exit status")
     args = p.parse_args(argv)
@@ -196,7 +207,7 @@ def main(argv=None) -> int:
         print(step_line(args.out, args.step), flush=True)
         return 0
     text = render(args.out, args.steps, args.total_s, args.dry_run)
-    with open(os.path.join(args.out, "gpu_summary.md"), "w") as f:
+    with open(os.path.join(args.out, args.name), "w") as f:
         f.write(text)
     print(text, flush=True)
     return 0

@@ -21,14 +21,24 @@
 # Each step runs under `timeout` at its limit; a step that fails or runs out of time is reported in the
 # summary and makes the script exit non-zero. Environment: PYTHON (interpreter; default python3, else
 # python), OUT (results folder).
+#
+# --extra: the second run, for a machine with time left (at most 5 minutes: its limits add up to 270 s):
+#   cp         context-parallel per-chunk kernels, CP = 4 on one GPU (gpu_context_parallel.json)
+#   overhead   host reads, fused optimizer, our Trainer with and without --compile (gpu_overhead.json)
+# with gpu_extra_summary.md and gpu_extra_log.txt: 4 files. --list-limits prints each step's limit and
+# budget (s) on the GPU, for the selected run, and exits.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DRY=0
+EXTRA=0
+LIST=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
-    *) echo "error: validate.sh: unknown argument $1 (expected --dry-run)" >&2; exit 2 ;;
+    --extra) EXTRA=1 ;;
+    --list-limits) LIST=1 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    *) echo "error: validate.sh: unknown argument $1 (expected --dry-run, --extra or --list-limits)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -46,17 +56,6 @@ else
   STEP_ARGS=()
   SCALE=1
 fi
-mkdir -p "$OUT" || { echo "error: cannot create OUT=$OUT" >&2; exit 2; }
-OUT="$(cd "$OUT" && pwd)"
-cd "$ROOT" || exit 2
-# pytest collects only the test files holding @pytest.mark.gpu tests: fast, and no import of a module
-# that needs a package the machine lacks (on the CPU those tests skip)
-PYTEST_TARGETS=$(grep -rlE "pytest\.mark\.gpu" tests/unit_tests --include='test_*.py' | sort)
-LOG="$OUT/gpu_log.txt"
-: > "$LOG"
-STEPS=""   # name:status:seconds:limit, for the summary
-FAILED=0
-T_ALL=$(date +%s)
 
 # Step limits (s), from an estimate for one H200 with cold compile caches (each Python step pays ~7 s of
 # interpreter, torch and CUDA start-up); they add up to 420 s:
@@ -74,6 +73,11 @@ T_ALL=$(date +%s)
 # Each step's own budget (--budget-s) is its limit minus 15 s, so it ends its rows itself and writes
 # them; `timeout` is the backstop (its rows so far are already on disk).
 LIMITS=(env:20 codec:36 attention:104 training:160 qat:32 pytest:68)
+# --extra (same start-up and margins): cp 3 batches at T = 16k, each ~10 s of kernels + compiles (~45 s);
+# overhead: host reads and the optimizer (~20 s), 350M ours plain / packed (~10 s each) and with
+# --compile (Inductor, ~45 s each), 1.3B --compile as the budget allows
+EXTRA_LIMITS=(cp:90 overhead:180)
+[ "$EXTRA" = 1 ] && LIMITS=("${EXTRA_LIMITS[@]}")
 limit_of() { local kv; for kv in "${LIMITS[@]}"; do [ "${kv%%:*}" = "$1" ] && echo $(( ${kv##*:} * SCALE )); done; }
 
 # run NAME CMD...: runs under timeout at the step's limit; output to the terminal and gpu_log.txt.
@@ -100,6 +104,31 @@ budget() { echo $(( $(limit_of "$1") - 15 * SCALE )); }
 step() { local name="$1" script="$2" file="$3"; shift 3
   run "$name" "$PY" "bench/gpu/$script" ${STEP_ARGS[@]+"${STEP_ARGS[@]}"} --budget-s "$(budget "$name")" --out "$OUT/$file" "$@"; }
 
+if [ "$LIST" = 1 ]; then
+  SCALE=1
+  for kv in "${LIMITS[@]}"; do echo "${kv%%:*} $(limit_of "${kv%%:*}") $(budget "${kv%%:*}")"; done
+  exit 0
+fi
+
+mkdir -p "$OUT" || { echo "error: cannot create OUT=$OUT" >&2; exit 2; }
+OUT="$(cd "$OUT" && pwd)"
+cd "$ROOT" || exit 2
+# pytest collects only the test files holding @pytest.mark.gpu tests: fast, and no import of a module
+# that needs a package the machine lacks (on the CPU those tests skip)
+PYTEST_TARGETS=$(grep -rlE "pytest\.mark\.gpu" tests/unit_tests --include='test_*.py' | sort)
+LOG="$OUT/gpu_log.txt"
+[ "$EXTRA" = 1 ] && LOG="$OUT/gpu_extra_log.txt"
+: > "$LOG"
+STEPS=""   # name:status:seconds:limit, for the summary
+FAILED=0
+T_ALL=$(date +%s)
+
+SUMMARY_NAME=gpu_summary.md
+if [ "$EXTRA" = 1 ]; then
+  SUMMARY_NAME=gpu_extra_summary.md
+  step cp context_parallel.py gpu_context_parallel.json
+  step overhead overhead_rows.py gpu_overhead.json
+else
 step env env.py gpu_env.json
 step codec codec.py gpu_codec.json
 step attention attention.py gpu_attention.json
@@ -115,9 +144,11 @@ else
   echo "=== pytest: SKIPPED (pytest is not importable by $PY)" | tee -a "$LOG"
   STEPS="$STEPS pytest:SKIPPED(no-pytest):0:$(limit_of pytest)"
 fi
+fi
 
 TOTAL=$(( $(date +%s) - T_ALL ))
-if ! "$PY" bench/gpu/summary.py --out "$OUT" --steps "$STEPS" --total-s "$TOTAL" $([ "$DRY" = 1 ] && echo --dry-run) \
+if ! "$PY" bench/gpu/summary.py --out "$OUT" --steps "$STEPS" --total-s "$TOTAL" --name "$SUMMARY_NAME" \
+    $([ "$DRY" = 1 ] && echo --dry-run) \
     2>&1 | tee -a "$LOG"; then
   echo "summary.py failed; steps (name:status:seconds:limit):$STEPS" | tee -a "$LOG"
   FAILED=1
