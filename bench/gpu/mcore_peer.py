@@ -88,6 +88,9 @@ def _shim_cpu() -> None:
     mcore_cpu.shim_cpu_optimizer()
 
 
+_OWN_GROUP: list[bool] = [False]  # whether build() made the process group (teardown() then removes it)
+
+
 def _init_distributed(device: torch.device) -> None:
     """A one-rank process group and megatron-core's parallel state (its DDP and optimizer need both)."""
     import megatron.core.parallel_state as mps
@@ -95,8 +98,20 @@ def _init_distributed(device: torch.device) -> None:
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                              store=torch.distributed.HashStore(), rank=0, world_size=1)
+        _OWN_GROUP[0] = True
     if not mps.model_parallel_is_initialized():
         mps.initialize_model_parallel()
+
+
+def teardown() -> None:
+    """Undo build()'s process state: megatron-core's parallel state and the process group it made, so
+    the rows after it run our Trainer as before (one process, no process group)."""
+    import megatron.core.parallel_state as mps
+
+    mps.destroy_model_parallel()
+    if _OWN_GROUP[0] and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+        _OWN_GROUP[0] = False
 
 
 def build(model_cfg, micro_batch: int, device: torch.device, bf16: bool, seed: int = 1234) -> McoreRun:

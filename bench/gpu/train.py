@@ -23,6 +23,7 @@ import io
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -250,8 +251,12 @@ def run_vs_mcore(argv: list[str], warmup: int, window: int, device: torch.device
         return made["run"].step
 
     alternate = Alternate(build=build, window=window, warmup=warmup)
-    ours = run_ours(argv, warmup, device, alternate)
-    run = made["run"]
+    try:
+        ours = run_ours(argv, warmup, device, alternate)
+    finally:
+        if "megatron.core" in sys.modules:
+            mcore_peer.teardown()
+    run = made.pop("run")
     theirs = {"config": ours["config"], "n_params": run.n_params, "steps": alternate.steps, "loss": alternate.losses,
               "log_line": None, "kernels": {}, "calls": {}, "megatron_core": {"optimizer": run.optimizer,
                                                                               "from": run.source}}
