@@ -48,6 +48,11 @@ else PY=python; fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1
+  # a cold Inductor cache, as on the GPU machine: a cached graph keeps the output strides that a custom
+  # op's fake implementation gave when it was compiled, even after that implementation changed
+  INDUCTOR_CACHE="$(mktemp -d "${TMPDIR:-/tmp}/megatron_cai_inductor.XXXXXX")"
+  trap 'rm -rf "$INDUCTOR_CACHE"' EXIT
+  export TORCHINDUCTOR_CACHE_DIR="$INDUCTOR_CACHE"
   OUT="${OUT:-${TMPDIR:-/tmp}/megatron_cai_gpu_dryrun}"
   STEP_ARGS=(--dry-run)
   SCALE=4  # the limits are sized for the GPU; the interpreter on a shared CPU gets 4x

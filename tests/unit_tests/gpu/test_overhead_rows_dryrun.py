@@ -36,7 +36,8 @@ def test_overhead_step_of_the_second_run(tmp_path):
     import subprocess
 
     out = tmp_path / "gpu_overhead.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, *sys.path]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, *sys.path]),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # cold, as validate.sh --dry-run
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu", "overhead_rows.py"), "--dry-run",
                            "--out", str(out), "--budget-s", "3000"], env=env, capture_output=True, text=True,
                           timeout=3000)
