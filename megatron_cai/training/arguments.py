@@ -285,6 +285,10 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="resume although the tokenizer's content differs from the one the checkpoint was saved "
                         "with (by default an error; --finetune allows it too)")
+    g.add_argument("--allow-data-change", action="store_true",
+                   help="resume although a --data-path file's content fingerprint differs from the one the "
+                        "checkpoint recorded (by default an error naming the file; each changed file is then a "
+                        "warning)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -642,6 +646,7 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
         overwrite_checkpoints=args.overwrite_checkpoints,
         allow_tokenizer_change=args.allow_tokenizer_change,
+        allow_data_change=args.allow_data_change,
         save_retain_interval=args.save_retain_interval,
         non_persistent_save_interval=args.non_persistent_save_interval,
         non_persistent_ckpt_type=args.non_persistent_ckpt_type,

@@ -138,6 +138,7 @@ class CheckpointConfig:
     async_save: bool = False                  # --async-save: write in the background
     overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
     allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
+    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     save_retain_interval: int | None = None   # keep only these multiples (and the newest) of the persistent saves
     non_persistent_save_interval: int | None = None  # frequent saves to the non-persistent directory
     non_persistent_ckpt_type: str | None = None      # "global" (the only one here) or None

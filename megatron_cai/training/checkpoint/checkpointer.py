@@ -29,6 +29,7 @@ from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
 from . import dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
+from .data_record import check_data
 from .dcp_pieces import DCP_METADATA
 from .file_io import ALGORITHMS, CheckpointError
 from .integrity import Mismatch, read_manifest, verify_share
@@ -160,8 +161,11 @@ class Checkpointer:
         refuse_megatron_lm_checkpoint(root, iteration)
         fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
-        check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
+        meta = read_metadata(root, iteration)
+        check_tokenizer(meta, self.config.tokenizer, iteration_dir(root, iteration),
                         allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
+        if not ckpt.finetune:  # fine-tuning is on other data by design
+            check_data(meta, self.config.data, iteration_dir(root, iteration), allowed=ckpt.allow_data_change)
         self.loaded_root = root
         if not ckpt.finetune and (same_path(root, ckpt.save) or same_path(root, self.retention.np_root)):
             self.retention.resumed_in_place()
