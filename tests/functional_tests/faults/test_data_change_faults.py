@@ -50,8 +50,6 @@ def _replace_bin_keeping_mtime(prefix: str, new_ids: np.ndarray) -> None:
 @pytest.mark.parametrize("variant", ["out_of_vocabulary", "valid_ids"])
 def test_same_size_data_replacement_is_caught_at_resume(tmp_path, variant):
     prefix, save, resume = _train(tmp_path)
-    meta = json.load(open(os.path.join(save, "iter_0000002", "metadata.json")))
-    assert set(meta["data_fingerprints"]) == {os.path.abspath(prefix)}
     ids = np.fromfile(get_bin_path(prefix), dtype=np.uint16)
     if variant == "out_of_vocabulary":
         ids[13 * 40 + 5] = 150  # document 13, token 5
@@ -76,3 +74,5 @@ def test_same_size_data_replacement_is_caught_at_resume(tmp_path, variant):
         assert "data changed since checkpoint" in out and "1 of 2 data files differ" in out
         assert tracker(save) == 4
     assert open(get_idx_path(prefix), "rb").read() == idx_before  # only the .bin changed
+    meta = json.load(open(os.path.join(save, "iter_0000002", "metadata.json")))
+    assert set(meta["data_fingerprints"]) == {os.path.abspath(prefix)}  # the record the resume compared
