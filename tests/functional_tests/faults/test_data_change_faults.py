@@ -52,7 +52,7 @@ def test_same_size_data_replacement_is_caught_at_resume(tmp_path, variant):
     prefix, save, resume = _train(tmp_path)
     ids = np.fromfile(get_bin_path(prefix), dtype=np.uint16)
     if variant == "out_of_vocabulary":
-        ids[13 * 40 + 5] = 150  # document 13, token 5
+        ids[5::40] = 150  # token 5 of every document: any batch reads one
     else:
         ids = (ids + 1) % VOCAB  # every id valid, every token different
     idx_before = open(get_idx_path(prefix), "rb").read()
@@ -65,7 +65,7 @@ def test_same_size_data_replacement_is_caught_at_resume(tmp_path, variant):
 
     proc = run([*resume, "--allow-data-change"])
     if variant == "out_of_vocabulary":
-        assert_one_error(proc, get_bin_path(prefix), "document 13", "token id 150")
+        assert_one_error(proc, get_bin_path(prefix), "document 0", "token id 150")
         assert tracker(save) == 2
     else:
         out = proc.stdout + proc.stderr

@@ -212,3 +212,4 @@ def test_worker_whose_parent_died_while_it_started_exits():
     proc = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "tools")], timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
     assert proc.returncode == 1 and time.time() - t0 < 50, proc.stderr[-2000:]
+    assert proc.stderr == "", proc.stderr[-2000:]  # its own exit, not a failure
