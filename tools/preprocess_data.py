@@ -27,6 +27,7 @@ same output removes the temporary files of a dead run (core/datasets/temp_files.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import multiprocessing
 import os
@@ -71,6 +72,10 @@ class BadLine(ValueError):
 
 class PreprocessError(RuntimeError):
     """Preprocessing stopped; the message names the file and line."""
+
+
+class DiskFull(PreprocessError):
+    """The output's file system is full (ENOSPC / EDQUOT): nothing was published."""
 
 
 class Interrupted(Exception):
@@ -473,18 +478,14 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                     handle(pending.popleft().result())
             except BrokenProcessPool as e:
                 raise PreprocessError(f"a tokenizer worker process died ({e}); try --workers 1") from None
-        for key, builder in builders.items():  # every file complete under its temporary name first
-            if tree:
-                sidecars[key].prepare()
-            builder.prepare(get_idx_path(stats.outputs[key]))
-        for key, builder in builders.items():  # then renamed into place, each .idx last
-            sidecar = tree_path(stats.outputs[key])
-            if tree:
-                sidecars[key].publish()
-            elif os.path.exists(sidecar):
-                os.remove(sidecar)  # a stale tree sidecar would make --data-format auto read trees
-            builder.publish()
+        _publish_outputs(builders, sidecars, stats.outputs, tree)
         finalized = True
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFull(f"{out_dir}: no space left on device ({errno.errorcode[e.errno]}) while writing "
+                       f"{', '.join(p + '.bin/.idx' for p in stats.outputs.values())} (after {stats.lines} input "
+                       f"lines); nothing was published") from e
     finally:
         bar.close()
         if pool is not None:
@@ -496,6 +497,23 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                 sidecar.abort()
     stats.seconds = time.time() - t0
     return stats
+
+
+def _publish_outputs(builders: dict[str, IndexedDatasetBuilder], sidecars: dict[str, TreeSidecarBuilder],
+                     outputs: dict[str, str], tree: bool) -> None:
+    """Every output complete under its temporary name first (a full disk fails here, publishing nothing), then
+    renamed into place, each ``.idx`` last."""
+    for key, builder in builders.items():
+        if tree:
+            sidecars[key].prepare()
+        builder.prepare(get_idx_path(outputs[key]))
+    for key, builder in builders.items():
+        sidecar = tree_path(outputs[key])
+        if tree:
+            sidecars[key].publish()
+        elif os.path.exists(sidecar):
+            os.remove(sidecar)  # a stale tree sidecar would make --data-format auto read trees
+        builder.publish()
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -597,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preprocess_data.py: error: {e}: no output written, temporary files removed", file=sys.stderr)
         return 128 + e.signum
     except PreprocessError as e:
-        hint = "" if "vocabulary" in str(e) else "; use --skip-bad-lines to skip such lines"
+        hint = "" if "vocabulary" in str(e) or isinstance(e, DiskFull) else "; use --skip-bad-lines to skip such lines"
         print(f"preprocess_data.py: error: {e}\n  (no output written{hint})", file=sys.stderr)
         return 1
     except (OSError, ValueError, ImportError) as e:
