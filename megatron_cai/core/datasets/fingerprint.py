@@ -10,7 +10,8 @@ A prefix's fingerprint is a hash of its whole ``.idx`` and a *sampled* hash of i
 
 Cost per prefix: the ``.idx`` size plus at most 4 MiB, whatever the corpus size (a 1 TB ``.bin`` of 2 KiB
 documents has a ~5 GB ``.idx``; of 64 KiB ones a ~0.2 GB ``.idx``). A process computes a prefix's
-fingerprint once (memoized on the files' inode, size, mtime and ctime; a write changes the ctime).
+fingerprint once (memoized on the files' inode, size, mtime and ctime; a write changes the ctime, see
+:func:`cached_file_fingerprint`).
 
 What it guarantees: a changed ``.idx``, a changed ``.bin`` size, and any change of a ``.bin`` up to 4 MiB are
 always seen; for a larger ``.bin``, a change that touches any sampled window is seen: a re-tokenized,
@@ -20,6 +21,7 @@ the same length). Modification times are not part of it: a copy with its mtime k
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -76,20 +78,26 @@ def file_fingerprint(path: str, sampled: bool, samples: int = SAMPLES,
     return FileFingerprint(f"{ALGORITHM}:{h.hexdigest()}", size, bool(offsets), read)
 
 
-_memo: dict[tuple, FileFingerprint] = {}
-
-
-def _identity(path: str) -> tuple:
-    st = os.stat(path)
-    return (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+@functools.lru_cache(maxsize=1024)
+def _fingerprint_of(path: str, sampled: bool, dev: int, ino: int, size: int, mtime_ns: int,
+                    ctime_ns: int) -> FileFingerprint:
+    return file_fingerprint(path, sampled)
 
 
 def cached_file_fingerprint(path: str, sampled: bool) -> FileFingerprint:
-    """:func:`file_fingerprint`, computed once per process for the same file (inode, size, mtime and ctime)."""
-    key = (*_identity(path), sampled)
-    if key not in _memo:
-        _memo[key] = file_fingerprint(path, sampled)
-    return _memo[key]
+    """:func:`file_fingerprint`, computed once per process for the same file (inode, size, mtime and ctime).
+
+    Any write changes the ctime, but only to the kernel's clock tick (a few ms): a file rewritten within the tick
+    of its previous change can keep its memoized fingerprint inside one process. A new process reads afresh;
+    :func:`forget_cached_fingerprints` forgets."""
+    st = os.stat(path)
+    return _fingerprint_of(os.path.abspath(path), sampled, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                           st.st_ctime_ns)
+
+
+def forget_cached_fingerprints() -> None:
+    """Drop every memoized fingerprint of this process (after rewriting a corpus file in place)."""
+    _fingerprint_of.cache_clear()
 
 
 def prefix_fingerprint(prefix: str) -> dict[str, str]:

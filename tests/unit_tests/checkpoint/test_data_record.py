@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_cai.core import parallel_state as ps
+from megatron_cai.core.datasets.fingerprint import forget_cached_fingerprints
 from megatron_cai.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from megatron_cai.training.checkpoint.data_record import RECORD_KEY, check_data, data_fingerprints
 from megatron_cai.training.checkpoint.file_io import CheckpointError
@@ -35,6 +36,7 @@ def _rewrite_bin(prefix: str) -> None:
     st = os.stat(get_bin_path(prefix))
     (ids + 1).tofile(get_bin_path(prefix))
     os.utime(get_bin_path(prefix), ns=(st.st_atime_ns, st.st_mtime_ns))
+    forget_cached_fingerprints()  # rewritten within this process, maybe within one ctime tick
 
 
 def test_record_lists_every_prefix_of_every_path(tmp_path):
