@@ -105,11 +105,3 @@ def prefix_fingerprint(prefix: str) -> dict[str, str]:
     return {"idx": cached_file_fingerprint(get_idx_path(prefix), sampled=False).digest,
             "bin": cached_file_fingerprint(get_bin_path(prefix), sampled=True).digest}
 
-
-def fingerprint_cost(prefix: str) -> dict[str, int]:
-    """Bytes read to fingerprint ``prefix`` (for the docs and the tests)."""
-    idx = cached_file_fingerprint(get_idx_path(prefix), sampled=False)
-    bin_ = cached_file_fingerprint(get_bin_path(prefix), sampled=True)
-    return {"idx_bytes": idx.bytes_read, "bin_bytes": bin_.bytes_read, "bin_size": bin_.size,
-            "total": idx.bytes_read + bin_.bytes_read}
-
