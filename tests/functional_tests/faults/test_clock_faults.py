@@ -8,6 +8,8 @@ iteration 3 and exit 0. Before, each rank read its own ``time.time()``: the step
 from __future__ import annotations
 
 import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -24,10 +26,13 @@ def test_clock_step_on_one_rank_saves_once_at_one_iteration(tmp_path, stepped_ra
     procs = launch_ranks(argv, 2, env={"FAULT_CLOCK_STEP_AT": str(STEP_AT),
                                        "FAULT_CLOCK_STEP_RANK": str(stepped_rank)})
     try:
-        outs = [p.communicate(timeout=150) for p in procs]
-    finally:
+        with ThreadPoolExecutor(len(procs)) as pool:  # both ranks' pipes drained at once: no pipe-full stall
+            outs = list(pool.map(lambda p: p.communicate(timeout=300), procs))
+    except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
+        tails = [(o or "")[-1500:] + (e or "")[-1500:] for o, e in (p.communicate() for p in procs)]
+        pytest.fail("the ranks did not finish (a hang, or a rank left alone):\n" + "\n----\n".join(tails))
     text = "".join(o + e for o, e in outs)
     assert [p.returncode for p in procs] == [0, 0], text[-4000:]
     assert "FAULT: clock stepped +7200 s" in outs[stepped_rank][1]
