@@ -12,8 +12,6 @@
                             newer checkpoint is published and before anything older is deleted
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
     FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
-    FAULT_CLOCK_STEP_AT=K   from iteration K on, this process's time.time and time.monotonic read
-                            FAULT_CLOCK_STEP_SECONDS (default 7200) ahead (FAULT_CLOCK_STEP_RANK=r: on rank r only)
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -83,29 +81,14 @@ def install() -> None:
 
     real_step = training.Trainer.train_step
 
-    def rank_ok_for(var: str) -> bool:  # unset or empty: every rank
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return env.get(var) in (None, "", str(rank))
-
-    clock = {"stepped": False}
-
-    def step_the_clock(seconds: float) -> None:
-        real_time, real_monotonic = time.time, time.monotonic
-        time.time = lambda: real_time() + seconds
-        time.monotonic = lambda: real_monotonic() + seconds
-        clock["stepped"] = True
-        print(f"FAULT: clock stepped {seconds:+.0f} s", file=sys.stderr, flush=True)
-
     def train_step(self):
         it = self.state.iteration + 1
         start = int(env.get("FAULT_NAN_LOSS_FROM", "0") or 0)
-        rank_ok = rank_ok_for("FAULT_NAN_RANK")
+        rank_ok = env.get("FAULT_NAN_RANK") in (None, "", str(torch.distributed.get_rank()
+                                                             if torch.distributed.is_initialized() else 0))
         nan_state["on"] = bool(start) and rank_ok and (it == start if env.get("FAULT_NAN_ONCE") else it >= start)
         if env.get("FAULT_ITER_SLEEP"):
             time.sleep(float(env["FAULT_ITER_SLEEP"]))
-        step_at = int(env.get("FAULT_CLOCK_STEP_AT", "0") or 0)
-        if step_at and it >= step_at and rank_ok_for("FAULT_CLOCK_STEP_RANK") and not clock["stepped"]:
-            step_the_clock(float(env.get("FAULT_CLOCK_STEP_SECONDS", "7200")))
         if env.get("FAULT_PAUSE_AT") and it == int(env["FAULT_PAUSE_AT"]):
             while not os.path.exists(env["FAULT_PAUSE_UNTIL"]):
                 time.sleep(0.1)

@@ -1,6 +1,6 @@
 """One clock for time-based exits: a +2 h clock step on one rank of DP = 2 with --exit-duration-in-mins.
 
-Both ``time.time`` and ``time.monotonic`` of one process jump 2 h ahead before iteration 3 (fault_inject's
+Both ``time.time`` and ``time.monotonic`` of one process jump 2 h ahead before iteration 3 (clock_inject.py's
 FAULT_CLOCK_STEP_*). Rank 0's monotonic clock alone decides, inside the step's one read-back: stepped on rank 1,
 nothing happens (both ranks train to the end and save once); stepped on rank 0, both ranks save once at
 iteration 3 and exit 0. Before, each rank read its own ``time.time()``: the stepped rank saved and left alone.
@@ -13,13 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from . import test_faults
 from .test_faults import MODEL, launch_ranks, tracker
+
+CLOCK_INJECT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "clock_inject.py")
 
 ITERS, STEP_AT = 6, 3
 
 
 @pytest.mark.parametrize("stepped_rank, saved_at", [(1, ITERS), (0, STEP_AT)])
-def test_clock_step_on_one_rank_saves_once_at_one_iteration(tmp_path, stepped_rank, saved_at):
+def test_clock_step_on_one_rank_saves_once_at_one_iteration(tmp_path, monkeypatch, stepped_rank, saved_at):
+    monkeypatch.setattr(test_faults, "INJECT", CLOCK_INJECT)  # launch_ranks starts this script instead
     save = str(tmp_path / "ckpt")
     argv = ["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", str(ITERS), "--save", save,
             "--exit-duration-in-mins", "60"]
