@@ -101,6 +101,7 @@ class DataConfig:
     split: str | None = "969,30,1"            # normalised ("99,1,0"); None with the per-split paths
     data_cache_path: str | None = None
     mock_data: bool = False
+    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     num_workers: int = 2
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -138,7 +139,6 @@ class CheckpointConfig:
     async_save: bool = False                  # --async-save: write in the background
     overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
     allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
-    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     save_retain_interval: int | None = None   # keep only these multiples (and the newest) of the persistent saves
     non_persistent_save_interval: int | None = None  # frequent saves to the non-persistent directory
     non_persistent_ckpt_type: str | None = None      # "global" (the only one here) or None

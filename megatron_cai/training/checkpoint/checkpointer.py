@@ -27,9 +27,8 @@ import torch.distributed as dist
 from ...core import parallel_state as ps
 from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
-from . import dist_format, torch_format
+from . import data_record, dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .data_record import check_data
 from .dcp_pieces import DCP_METADATA
 from .file_io import ALGORITHMS, CheckpointError
 from .integrity import Mismatch, read_manifest, verify_share
@@ -161,11 +160,11 @@ class Checkpointer:
         refuse_megatron_lm_checkpoint(root, iteration)
         fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
-        meta = read_metadata(root, iteration)
-        check_tokenizer(meta, self.config.tokenizer, iteration_dir(root, iteration),
+        check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
                         allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
-        if not ckpt.finetune:  # fine-tuning is on other data by design
-            check_data(meta, self.config.data, iteration_dir(root, iteration), allowed=ckpt.allow_data_change)
+        if not ckpt.finetune:  # the data's fingerprints against the checkpoint's record (fine-tuning: other data)
+            data_record.check_data(read_metadata(root, iteration), self.config.data, iteration_dir(root, iteration),
+                                   allowed=self.config.data.allow_data_change)
         self.loaded_root = root
         if not ckpt.finetune and (same_path(root, ckpt.save) or same_path(root, self.retention.np_root)):
             self.retention.resumed_in_place()
