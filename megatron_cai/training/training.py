@@ -228,6 +228,7 @@ class Trainer:
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
+        self.deadline = Deadline(None)  # --exit-duration-in-mins: set when train() starts
         ckpt = config.checkpoint
         local = sum(p.numel() for m in chunks for p in m.parameters())
         tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
@@ -267,7 +268,6 @@ class Trainer:
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
         self.exit_signal = _ExitSignal(run.exit_signal_handler)
-        self.deadline = Deadline(None)  # set when train() starts
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
         tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
         seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
