@@ -221,6 +221,9 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="*", default=None, help="prefixes for test")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--allow-data-change", action="store_true",
+                   help="resume although a data file's content fingerprint differs from the one the checkpoint "
+                        "recorded (by default an error naming the file; each changed file is then a warning)")
     g.add_argument("--tokenizer-type", default=None,
                    help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given (as Megatron-LM's GPT "
                         "example scripts), else SentencePieceTokenizer (what tools/train_tokenizer.py makes)",
@@ -595,6 +598,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         split=args.split,
         data_cache_path=args.data_cache_path,
         mock_data=args.mock_data,
+        allow_data_change=args.allow_data_change,
         num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids,

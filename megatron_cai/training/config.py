@@ -101,6 +101,7 @@ class DataConfig:
     split: str | None = "969,30,1"            # normalised ("99,1,0"); None with the per-split paths
     data_cache_path: str | None = None
     mock_data: bool = False
+    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     num_workers: int = 2
     eod_mask_loss: bool = False
     reset_position_ids: bool = False

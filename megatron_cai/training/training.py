@@ -21,7 +21,6 @@ import math
 import os
 import signal
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,7 +63,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .step_readback import loss_means, read_step
+from .step_readback import Deadline, loss_means, read_step
 from .training_log import (
     IterationStats,
     log_line_timers,
@@ -111,6 +110,7 @@ class StepResult:
     grad_norm: float          # nan when some gradient was not finite
     finite: bool              # the optimizer stepped (False: skipped on every rank)
     exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
+    time_up: bool = False     # --exit-duration-in-mins passed on rank 0's clock (read back with the step)
 
 
 def empty_device_cache(device: torch.device) -> None:
@@ -228,6 +228,7 @@ class Trainer:
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
+        self.deadline = Deadline(None)  # --exit-duration-in-mins: set when train() starts
         ckpt = config.checkpoint
         local = sum(p.numel() for m in chunks for p in m.parameters())
         tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
@@ -367,7 +368,8 @@ class Trainer:
             empty_device_cache(self.device)
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        read = read_step(self.optimizer.local_norm_sq(), stats, self.exit_signal.received, self.device)
+        read = read_step(self.optimizer.local_norm_sq(), stats, self.exit_signal.received, self.device,
+                         time_up=self.deadline.passed())
         finite = math.isfinite(read.grad_norm)
         if finite:
             self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
@@ -391,7 +393,7 @@ class Trainer:
         if level >= 1:
             empty_device_cache(self.device)
         self._mark_timelines("step end")
-        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested)
+        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested, read.time_up)
 
     def _mark_timelines(self, name: str) -> None:
         for t in self.timelines:
@@ -478,7 +480,7 @@ class Trainer:
         run, log, st = self.config.training, self.config.logging, self.state
         save_interval = self.config.checkpoint.save_interval
         np_interval = self.config.checkpoint.non_persistent_save_interval
-        start_time = time.time()
+        self.deadline = Deadline(run.exit_duration_in_mins)  # rank 0's monotonic clock decides for every rank
         window = LogWindow()
         history = []
         if run.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection; collect at fixed steps
@@ -541,9 +543,10 @@ class Trainer:
                 self.save()
                 print_rank_0(f" exiting at iteration {st.iteration} (--exit-interval)")
                 break
-            if run.exit_duration_in_mins and (time.time() - start_time) / 60 > run.exit_duration_in_mins:
+            if step.time_up:  # decided by rank 0's clock in the step's read-back: the same iteration everywhere
                 self.save()
-                print_rank_0(f" exiting after {run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                print_rank_0(f" exiting at iteration {st.iteration} after {run.exit_duration_in_mins} minutes "
+                             f"(--exit-duration-in-mins, rank 0's clock)")
                 break
         else:
             if self.config.checkpoint.save and not (save_interval and st.iteration % save_interval == 0):
