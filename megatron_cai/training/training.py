@@ -64,6 +64,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
+from .moe_metrics import MoEMetrics
 from .step_readback import loss_means, read_step
 from .training_log import (
     IterationStats,
@@ -205,6 +206,7 @@ class Trainer:
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
+        self.moe = MoEMetrics(chunks, model_cfg.moe, model_cfg.num_layers, self.device)
         self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
         if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP (x CP) mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
@@ -357,7 +359,8 @@ class Trainer:
         self.microbatches.update(self.state.consumed_train_samples)
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
-        stats = self._run_schedule(batches, forward_only=False)
+        self.moe.before_schedule(self._loss_scale(), self.num_microbatches)
+        stats = self.moe.add_to_stats(self._run_schedule(batches, forward_only=False), self.num_microbatches)
         self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
@@ -388,6 +391,7 @@ class Trainer:
         else:
             for m in self.model:
                 m.reducer.step_skipped()
+        self.moe.after_step()
         if level >= 1:
             empty_device_cache(self.device)
         self._mark_timelines("step end")
@@ -517,6 +521,8 @@ class Trainer:
             stats = self._iteration_stats(losses, grad_norm, finite, batch)
             if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
                 self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))
+                if self.config.model.moe is not None and self.config.model.moe.per_layer_logging:
+                    self.tb.scalars(self.moe.per_layer_scalars(), st.iteration)
                 self.wandb.log(megatron_wandb(stats, log, self.config.parallel.world_size), st.iteration)
             first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
             if prints_log_line(st.iteration, log.log_interval, first):

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.transformer.moe.config import MoEConfig
 from megatron_cai.core.transformer.moe.moe_layer import DenseShape, MoELayer
-from megatron_cai.core.transformer.moe.router import AuxLossGradScale
 
 HIDDEN, FFN, LAYERS = 16, 24, 2
 
@@ -52,7 +51,7 @@ def megatron_layer(cfg: MoEConfig, activation: str, bias: bool):
 
 def our_layer(cfg: MoEConfig, activation: str, bias: bool) -> MoELayer:
     dense = DenseShape(HIDDEN, FFN, LAYERS, activation, bias, 0.02, False)
-    return MoELayer(cfg, dense, AuxLossGradScale())
+    return MoELayer(cfg, dense)
 
 
 def copy_weights(theirs, ours: MoELayer) -> None:

@@ -54,19 +54,25 @@ class DenseShape:
     init_method_std: float
     sequence_parallel: bool
 
+    @classmethod
+    def of(cls, config) -> DenseShape:
+        """From a ``GPTConfig``."""
+        return cls(config.hidden_size, config.ffn_hidden_size, config.num_layers, config.activation,
+                   config.add_bias_linear, config.init_method_std, config.sequence_parallel)
+
 
 class MoELayer(nn.Module):
-    def __init__(self, config: MoEConfig, dense: DenseShape, grad_scale: AuxLossGradScale,
+    def __init__(self, config: MoEConfig, dense: DenseShape, layer_number: int = 0,
                  groups: MoEGroups | None = None) -> None:
+        """``layer_number``: the global (0-based) layer index, under which the aux losses are logged."""
         super().__init__()
         groups = groups or MoEGroups.from_parallel_state()
-        self.config = config
+        self.config, self.layer_number = config, layer_number
         init = normal_init(dense.init_method_std)
         out_init = normal_init(dense.init_method_std / math.sqrt(2.0 * dense.num_layers))
         local = config.num_experts // groups.ep_size
         self.local_experts = range(groups.ep_rank * local, (groups.ep_rank + 1) * local)
-        self.router = TopKRouter(config, dense.hidden_size, dense.num_layers, grad_scale, groups.tp_cp,
-                                 groups.tp_dp_cp)
+        self.router = TopKRouter(config, dense.hidden_size, AuxLossGradScale(), groups.tp_cp, groups.tp_dp_cp)
         set_param_meta(self.router.weight, full_shape=self.router.weight.shape, init_method=init,
                        allreduce_over_tp=dense.sequence_parallel)
         ffn = config.ffn_hidden_size or dense.ffn_hidden_size

@@ -105,11 +105,10 @@ def capacity_mask(probs: torch.Tensor, routing_map: torch.Tensor, topk: int, fac
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, config: MoEConfig, hidden_size: int, num_layers: int, grad_scale: AuxLossGradScale,
-                 tp_cp_group=None, tp_dp_cp_group=None) -> None:
+    def __init__(self, config: MoEConfig, hidden_size: int, grad_scale: AuxLossGradScale, tp_cp_group=None,
+                 tp_dp_cp_group=None) -> None:
         super().__init__()
         self.config = config
-        self.num_layers = num_layers
         self.grad_scale = grad_scale
         self.tp_cp_group, self.tp_dp_cp_group = tp_cp_group, tp_dp_cp_group
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
