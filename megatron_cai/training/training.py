@@ -217,7 +217,8 @@ class Trainer:
             self.model = [DistributedDataParallel(m, build_reducer(config.ddp, dp_group, dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device, timeline=t)
+                                                  config.ddp, device=self.device, timeline=t,
+                                                  expert_reducer=self._expert_reducer(run.seed))
                           for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
@@ -278,6 +279,14 @@ class Trainer:
         self.num_zeros_in_grad: float | None = None
 
     # --------------------------------------------------------------------------------------- setup
+    def _expert_reducer(self, seed: int):
+        """MoE: the reducer of expert gradients, over the expert-data-parallel group (None without MoE)."""
+        if self.config.model.moe is None:
+            return None
+        return build_reducer(self.config.ddp, ps.get_expert_data_parallel_group(),
+                             ps.get_expert_data_parallel_world_size(), seed=seed + ps.get_rank(),
+                             timing_level=self.config.logging.timing_log_level)
+
     def _log_memory(self, when: str) -> dict:
         """Log the memory report (max over ranks, collective); return this rank's figures."""
         mine = memory_report(self.model, self.optimizer, self.device)

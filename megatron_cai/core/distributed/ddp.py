@@ -9,6 +9,10 @@ Gradients that are partial per rank in another dimension are summed there too: t
 embeddings of the first and last pipeline stage over the embedding group (before their own, deferred,
 bucket is reduced, because the two stages lay out their buffers differently), and TP-partial gradients
 (sequence-parallel norms/biases, replicated KV projections) over the TP group.
+
+MoE expert parameters (``is_expert``) sit in buckets of their own, handed to ``expert_reducer`` over the
+expert-data-parallel group, pre-scaled by expert-DP / (DP x CP): each expert's gradient already sums the
+tokens that every EP rank routed to it, and the result is the same DP x CP mean as the dense gradients'.
 """
 from __future__ import annotations
 
@@ -30,10 +34,11 @@ class DistributedDataParallel(nn.Module):
     data_parallel_kind = "ddp"
 
     def __init__(self, module: nn.Module, reducer: BucketReducer, config: DDPConfig, *, device: torch.device,
-                 timeline: StepTimeline | None = None) -> None:
+                 timeline: StepTimeline | None = None, expert_reducer: BucketReducer | None = None) -> None:
         super().__init__()
         self.module = module
         self.reducer = reducer
+        self.expert_reducer = expert_reducer or reducer
         self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
@@ -47,7 +52,10 @@ class DistributedDataParallel(nn.Module):
         self.buffer = ParamAndGradBuffer(
             params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
             dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
-            separate=shared)
+            separate=shared, expert={id(p) for p in params if getattr(p, "is_expert", False)})
+        self.expert_grad_scale = ps.get_expert_data_parallel_world_size() / dp_size
+        if expert_reducer is not None:
+            expert_reducer.attach(device)
         self.is_last_microbatch = True
         self._handles: dict[int, object] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
@@ -67,12 +75,15 @@ class DistributedDataParallel(nn.Module):
                 self._hand_over(bucket)
 
     def _hand_over(self, bucket) -> None:
+        reducer = self.expert_reducer if bucket.expert else self.reducer
+        if bucket.expert and self.expert_grad_scale != 1.0:
+            bucket.grad_data.mul_(self.expert_grad_scale)
         if self.timeline is None:
-            self._handles[bucket.index] = self.reducer.reduce(bucket)
+            self._handles[bucket.index] = reducer.reduce(bucket)
             return
         self.timeline.bucket_ready(bucket.index, bucket.numel)
         with self.timeline.in_reducer():
-            self._handles[bucket.index] = self.reducer.reduce(bucket)
+            self._handles[bucket.index] = reducer.reduce(bucket)
 
     def zero_grad_buffer(self) -> None:
         self.buffer.zero_grad()
@@ -104,4 +115,6 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def grad_comm_bytes(self) -> int:
-        return self.reducer.bytes_sent
+        """Dense and expert gradients' bytes (one reducer when there is no expert-DP group of its own)."""
+        experts = self.expert_reducer.bytes_sent if self.expert_reducer is not self.reducer else 0
+        return self.reducer.bytes_sent + experts

@@ -100,6 +100,7 @@ class DistributedAdamW(GlobalNormClipping):
         self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        edp_rank = ps.get_expert_data_parallel_rank()
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
@@ -118,12 +119,15 @@ class DistributedAdamW(GlobalNormClipping):
                 # rank 0 only, the last stage's copy of tied embeddings not at all, DP replicas on DP rank 0.
                 if getattr(p, "shared_embedding", False) and not ddp.module.pre_process:
                     return False
+                if getattr(p, "is_expert", False):  # distinct over EP x ETP, replicated over expert DP
+                    return edp_rank == 0
                 replicated = getattr(p, "tp_dim", None) is None
                 return not (replicated and tp_rank != 0)
 
-            norm = buf.segments(counts)
-            if not self.distributed and dp_rank != 0:
-                norm = []
+            def expert_counts(p, counts=counts) -> bool:
+                return getattr(p, "is_expert", False) and counts(p)
+
+            norm = buf.segments(counts if self.distributed or dp_rank == 0 else expert_counts)
             self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all)
                                 for lo, hi in buf.owned_ranges(self.distributed)])
         self.groups: dict[tuple[bool, bool], _Group] = {}

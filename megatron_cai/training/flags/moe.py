@@ -124,5 +124,11 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
     if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                          "(as Megatron-LM's)")
+    if ep > 1 and (args.use_distributed_optimizer or args.use_torch_fsdp2):
+        raise ValueError(f"--expert-model-parallel-size {ep} with --use-distributed-optimizer or --use-torch-fsdp2: "
+                         "expert parameters are not sharded over expert-DP here yet; use DDP")
+    if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and (etp or tp) > 1:
+        raise ValueError("--moe-token-dispatcher-type alltoall with expert tensor parallelism > 1 is not "
+                         "implemented here; use allgather or --expert-tensor-parallel-size 1")
     check_expert_layout(world_size, args.pipeline_model_parallel_size, etp or tp, ep)
     return ep, etp

@@ -70,6 +70,7 @@ class GroupedExperts(nn.Module):
                  etp_rank: int = 0, etp: int = 1) -> None:
         super().__init__()
         self.activation, self.grouped_gemm = activation, grouped_gemm
+        self.first_expert = experts.start  # the global index of this rank's first expert
         self.etp_rank = etp_rank
         gated = activation == "swiglu"
         fc1_out = (2 if gated else 1) * ffn_hidden_size
