@@ -34,9 +34,10 @@ class MoEMetrics:
         self.per_layer: torch.Tensor | None = None
 
     def before_schedule(self, loss_scale: float, num_microbatches: int) -> None:
-        """Each aux loss's gradient: the main loss's (the fp16 loss scale / micro-batches)."""
+        """Each aux loss's gradient: the main loss's (the fp16 loss scale / micro-batches), times the CP size as
+        the main loss (each CP rank's aux loss is a part of the sequence's, and gradients average over CP)."""
         for layer in self.layers:
-            layer.router.grad_scale.value = loss_scale / num_microbatches
+            layer.router.grad_scale.value = loss_scale * ps.get_context_parallel_world_size() / num_microbatches
 
     def add_to_stats(self, stats: list[dict], num_microbatches: int) -> list[dict]:
         """The MoE values reduced as Megatron's tracker does, added to each micro-batch's statistics."""

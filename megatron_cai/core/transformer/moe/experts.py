@@ -41,6 +41,8 @@ def expert_param(local_shape: tuple[int, ...], global_shape: tuple[int, ...], in
 
     param = set_param_meta(nn.Parameter(torch.empty(local_shape)), full_shape=local_shape, init_method=init_local)
     param.is_expert = True
+    param.first_expert, param.num_experts = experts.start, global_shape[0]
+    param.etp_dim, param.etp_sections = (etp_dim if etp > 1 else None), sections
     return param
 
 
@@ -70,7 +72,6 @@ class GroupedExperts(nn.Module):
                  etp_rank: int = 0, etp: int = 1) -> None:
         super().__init__()
         self.activation, self.grouped_gemm = activation, grouped_gemm
-        self.first_expert = experts.start  # the global index of this rank's first expert
         self.etp_rank = etp_rank
         gated = activation == "swiglu"
         fc1_out = (2 if gated else 1) * ffn_hidden_size
