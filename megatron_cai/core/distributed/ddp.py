@@ -52,7 +52,8 @@ class DistributedDataParallel(nn.Module):
         self.buffer = ParamAndGradBuffer(
             params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
             dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
-            separate=shared, expert={id(p) for p in params if getattr(p, "is_expert", False)})
+            separate=shared, expert={id(p) for p in params if getattr(p, "is_expert", False)},
+            expert_dp=(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()))
         self.expert_grad_scale = ps.get_expert_data_parallel_world_size() / dp_size
         if expert_reducer is not None:
             expert_reducer.attach(device)

@@ -168,3 +168,43 @@ def test_ep2_composed_equals_one_process(reference, name):
 def test_ep2_cp2_packed_documents_equals_one_process(tmp_path_factory, dispatcher):
     data = _packed_docs(tmp_path_factory.mktemp("docs"))
     _compare(_reference(data), 2, 4, dispatcher, ("--context-parallel-size", "2", *data))
+
+
+def _squinch_worker(rank, world, argv):
+    holder = {}
+    out = train(argv, world_size=world, trainer_hook=lambda t: holder.setdefault("t", t))
+    ddp = holder["t"].model[0]
+    out.update(expert_bytes=ddp.expert_reducer.bytes_sent, dense_bytes=ddp.reducer.bytes_sent,
+               buckets={kind: [b.numel for b in ddp.buffer.buckets if b.expert == kind] for kind in (False, True)},
+               squinch=type(ddp.expert_reducer).__name__, edp=ps.get_expert_data_parallel_world_size(),
+               dp=ps.get_data_parallel_world_size())
+    return out
+
+
+def test_squinch_expert_gradients_over_expert_dp():
+    """World 4, EP 2: experts reduce over expert-DP groups of 2 in Squinch's 6-bit format, dense gradients over
+    DP 4. Per bucket, a compressed all-reduce over n ranks sends 2 (n - 1) wire rows of N / n elements: 0.375 of
+    bf16's 2 (n - 1) / n x 2 bytes x N, plus each row's non-finite flag byte padded to the row alignment. The
+    logged grad comm bytes are exactly that, dense and expert together, every iteration."""
+    from megatron_cai.core.distributed.squinch_collectives import row_nbytes
+
+    argv = RUN + ["--expert-model-parallel-size", "2", "--squinch", "--train-iters", "2"]
+    results = run_distributed(_squinch_worker, 4, args=(argv,))
+    r = results[0]
+    assert r["squinch"] == "SquinchReducer" and r["edp"] == 2 and r["dp"] == 4
+
+    def squinch(n, buckets):
+        return sum(2 * (n - 1) * row_nbytes(numel // n) for numel in buckets)
+
+    def bf16(n, buckets):  # a ring all-reduce: 2 (n - 1) / n of the buffer, 2 bytes an element
+        return sum(2 * (n - 1) * 2 * numel // n for numel in buckets)
+
+    expert, dense = squinch(2, r["buckets"][True]), squinch(4, r["buckets"][False])
+    iterations = len(r["history"])
+    assert r["expert_bytes"] == expert * iterations > 0 and r["dense_bytes"] == dense * iterations
+    assert 0.375 < expert / bf16(2, r["buckets"][True]) < 0.381  # the flag rows: 0.375 as buckets grow
+    assert [h["grad comm bytes"] for h in last_stage(results)] == [expert + dense] * iterations
+
+
+def last_stage(results):
+    return [r for r in results if r["last_stage"]][0]["history"]
