@@ -124,9 +124,14 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
     if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                          "(as Megatron-LM's)")
-    if ep > 1 and (args.use_distributed_optimizer or args.use_torch_fsdp2):
-        raise ValueError(f"--expert-model-parallel-size {ep} with --use-distributed-optimizer or --use-torch-fsdp2: "
-                         "expert parameters are not sharded over expert-DP here yet; use DDP")
+    if ep > 1 and args.use_torch_fsdp2:
+        raise ValueError(f"--expert-model-parallel-size {ep} with --use-torch-fsdp2: expert parameters are not "
+                         "sharded over the expert-DP mesh here yet; use DDP or --use-distributed-optimizer")
+    split = args.num_experts is not None and (ep > 1 or (etp or tp) > 1)
+    if split and (args.save or args.load):
+        raise ValueError(f"--expert-model-parallel-size {ep} / expert tensor parallel size {etp or tp} with --save / "
+                         "--load: checkpoints of experts split over ranks are not implemented here yet (a rank would "
+                         "save only its own experts)")
     if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and (etp or tp) > 1:
         raise ValueError("--moe-token-dispatcher-type alltoall with expert tensor parallelism > 1 is not "
                          "implemented here; use allgather or --expert-tensor-parallel-size 1")

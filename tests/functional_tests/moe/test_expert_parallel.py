@@ -1,7 +1,7 @@
 """Expert parallelism equals one process holding every expert: the losses (lm, load balancing, z), the grad
 norm and every parameter's gradient (experts gathered from their EP ranks) over 5 iterations, to 1e-6, for EP 2
 and EP 4 with both token dispatchers (the ranks are DP ranks too: each sees its share of the global batch),
-and composed: EP 2 x expert-DP 2, EP 2 x TP 2 with sequence parallelism (expert TP 2 with allgather, expert
+and composed: EP 2 x expert-DP 2 (DDP and the distributed optimizer), EP 2 x TP 2 with sequence parallelism (expert TP 2 with allgather, expert
 TP 1 with alltoall), EP 2 x PP 2 interleaved, EP 2 x CP 2 on packed documents."""
 from __future__ import annotations
 
@@ -35,11 +35,23 @@ def _capture_grads(trainer):
                 else:
                     tp_split = p.tp_dim if ps.get_tensor_model_parallel_world_size() > 1 else None
                     where = (None, tp_split, len(p.tp_sections or [0]), tp_rank)
-                captured[name] = (where, p.main_grad.detach().clone())
+                captured[name] = (where, _owned(chunk, p, trainer.optimizer.distributed))
         return step(*a, **k)
 
     trainer.optimizer.step = recording_step
     trainer.captured = captured
+
+
+def _owned(ddp, p, distributed: bool) -> torch.Tensor:
+    """``p``'s reduced gradient; with the distributed optimizer only this rank's shards, zero elsewhere."""
+    g = p.main_grad.detach().clone()
+    if not distributed:
+        return g
+    s, e = ddp.buffer.offsets[id(p)]
+    keep = torch.zeros(e - s, dtype=torch.bool)
+    for lo, hi in ddp.buffer.owned_ranges(True):
+        keep[max(lo, s) - s:max(min(hi, e) - s, 0)] = True
+    return (g.reshape(-1) * keep).view_as(g)
 
 
 def _worker(rank, world, argv):
@@ -52,6 +64,7 @@ def _worker(rank, world, argv):
     out = train(argv, world_size=world, trainer_hook=hook)
     out["grads"] = holder["t"].captured
     out["ep_rank"] = ps.get_expert_model_parallel_rank()
+    out["sharded"] = holder["t"].optimizer.distributed
     return out
 
 
@@ -67,7 +80,9 @@ def _full_grads(results):
     pieces: dict[str, dict] = {}
     for r in results:
         for name, ((first, dim, sections, split_rank), g) in r["grads"].items():
-            pieces.setdefault(name, {}).setdefault(first, (dim, sections, {}))[2].setdefault(split_rank, g)
+            parts = pieces.setdefault(name, {}).setdefault(first, (dim, sections, {}))[2]
+            parts[split_rank] = parts[split_rank] + g if r["sharded"] and split_rank in parts else \
+                parts.get(split_rank, g)  # distributed optimizer: the replicas' shards add up
     out = {}
     for name, by_first in pieces.items():
         joined = {first: _unsplit(parts, dim, sections) for first, (dim, sections, parts) in by_first.items()}
@@ -153,6 +168,8 @@ COMPOSITIONS = {
                               "--expert-tensor-parallel-size", "1"], "alltoall"),
     "pp2_interleaved": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
                         "alltoall"),
+    "dp2_distributed_optimizer": (["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                   "--overlap-param-gather"], "alltoall"),
 }
 
 
