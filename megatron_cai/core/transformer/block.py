@@ -54,7 +54,8 @@ class TransformerLayer(nn.Module):
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, visibility, position_ids,
                                                   kv_cache, input_rms=NormOutputRMS(self.input_layernorm)))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm)))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm),
+                                          visibility=visibility))
 
 
 class TransformerBlock(nn.Module):

@@ -135,5 +135,9 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
     if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and (etp or tp) > 1:
         raise ValueError("--moe-token-dispatcher-type alltoall with expert tensor parallelism > 1 is not "
                          "implemented here; use allgather or --expert-tensor-parallel-size 1")
+    if args.num_experts is not None and args.context_parallel_size > 1 and \
+            _single("--moe-router-load-balancing-type", args.moe_router_load_balancing_type) == "seq_aux_loss":
+        raise ValueError("--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size > 1 is not "
+                         "implemented here (its documents span the CP ranks' zig-zag chunks); use aux_loss")
     check_expert_layout(world_size, args.pipeline_model_parallel_size, etp or tp, ep)
     return ep, etp

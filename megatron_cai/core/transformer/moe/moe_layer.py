@@ -15,6 +15,7 @@ from torch import nn
 from ... import parallel_state as ps
 from ...tensor_parallel.layers import normal_init, set_param_meta
 from .config import MoEConfig
+from .documents import Documents, documents
 from .experts import GroupedExperts
 from .router import AuxLossGradScale, TopKRouter
 from .shared_experts import SharedExperts
@@ -68,6 +69,7 @@ class MoELayer(nn.Module):
         super().__init__()
         groups = groups or MoEGroups.from_parallel_state()
         self.config, self.layer_number = config, layer_number
+        self.sp_rank = ps.get_tensor_model_parallel_rank() if dense.sequence_parallel else 0
         init = normal_init(dense.init_method_std)
         out_init = normal_init(dense.init_method_std / math.sqrt(2.0 * dense.num_layers))
         local = config.num_experts // groups.ep_size
@@ -88,13 +90,22 @@ class MoELayer(nn.Module):
         else:
             self.dispatcher = AllGatherDispatcher(config.num_experts, self.local_experts, groups.tp_ep)
 
-    def forward(self, x: torch.Tensor, input_rms=None) -> torch.Tensor:
-        """``x`` ``[batch, seq, hidden]`` -> the same shape. (``input_rms`` is the dense MLP's QAT hint; the
+    def _documents(self, visibility, local_seq: int) -> Documents | None:
+        """The packed documents of this rank's tokens, for ``seq_aux_loss`` (None: one sequence per row)."""
+        if self.config.router_load_balancing_type != "seq_aux_loss" or not isinstance(visibility, tuple):
+            return None
+        start = self.sp_rank * local_seq
+        return documents(visibility[1], slice(start, start + local_seq))
+
+    def forward(self, x: torch.Tensor, input_rms=None, visibility=None) -> torch.Tensor:
+        """``x`` ``[batch, seq, hidden]`` -> the same shape. ``visibility``: the layer's (start, limit) intervals,
+        which delimit the documents of ``seq_aux_loss``. (``input_rms`` is the dense MLP's QAT hint; the
         experts' GEMMs are not quantized.)"""
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         batch, seq, hidden = x.shape
         tokens = x.transpose(0, 1).reshape(-1, hidden)  # megatron's [s, b] order
-        probs, routing_map = self.router(tokens, seq_length=seq, sequences=batch)
+        probs, routing_map = self.router(tokens, seq_length=seq, sequences=batch,
+                                         docs=self._documents(visibility, seq))
         rows, counts, row_probs = self.dispatcher.dispatch(tokens, probs, routing_map)
         out = self.dispatcher.combine(self.experts(rows, counts, row_probs))
         out = out.to(x.dtype).view(seq, batch, hidden).transpose(0, 1)

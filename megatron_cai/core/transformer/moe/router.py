@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import MoEConfig
+from .documents import Documents
 
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                   "global_aux_loss": "global_load_balancing_loss"}
@@ -200,13 +201,27 @@ class TopKRouter(nn.Module):
         idx = torch.topk(scores, k=self.config.router_topk, dim=1)[1]
         return scores, torch.zeros_like(logits).int().scatter(1, idx, 1).bool()
 
+    def document_aux_loss(self, scores: torch.Tensor, routing_map: torch.Tensor, docs: Documents) -> torch.Tensor:
+        """``seq_aux_loss`` with each document its own sequence: Switch's loss per document (its tokens'
+        routed fractions and mean scores, counts summed over TP x CP), averaged over the documents."""
+        c = self.config
+        counts = torch.zeros(docs.lengths.numel(), c.num_experts, device=scores.device)
+        counts = _all_reduce(counts.index_add_(0, docs.key, routing_map.float()), self.tp_cp_group)
+        summed = torch.zeros_like(counts).index_add(0, docs.key, scores.float())
+        lengths = docs.lengths.clamp_min(1).float()
+        per_doc = (summed * counts).sum(dim=1) * (c.num_experts * c.aux_loss_coeff / c.router_topk) / lengths ** 2
+        return per_doc.sum() / docs.count
+
     def apply_load_balancing_loss(self, probs: torch.Tensor, logits: torch.Tensor, seq_length: int,
-                                  sequences: int) -> torch.Tensor:
+                                  sequences: int, docs: Documents | None = None) -> torch.Tensor:
         """Attach the configured aux loss. ``seq_aux_loss`` treats the tokens as ``sequences`` sequences of
-        ``seq_length`` tokens each (Megatron's ``[s, b]`` reshape: sequences are the columns)."""
+        ``seq_length`` tokens each (Megatron's ``[s, b]`` reshape: sequences are the columns), or, given the
+        packed rows' ``docs``, each document as its own sequence."""
         c, k = self.config, self.config.router_topk
         kind = c.router_load_balancing_type
         scores, routing_map = self._aux_scores(logits)
+        if kind == "seq_aux_loss" and docs is not None:
+            return self._attach(probs, self.document_aux_loss(scores, routing_map, docs), AUX_LOSS_NAMES[kind])
         if kind == "seq_aux_loss":
             scores, routing_map = scores.reshape(seq_length, -1), routing_map.reshape(seq_length, -1)
         group = self.tp_dp_cp_group if kind == "global_aux_loss" else self.tp_cp_group
@@ -247,8 +262,9 @@ class TopKRouter(nn.Module):
             self.local_tokens_per_expert.zero_()
 
     # forward -------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, seq_length: int, sequences: int):
-        """``x`` ``[tokens, hidden]`` -> (probs, routing_map), ``[tokens, experts]`` each."""
+    def forward(self, x: torch.Tensor, seq_length: int, sequences: int, docs: Documents | None = None):
+        """``x`` ``[tokens, hidden]`` -> (probs, routing_map), ``[tokens, experts]`` each. ``docs``: the packed
+        documents of the tokens (``seq_aux_loss`` per document)."""
         c = self.config
         logits = self.apply_z_loss(self.gating(self._jitter(x)))
         if c.router_load_balancing_type == "sinkhorn":
@@ -260,7 +276,7 @@ class TopKRouter(nn.Module):
             routing_map = keep if c.pad_expert_input_to_capacity else routing_map & keep
             probs = probs * routing_map
         if self.training and torch.is_grad_enabled() and c.aux_loss_enabled():
-            probs = self.apply_load_balancing_loss(probs, logits, seq_length, sequences)
+            probs = self.apply_load_balancing_loss(probs, logits, seq_length, sequences, docs)
         if self.expert_bias is not None and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
