@@ -13,6 +13,9 @@ from ...core.parallel_state import check_expert_layout
 from ...core.transformer.moe.config import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig
 
 
+_MAX_LAYERS = 100_000  # a pattern longer than any model: refused before it is built
+
+
 def layer_freq(text: str) -> int | list[int]:
     """``--moe-layer-freq``: an int, or a list expression of 0/1 built from list literals, ``+`` and ``*``."""
     text = str(text).strip()
@@ -28,6 +31,9 @@ def layer_freq(text: str) -> int | list[int]:
             return node.value
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int) and \
+                    len(left) * right > _MAX_LAYERS:
+                raise ValueError("too many layers")
             return left + right if isinstance(node.op, ast.Add) else left * right
         raise ValueError(ast.dump(node))
 
