@@ -28,7 +28,6 @@ from .config import (
     flag_range_problems,
 )
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
-from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.megatron_features import (
     add_megatron_features,
     add_megatron_numerics,
@@ -37,6 +36,7 @@ from .flags.megatron_features import (
     loss_scale_config,
     step_schedule_global_batch,
 )
+from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
 from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
@@ -484,6 +484,11 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
     )
 
 
+def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
+    ep, etp = expert_sizes(args, world_size)
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+
+
 def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
     return ParallelConfig(
         world_size=layout.world_size,
@@ -498,7 +503,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         ranks_per_node=args.ranks_per_node,
         device=args.device,
-        **dict(zip(("expert_model_parallel_size", "expert_tensor_parallel_size"), expert_sizes(args, layout.world_size))),
+        **_expert_sizes(args, layout.world_size),
     )
 
 

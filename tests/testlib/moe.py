@@ -18,7 +18,8 @@ HIDDEN, FFN, LAYERS = 16, 24, 2
 # our MoEConfig field -> megatron-core TransformerConfig field
 _FIELDS = {"num_experts": "num_moe_experts", "ffn_hidden_size": "moe_ffn_hidden_size",
            "router_topk": "moe_router_topk", "router_score_function": "moe_router_score_function",
-           "router_pre_softmax": "moe_router_pre_softmax", "router_topk_scaling_factor": "moe_router_topk_scaling_factor",
+           "router_pre_softmax": "moe_router_pre_softmax",
+           "router_topk_scaling_factor": "moe_router_topk_scaling_factor",
            "router_num_groups": "moe_router_num_groups", "router_group_topk": "moe_router_group_topk",
            "router_dtype": "moe_router_dtype", "router_load_balancing_type": "moe_router_load_balancing_type",
            "aux_loss_coeff": "moe_aux_loss_coeff", "z_loss_coeff": "moe_z_loss_coeff",

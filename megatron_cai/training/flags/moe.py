@@ -12,7 +12,6 @@ import ast
 from ...core.parallel_state import check_expert_layout
 from ...core.transformer.moe.config import DISPATCHERS, DROP_POLICIES, LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig
 
-
 _MAX_LAYERS = 100_000  # a pattern longer than any model: refused before it is built
 
 
@@ -40,7 +39,8 @@ def layer_freq(text: str) -> int | list[int]:
     try:
         pattern = value(ast.parse(text, mode="eval"))
     except (SyntaxError, ValueError, TypeError):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list of 0/1 built with [..], + and *")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an int nor a list of 0/1 built with [..], + and *") from None
     if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
         raise argparse.ArgumentTypeError(f"{text!r} must give a list of 0 and 1 (one per layer)")
     return pattern

@@ -1,8 +1,10 @@
 """Expert parallelism equals one process holding every expert: the losses (lm, load balancing, z), the grad
 norm and every parameter's gradient (experts gathered from their EP ranks) over 5 iterations, to 1e-6, for EP 2
 and EP 4 with both token dispatchers (the ranks are DP ranks too: each sees its share of the global batch),
-and composed: EP 2 x expert-DP 2 (DDP and the distributed optimizer), EP 2 x TP 2 with sequence parallelism (expert TP 2 with allgather, expert
-TP 1 with alltoall), EP 2 x PP 2 interleaved, EP 2 x CP 2 on packed documents."""
+and composed: EP 2 x expert-DP 2 (DDP and the distributed optimizer), EP 2 x TP 2 with sequence parallelism
+(expert TP 2 with allgather, expert TP 1 with alltoall), EP 2 x PP 2 interleaved, EP 2 x CP 2 on packed
+documents, seq_aux_loss per packed document under TP 2 x EP 2. Squinch compresses the expert gradients over
+the expert-DP group, and the logged bytes count them."""
 from __future__ import annotations
 
 import pytest

@@ -11,8 +11,16 @@ import io
 import pytest
 import yaml
 from testlib.distributed import run_distributed
-from testlib.megatron_scripts import FIXTURES, MIXTRAL, demo_corpus, model_flags_argv, preprocess, resize, \
-    run_script, tool
+from testlib.megatron_scripts import (
+    FIXTURES,
+    MIXTRAL,
+    demo_corpus,
+    model_flags_argv,
+    preprocess,
+    resize,
+    run_script,
+    tool,
+)
 from testlib.train import train
 
 SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["128"],
@@ -36,7 +44,8 @@ def test_mixtral_script_trains_two_iterations(tmp_path):
     pytest.importorskip("sentencepiece")
     corpus = demo_corpus(tmp_path / "corpus", max_mb=0.05)
     tool("train_tokenizer.py", "--input", corpus["jsonl"], "--vocab-size", "500", "--model-prefix", tmp_path / "sp")
-    data = preprocess(corpus, "llama2", "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", tmp_path / "sp.model")
+    model = tmp_path / "sp.model"
+    data = preprocess(corpus, "llama2", "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", model)
     sizes = {**SIZES, "--num-experts": ["4"], "--expert-model-parallel-size": ["1"], "--micro-batch-size": ["1"],
              "--global-batch-size": ["2"], "--train-iters": ["2"], "--lr-decay-iters": ["2"],
              "--lr-warmup-iters": ["1"], "--eval-iters": ["1"]}

@@ -10,7 +10,7 @@ import typing
 
 import pytest
 
-from megatron_cai.training.arguments import build_parser, parse_config
+from megatron_cai.training.arguments import parse_config
 from megatron_cai.training.config import ArgumentError
 from megatron_cai.training.flags.moe import layer_freq
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..mlp import relu2
 from ...tensor_parallel.layers import InitMethod, set_param_meta
 from ...tensor_parallel.utils import divide
+from ..mlp import relu2
 
 
 def expert_param(local_shape: tuple[int, ...], global_shape: tuple[int, ...], init: InitMethod,
