@@ -10,9 +10,8 @@ embeddings of the first and last pipeline stage over the embedding group (before
 bucket is reduced, because the two stages lay out their buffers differently), and TP-partial gradients
 (sequence-parallel norms/biases, replicated KV projections) over the TP group.
 
-MoE expert parameters (``is_expert``) sit in buckets of their own, handed to ``expert_reducer`` over the
-expert-data-parallel group, pre-scaled by expert-DP / (DP x CP): each expert's gradient already sums the
-tokens that every EP rank routed to it, and the result is the same DP x CP mean as the dense gradients'.
+MoE expert parameters (``is_expert``) sit in buckets of their own; given an ``expert_reducer`` (over the
+expert-data-parallel group), ``reducer`` becomes ``expert_reducer.DenseAndExpertReducer`` of the two.
 """
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from .. import parallel_state as ps
 from .comm_timing import StepTimeline
 from .config import DDPConfig
 from .contracts import BucketReducer
+from .expert_reducer import DenseAndExpertReducer
 from .grad_buffer import ParamAndGradBuffer
 
 
@@ -37,14 +37,11 @@ class DistributedDataParallel(nn.Module):
                  timeline: StepTimeline | None = None, expert_reducer: BucketReducer | None = None) -> None:
         super().__init__()
         self.module = module
-        self.reducer = reducer
-        self.expert_reducer = expert_reducer or reducer
         self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
         bucket_size = config.bucket_elements(dp_size, nodes=ps.get_data_parallel_inter_node_world_size())
-        reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
         self.shared_params = [p for p in params if id(p) in shared]
@@ -54,9 +51,10 @@ class DistributedDataParallel(nn.Module):
             dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
             separate=shared, expert={id(p) for p in params if getattr(p, "is_expert", False)},
             expert_dp=(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()))
-        self.expert_grad_scale = ps.get_expert_data_parallel_world_size() / dp_size
         if expert_reducer is not None:
-            expert_reducer.attach(device)
+            reducer = DenseAndExpertReducer(reducer, expert_reducer, ps.get_expert_data_parallel_world_size() / dp_size)
+        self.reducer = reducer
+        reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         self.is_last_microbatch = True
         self._handles: dict[int, object] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
@@ -76,15 +74,12 @@ class DistributedDataParallel(nn.Module):
                 self._hand_over(bucket)
 
     def _hand_over(self, bucket) -> None:
-        reducer = self.expert_reducer if bucket.expert else self.reducer
-        if bucket.expert and self.expert_grad_scale != 1.0:
-            bucket.grad_data.mul_(self.expert_grad_scale)
         if self.timeline is None:
-            self._handles[bucket.index] = reducer.reduce(bucket)
+            self._handles[bucket.index] = self.reducer.reduce(bucket)
             return
         self.timeline.bucket_ready(bucket.index, bucket.numel)
         with self.timeline.in_reducer():
-            self._handles[bucket.index] = reducer.reduce(bucket)
+            self._handles[bucket.index] = self.reducer.reduce(bucket)
 
     def zero_grad_buffer(self) -> None:
         self.buffer.zero_grad()
@@ -116,6 +111,4 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def grad_comm_bytes(self) -> int:
-        """Dense and expert gradients' bytes (one reducer when there is no expert-DP group of its own)."""
-        experts = self.expert_reducer.bytes_sent if self.expert_reducer is not self.reducer else 0
-        return self.reducer.bytes_sent + experts
+        return self.reducer.bytes_sent

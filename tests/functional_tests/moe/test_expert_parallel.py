@@ -200,9 +200,9 @@ def _squinch_worker(rank, world, argv):
     holder = {}
     out = train(argv, world_size=world, trainer_hook=lambda t: holder.setdefault("t", t))
     ddp = holder["t"].model[0]
-    out.update(expert_bytes=ddp.expert_reducer.bytes_sent, dense_bytes=ddp.reducer.bytes_sent,
+    out.update(expert_bytes=ddp.reducer.expert.bytes_sent, dense_bytes=ddp.reducer.dense.bytes_sent,
                buckets={kind: [b.numel for b in ddp.buffer.buckets if b.expert == kind] for kind in (False, True)},
-               squinch=type(ddp.expert_reducer).__name__, edp=ps.get_expert_data_parallel_world_size(),
+               squinch=type(ddp.reducer.expert).__name__, edp=ps.get_expert_data_parallel_world_size(),
                dp=ps.get_data_parallel_world_size())
     return out
 
@@ -244,3 +244,22 @@ def test_seq_aux_loss_per_document_under_tp2_sp_and_ep2_equals_one_process(tmp_p
                                                                        "seq_aux_loss"]
     ref = _reference(data)
     _compare(ref, 2, 4, "allgather", ("--tensor-model-parallel-size", "2", "--sequence-parallel", *data))
+
+
+def _resume_worker(rank, world, argv, save):
+    """Iterations 1-2 saved, then 3-4 resumed from the checkpoint (Squinch's error feedback included)."""
+    first = train(argv + ["--train-iters", "4", "--save", save, "--exit-interval", "2"], world_size=world)
+    second = train(argv + ["--train-iters", "4", "--save", save, "--load", save], world_size=world)
+    return first["history"] + second["history"]
+
+
+def test_squinch_expert_feedback_resumes_exactly(tmp_path):
+    """DP 2 (expert DP 2): the expert reducer's error feedback is saved with the dense one's and restored: the
+    resumed run's losses and grad norms are the uninterrupted run's, bit for bit."""
+    argv = RUN + ["--squinch", "--ckpt-format", "torch"]
+    whole = last_stage(run_distributed(_worker, 2, args=(argv + ["--train-iters", "4"],)))
+    resumed = run_distributed(_resume_worker, 2, args=(argv, str(tmp_path / "ckpt")))[0]
+    assert len(resumed) == 4
+    for a, b in zip(whole, resumed):
+        assert (a["lm loss"], a["load_balancing_loss"], a["grad norm"]) == \
+            (b["lm loss"], b["load_balancing_loss"], b["grad norm"])
