@@ -141,6 +141,9 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
     if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and (etp or tp) > 1:
         raise ValueError("--moe-token-dispatcher-type alltoall with expert tensor parallelism > 1 is not "
                          "implemented here; use allgather or --expert-tensor-parallel-size 1")
+    if args.num_experts is not None and args.recompute_granularity == "full":
+        raise ValueError("--num-experts with --recompute-granularity full: the recomputed forward would route, "
+                         "count and log each MoE layer's tokens twice here; use selective recompute")
     if args.num_experts is not None and args.context_parallel_size > 1 and \
             _single("--moe-router-load-balancing-type", args.moe_router_load_balancing_type) == "seq_aux_loss":
         raise ValueError("--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size > 1 is not "

@@ -79,6 +79,7 @@ def test_layer_freq_patterns_are_read_without_eval():
     (["--num-experts", "8", "--expert-model-parallel-size", "2", "--save", "ck"], 2, "--save / --load"),
     (["--num-experts", "8", "--expert-model-parallel-size", "2", "--use-torch-fsdp2"], 2, "--use-torch-fsdp2"),
     (["--num-experts", "8", "--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--num-experts", "8", "--recompute-granularity", "full"], 1, "--recompute-granularity full"),
     (["--num-experts", "8", "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"], 1,
      "one load-balancing type at a time"),
 ])
