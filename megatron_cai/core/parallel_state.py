@@ -10,6 +10,13 @@ That group is further split into an intra-node group (its ranks on the same node
 CP groups) and an inter-node group (its ranks with the same position inside their node), for
 hierarchical gradient reduction. With a world size of one nothing is created and every getter answers
 for a single process.
+
+Mixture-of-Experts layers lay the same ranks out a second time, as megatron-core's expert rank generator does
+(expert TP ranks adjacent, then EP, then expert DP, then PP)::
+
+    global_rank = etp_rank + ETP * (ep_rank + EP * (edp_rank + EDP * pp_rank))
+
+Expert parameters are split over EP (and ETP) and their gradients reduce over the expert-DP group.
 """
 from __future__ import annotations
 
@@ -33,6 +40,9 @@ class _State:
     cp: int = 1
     vpp: int | None = None
     vpp_rank: int | None = None
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
     ranks_per_node: int = 1
     groups: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
@@ -79,6 +89,28 @@ def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = Non
     return dp
 
 
+def check_expert_layout(world_size: int, pp: int, etp: int, ep: int) -> int:
+    """Validate the expert layout (ETP x EP x expert-DP x PP); return the expert-DP size."""
+    if etp < 1 or ep < 1 or world_size % (etp * ep * pp) != 0:
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by expert-tensor-parallel-size {etp} x "
+            f"expert-model-parallel-size {ep} x pipeline-model-parallel-size {pp} = {etp * ep * pp}")
+    return world_size // (etp * ep * pp)
+
+
+def expert_layouts(etp: int, ep: int, edp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The expert groups as megatron-core's expert rank generator (order tp-ep-dp-pp) makes them."""
+
+    def grank(t, e, d, p):
+        return t + etp * (e + ep * (d + edp * p))
+
+    T, E, D, P = range(etp), range(ep), range(edp), range(pp)
+    return {"etp": [[grank(t, e, d, p) for t in T] for p in P for d in D for e in E],
+            "ep": [[grank(t, e, d, p) for e in E] for p in P for d in D for t in T],
+            "tp_ep": [[grank(t, e, d, p) for e in E for t in T] for p in P for d in D],
+            "edp": [[grank(t, e, d, p) for d in D] for p in P for e in E for t in T]}
+
+
 _GROUP_TIMEOUT: datetime.timedelta | None = None  # --distributed-timeout-minutes, for every group made here
 
 
@@ -94,9 +126,10 @@ def new_group(ranks=None, **kwargs):
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               ranks_per_node: int | None = None, context_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None, expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: int | None = None) -> None:
     """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
-    the same arguments."""
+    the same arguments. ``expert_tensor_parallel_size`` defaults to the tensor-parallel size, as Megatron's."""
     global _STATE, _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -140,6 +173,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             inter.append(group[i::per_node])
     layouts["dp_intra"] = intra
     layouts["dp_inter"] = inter
+    layouts["tp_cp"] = [[grank(t, c, d, p) for c in C for t in T] for p in P for d in D]
+    layouts["tp_dp_cp"] = [[grank(t, c, d, p) for d in D for c in C for t in T] for p in P]
+    state.ep, state.etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
+    state.edp = check_expert_layout(world, pp, state.etp, state.ep)
+    layouts.update(expert_layouts(state.etp, state.ep, state.edp, pp))
 
     for name, groups in layouts.items():
         for ranks in groups:
@@ -207,6 +245,61 @@ def get_data_parallel_intra_node_group():
 
 def get_data_parallel_inter_node_group():
     return _group("dp_inter")
+
+
+def get_expert_model_parallel_group():
+    return _group("ep")
+
+
+def get_expert_tensor_parallel_group():
+    return _group("etp")
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """Expert TP x EP: the allgather dispatcher's group."""
+    return _group("tp_ep")
+
+
+def get_expert_data_parallel_group():
+    """The ranks holding the same experts: expert gradients reduce over it."""
+    return _group("edp")
+
+
+def get_tensor_and_context_parallel_group():
+    return _group("tp_cp")
+
+
+def get_tensor_data_context_parallel_group():
+    """TP x DP x CP: the expert-bias token counts and the global aux loss sum over it."""
+    return _group("tp_dp_cp")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _s().ep if _STATE else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _ranks("ep").index(_s().rank) if _STATE else 0
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _s().etp if _STATE else 1
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _ranks("etp").index(_s().rank) if _STATE else 0
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _s().edp if _STATE else 1
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _ranks("edp").index(_s().rank) if _STATE else 0
+
+
+def get_expert_data_parallel_global_ranks() -> list[int]:
+    return list(_ranks("edp"))
 
 
 # Sizes and ranks.

@@ -36,6 +36,7 @@ from .flags.megatron_features import (
     loss_scale_config,
     step_schedule_global_batch,
 )
+from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
 from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
@@ -346,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
-                add_megatron_features, divergence.add_arguments):
+                add_megatron_features, divergence.add_arguments, add_moe_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -482,7 +483,13 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
+        moe=moe_config(args),
     )
+
+
+def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
+    ep, etp = expert_sizes(args, world_size)
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
 def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
@@ -499,6 +506,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         ranks_per_node=args.ranks_per_node,
         device=args.device,
+        **_expert_sizes(args, layout.world_size),
     )
 
 

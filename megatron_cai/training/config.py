@@ -62,6 +62,8 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10
     ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
     device: str | None = None                 # None: cuda when available
+    expert_model_parallel_size: int = 1       # MoE: experts split over EP ranks
+    expert_tensor_parallel_size: int | None = None  # None: the TP size
 
 
 @dataclass

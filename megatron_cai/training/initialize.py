@@ -258,12 +258,15 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         rpn = env.local_world_size
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     cp = parallel.context_parallel_size
+    experts = dict(expert_model_parallel_size=parallel.expert_model_parallel_size,
+                   expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     try:
-        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout,
+                                     **experts)
     except ps.ParallelLayoutError:
         if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, **experts)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     return env, device

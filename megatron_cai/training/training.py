@@ -63,6 +63,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
+from .moe_metrics import MoEMetrics
 from .step_readback import Deadline, loss_means, read_step
 from .training_log import (
     IterationStats,
@@ -205,6 +206,7 @@ class Trainer:
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
+        self.moe = MoEMetrics(chunks, model_cfg.moe, model_cfg.num_layers, self.device)
         self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
         if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP (x CP) mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
@@ -215,7 +217,8 @@ class Trainer:
             self.model = [DistributedDataParallel(m, build_reducer(config.ddp, dp_group, dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device, timeline=t)
+                                                  config.ddp, device=self.device, timeline=t,
+                                                  expert_reducer=self._expert_reducer(run.seed))
                           for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
@@ -277,6 +280,14 @@ class Trainer:
         self.num_zeros_in_grad: float | None = None
 
     # --------------------------------------------------------------------------------------- setup
+    def _expert_reducer(self, seed: int):
+        """MoE: the reducer of expert gradients, over the expert-data-parallel group (None without MoE)."""
+        if self.config.model.moe is None:
+            return None
+        return build_reducer(self.config.ddp, ps.get_expert_data_parallel_group(),
+                             ps.get_expert_data_parallel_world_size(), seed=seed + ps.get_rank(),
+                             timing_level=self.config.logging.timing_log_level)
+
     def _log_memory(self, when: str) -> dict:
         """Log the memory report (max over ranks, collective); return this rank's figures."""
         mine = memory_report(self.model, self.optimizer, self.device)
@@ -358,7 +369,8 @@ class Trainer:
         self.microbatches.update(self.state.consumed_train_samples)
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
-        stats = self._run_schedule(batches, forward_only=False)
+        self.moe.before_schedule(self._loss_scale(), self.num_microbatches)
+        stats = self.moe.add_to_stats(self._run_schedule(batches, forward_only=False), self.num_microbatches)
         self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
@@ -390,6 +402,7 @@ class Trainer:
         else:
             for m in self.model:
                 m.reducer.step_skipped()
+        self.moe.after_step()
         if level >= 1:
             empty_device_cache(self.device)
         self._mark_timelines("step end")
@@ -519,6 +532,8 @@ class Trainer:
             stats = self._iteration_stats(losses, grad_norm, finite, batch)
             if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
                 self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))
+                if self.config.model.moe is not None and self.config.model.moe.per_layer_logging:
+                    self.tb.scalars(self.moe.per_layer_scalars(), st.iteration)
                 self.wandb.log(megatron_wandb(stats, log, self.config.parallel.world_size), st.iteration)
             first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
             if prints_log_line(st.iteration, log.log_interval, first):

@@ -19,6 +19,7 @@ from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
 from .lse_stats import LseStatsCollector
 from .mlp import MLP
+from .moe.moe_layer import DenseShape, MoELayer
 from .norms import build_norm
 from .self_attention import KVCache, SelfAttention
 
@@ -34,8 +35,11 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
         self.self_attention = SelfAttention(config, layer_number, init, out_init, lse_stats)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
-        self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
-                       init, out_init, sp)
+        if config.moe is not None and config.moe.is_moe_layer(layer_number + 1):
+            self.mlp = MoELayer(config.moe, DenseShape.of(config), layer_number)
+        else:
+            self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
+                           init, out_init, sp)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.hidden_dropout if self.training else 0.0
@@ -50,7 +54,8 @@ class TransformerLayer(nn.Module):
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, visibility, position_ids,
                                                   kv_cache, input_rms=NormOutputRMS(self.input_layernorm)))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm)))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm),
+                                          visibility=visibility))
 
 
 class TransformerBlock(nn.Module):

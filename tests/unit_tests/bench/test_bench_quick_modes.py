@@ -30,7 +30,7 @@ import harness as H  # noqa: E402
 from harness import quick  # noqa: E402
 
 PLOTS = {"squinch_codec", "fp16_training", "qat_training", "zreg_bf16", "clamp_drift", "distill_seeds", "distill",
-         "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection"}
+         "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection", "moe"}
 
 
 def _digest(folder: str) -> dict[str, str]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...quantization.qat_config import QATConfig
+from ...transformer.moe.config import MoEConfig
 
 ACTIVATIONS = ("relu2", "swiglu", "gelu_erf", "gelu_tanh")
 # saved configs (checkpoints, Hugging Face exports) before erf GeLU existed called the tanh GeLU "gelu"
@@ -59,6 +60,7 @@ class GPTConfig:
     output_zreg_coeff: float = 0.0
     window_size: int | None = None
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
+    moe: MoEConfig | None = None           # Mixture of Experts in the MLP slot (None: dense)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -77,6 +79,8 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"num-query-groups {self.num_query_groups}")
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig.from_dict(self.moe)
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
         if self.activation == "gelu":
