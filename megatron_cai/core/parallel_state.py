@@ -10,6 +10,11 @@ That group is further split into an intra-node group (its ranks on the same node
 CP groups) and an inter-node group (its ranks with the same position inside their node), for
 hierarchical gradient reduction. With a world size of one nothing is created and every getter answers
 for a single process.
+
+Islands (DiLoCo, docs/diloco.md): with ``islands=N`` the world is cut into N equal runs of consecutive ranks
+(whole nodes under torchrun and Slurm); each island is laid out as above as if it were the whole job, and
+every group but ``outer`` stays inside one island. The ``outer`` group joins the ranks at the same position
+of every island (the same model shard and DP x CP slot): the outer all-reduce of the pseudo-gradients.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ class _State:
     vpp: int | None = None
     vpp_rank: int | None = None
     ranks_per_node: int = 1
+    islands: int = 1
     groups: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
 
@@ -94,19 +100,23 @@ def new_group(ranks=None, **kwargs):
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               ranks_per_node: int | None = None, context_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None, islands: int = 1) -> None:
     """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
-    the same arguments."""
+    the same arguments. ``islands``: DiLoCo islands (module docstring)."""
     global _STATE, _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    dp = check_layout(world, tp, pp, cp=cp)
+    if islands < 1 or world % islands:
+        raise ParallelLayoutError(f"world size {world} does not split into {islands} equal islands "
+                                  "(--diloco-islands)")
+    island_size = world // islands
+    dp = check_layout(island_size, tp, pp, cp=cp)
     state = _State(world_size=world, rank=rank, tp=tp, pp=pp, dp=dp, cp=cp,
                    vpp=virtual_pipeline_model_parallel_size,
-                   vpp_rank=0 if virtual_pipeline_model_parallel_size else None)
-    rpn = ranks_per_node or world
+                   vpp_rank=0 if virtual_pipeline_model_parallel_size else None, islands=islands)
+    rpn = ranks_per_node or island_size
     tcp, dcp = tp * cp, dp * cp
     if rpn % tcp != 0 or ((tcp * dp) % rpn != 0 and rpn % (tcp * dp) != 0):
         # A node must hold whole TP x CP groups and a whole number of DP peers (or whole DP groups).
@@ -115,8 +125,23 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             raise ParallelLayoutError(
                 f"ranks per node {rpn} must be a multiple of tensor-model-parallel-size {tp}{cp_text} and divide, "
                 f"or be a multiple of, TP x CP x DP = {tcp * dp}, so that each node holds whole TP (and CP) groups")
-        rpn = world
+        rpn = island_size
     state.ranks_per_node = rpn
+    layouts = {name: [[r + i * island_size for r in ranks] for i in range(islands) for ranks in groups]
+               for name, groups in _island_layouts(tp, cp, dp, pp, rpn).items()}
+    layouts["outer"] = [[r + i * island_size for i in range(islands)] for r in range(island_size)]
+    for name, groups in layouts.items():
+        for ranks in groups:
+            pg = new_group(ranks) if world > 1 else None
+            if rank in ranks:
+                state.groups[name] = pg
+                state.ranks[name] = ranks
+    _STATE = state
+
+
+def _island_layouts(tp: int, cp: int, dp: int, pp: int, rpn: int) -> dict[str, list[list[int]]]:
+    """Every group of one island (ranks 0 .. TP x CP x DP x PP - 1) by kind, in Megatron's order."""
+    tcp, dcp = tp * cp, dp * cp
 
     def grank(t, c, d, p):
         return t + tp * (c + cp * (d + dp * p))
@@ -140,14 +165,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             inter.append(group[i::per_node])
     layouts["dp_intra"] = intra
     layouts["dp_inter"] = inter
-
-    for name, groups in layouts.items():
-        for ranks in groups:
-            pg = new_group(ranks) if world > 1 else None
-            if rank in ranks:
-                state.groups[name] = pg
-                state.ranks[name] = ranks
-    _STATE = state
+    return layouts
 
 
 def model_parallel_is_initialized() -> bool:
@@ -297,6 +315,25 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     if not ignore_virtual and _STATE and _s().vpp and _s().vpp_rank not in (None, _s().vpp - 1):
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+# Islands (DiLoCo).
+def get_num_islands() -> int:
+    return _s().islands if _STATE else 1
+
+
+def get_island_rank() -> int:
+    """Which island this rank belongs to (0 .. islands - 1)."""
+    return _s().rank // (_s().world_size // _s().islands) if _STATE else 0
+
+
+def get_outer_group():
+    """The ranks at this rank's position in every island (None with one island)."""
+    return _group("outer") if get_num_islands() > 1 else None
+
+
+def get_outer_global_ranks() -> list[int]:
+    return list(_ranks("outer"))
 
 
 def get_world_size() -> int:
