@@ -336,6 +336,13 @@ def get_outer_global_ranks() -> list[int]:
     return list(_ranks("outer"))
 
 
+def get_data_shard() -> tuple[int, int]:
+    """(shard, shards) of the training data this rank reads: its DP rank among every island's DP ranks
+    (each island trains on its own samples; CP ranks share theirs)."""
+    dp = get_data_parallel_world_size()
+    return get_island_rank() * dp + get_data_parallel_rank(), get_num_islands() * dp
+
+
 def get_world_size() -> int:
     return _s().world_size if _STATE else 1
 

@@ -14,6 +14,7 @@
       checkpoint  CheckpointConfig
       logging     LoggingConfig    logging and evaluation
       distill     DistillConfig
+      diloco      DilocoConfig     (core/diloco/config.py) DiLoCo across islands
       flags       the parsed command line it was built from (a record: nothing reads options from it)
 
 It is built once by the pure function :func:`megatron_cai.training.arguments.build_config` from the
@@ -30,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.num_microbatches_calculator import BatchRampup
@@ -222,6 +224,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     flags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

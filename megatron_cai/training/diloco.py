@@ -1,0 +1,138 @@
+"""The training loop's seam to DiLoCo (core/diloco, docs/diloco.md): build the outer loop over the model's flat
+parameter buffers, run it after every inner step, log it, and carry its state in the checkpoint.
+
+The Trainer calls::
+
+    seam = DilocoSeam.build(config.diloco, model_chunks, optimizer, device)   # None when DiLoCo is off
+    seam.after_step(iteration)            # after the inner optimizer step
+    seam.log_line(iteration)              # one line per outer window for the log, or None
+    checkpoint members: seam.checkpoint   # saved / loaded with the reducers' per-rank state
+
+The checkpoint member holds the outer state (anchors, outer momentum, error feedback, in-flight results, the
+fragments' schedule) and, with more than one island, the island's own weights and inner optimizer state (the
+main checkpoint files hold island 0's).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..core import device as device_mod
+from ..core import parallel_state as ps
+from ..core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, OuterStats
+from ..core.distributed.ddp import DistributedDataParallel
+from .checkpoint.torch_format import param_names
+
+
+def island_groups() -> IslandGroups:
+    """This rank's place among the islands, from parallel_state."""
+    return IslandGroups(islands=ps.get_num_islands(), island=ps.get_island_rank(), outer_group=ps.get_outer_group(),
+                        slice_group=ps.get_data_parallel_group(with_context_parallel=True),
+                        slice_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+                        slice_world=ps.get_data_parallel_world_size(with_context_parallel=True))
+
+
+def lost_island_line() -> str:
+    """Which island stopped answering, from the ranks' heartbeats (training.initialize)."""
+    from . import initialize
+
+    beat = initialize._heartbeat
+    if beat is None:
+        return "an island stopped answering"
+    time.sleep(3.5 * beat.interval_s)  # a stopped rank is named after three missed beats
+    found = beat.silent_ranks()
+    if not found or not found[0]:
+        return "an island stopped answering (the heartbeats do not say which)"
+    size = ps.get_world_size() // ps.get_num_islands()
+    islands = sorted({r // size for r in found[0]})
+    return f"island(s) {', '.join(map(str, islands))} stopped answering (rank(s) {', '.join(map(str, found[0]))})"
+
+
+class DilocoCheckpoint:
+    """The DiLoCo state as a member of the checkpoint's per-rank reducer state (``GradReducer``'s
+    ``carries_feedback`` / ``state_dict`` / ``load_state_dict``)."""
+
+    carries_feedback = True
+
+    def __init__(self, seam: DilocoSeam) -> None:
+        self.seam = seam
+
+    def state_dict(self) -> dict:
+        return {"diloco": self.seam.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seam.load_state_dict(state["diloco"])
+
+
+class DilocoSeam:
+    """One rank's DiLoCo: the outer loop over its model chunks' flat parameter buffers."""
+
+    def __init__(self, config: DilocoConfig, model_chunks: list[DistributedDataParallel], optimizer) -> None:
+        self.config, self.model_chunks, self.optimizer = config, model_chunks, optimizer
+        buffers = [m.buffer.param_data for m in model_chunks]
+        groups = island_groups()
+        if groups.islands > 1:  # every island starts from island 0's weights
+            for b in buffers:
+                dist.broadcast(b, src=ps.get_outer_global_ranks()[0], group=groups.outer_group)
+        self.outer = DilocoOuter(config, FlatWeights(buffers), groups, lost_island=lost_island_line)
+        self.checkpoint = DilocoCheckpoint(self)
+        self._logged = OuterStats()
+
+    @classmethod
+    def build(cls, config: DilocoConfig, model_chunks, optimizer) -> DilocoSeam | None:
+        return cls(config, model_chunks, optimizer) if config.enabled else None
+
+    def after_step(self, iteration: int) -> None:
+        self.optimizer.finish_param_sync()  # --overlap-param-gather: the weights are whole before they are read
+        self.outer.after_inner_step(iteration)
+
+    def log_line(self, iteration: int) -> str | None:
+        """Outer steps, bytes and link-busy time since the last line; None when no outer step landed since."""
+        now, last = self.outer.stats, self._logged
+        if now.outer_steps + now.skipped == last.outer_steps + last.skipped:
+            return None
+        steps = now.outer_steps - last.outer_steps
+        line = (f" diloco outer | iteration {iteration} | island {self.outer.groups.island} of "
+                f"{self.outer.groups.islands} | outer steps {now.outer_steps} (+{steps}) | bytes sent "
+                f"{now.bytes_sent - last.bytes_sent} | per outer step {(now.bytes_sent - last.bytes_sent) // max(steps, 1)}"
+                f" | link busy {now.link_busy_s - last.link_busy_s:.3f} s | skipped {now.skipped}")
+        self._logged = OuterStats(**vars(now))
+        return line
+
+    def close(self) -> None:
+        self.outer.close()
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        state = {"outer": self.outer.state_dict()}
+        if ps.get_num_islands() > 1:  # the main checkpoint files hold island 0's weights and inner state
+            state["island"] = ps.get_island_rank()
+            state["weights"] = [m.buffer.param_data.detach().cpu().clone() for m in self.model_chunks]
+            state["inner_optimizer"] = self.optimizer.state_dict(param_names(self.model_chunks))
+            state["rng"] = device_mod.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.outer.load_state_dict(state["outer"])
+        self._logged = OuterStats(**vars(self.outer.stats))
+        if "weights" not in state:
+            return
+        if state["island"] != ps.get_island_rank():
+            raise ValueError(f"DiLoCo state of island {state['island']} offered to island {ps.get_island_rank()}")
+        for m, w in zip(self.model_chunks, state["weights"]):
+            m.buffer.param_data.copy_(w.to(m.buffer.param_data.device))
+        self.optimizer.load_state_dict(state["inner_optimizer"], param_names(self.model_chunks))
+        device_mod.set_rng_state(state["rng"])
+
+
+def weights_equal_across_islands(model_chunks) -> bool:
+    """Whether every island holds the same weights (after a whole-model outer step with no overlap)."""
+    flat = torch.cat([m.buffer.param_data.reshape(-1) for m in model_chunks])
+    if ps.get_num_islands() == 1:
+        return True
+    low, high = flat.clone(), flat.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=ps.get_outer_group())
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=ps.get_outer_group())
+    return bool(torch.equal(low, high))
