@@ -30,4 +30,3 @@ def test_h1_one_island_lr1_no_momentum_equals_plain_dp():
         assert abs(a - b) <= 1e-6, (plain[0]["losses"], seam[0]["losses"])
     for p, s in zip(plain, seam):  # the weights: the outer step's anchor - (anchor - w) rounds where |w| << |anchor|
         assert (p["weights"] - s["weights"]).abs().max().item() <= 1e-5
-    assert plain[0]["losses"][-1] < plain[0]["losses"][0]  # it trained
