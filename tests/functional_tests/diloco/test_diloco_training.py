@@ -30,3 +30,28 @@ def test_h1_one_island_lr1_no_momentum_equals_plain_dp():
         assert abs(a - b) <= 1e-6, (plain[0]["losses"], seam[0]["losses"])
     for p, s in zip(plain, seam):  # the weights: the outer step's anchor - (anchor - w) rounds where |w| << |anchor|
         assert (p["weights"] - s["weights"]).abs().max().item() <= 1e-5
+
+
+ISLANDS = ["--diloco-islands", "2", "--diloco-inner-steps", "4", "--diloco-fragments", "2", "--diloco-overlap-steps",
+           "1", "--diloco-outer-bits", "6", "--diloco-outer-lr", "0.7", "--diloco-outer-momentum", "0.9",
+           "--train-iters", "12"]
+
+
+def test_resume_with_an_outer_all_reduce_in_flight_is_bit_exact(tmp_path):
+    """2 islands x 1 rank, Squinch outer steps, K = 2 fragments overlapped by one inner step: fragment 0 is sent
+    after iteration 6 and lands after 7. The first run stops at 6 (checkpoint, then exit) with it in flight; the
+    resumed run equals the uninterrupted one bit for bit (weights of both islands, losses)."""
+    whole = run_distributed(_worker, 2, (ARGS + ISLANDS,))
+    save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"]
+    first = run_distributed(_worker, 2, (ARGS + ISLANDS + save + ["--exit-interval", "6"],))
+    assert len(first[0]["losses"]) == 6
+    resumed = run_distributed(_worker, 2, (ARGS + ISLANDS + save + ["--load", str(tmp_path / "ckpt")],))
+    assert resumed[0]["losses"] == whole[0]["losses"][6:]
+    assert resumed[1]["losses"] == whole[1]["losses"][6:]
+    for w, r in zip(whole, resumed):
+        assert torch.equal(w["weights"], r["weights"])
+    assert not torch.equal(whole[0]["weights"], whole[1]["weights"])  # the islands differ between outer steps
+    # 12 inner steps, each fragment every 4: fragment 0 after 2, 6, 10 (landing at 3, 7, 11), fragment 1 after 4,
+    # 8, 12 (the last one still in flight at the end)
+    assert whole[0]["diloco"]["outer_steps"] == 5
+    assert resumed[0]["diloco"] == {**whole[0]["diloco"], "link_busy_s": resumed[0]["diloco"]["link_busy_s"]}
