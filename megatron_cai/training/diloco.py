@@ -23,7 +23,7 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, OuterStats
 from ..core.distributed.ddp import DistributedDataParallel
-from .checkpoint.torch_format import param_names
+from .checkpoint import param_names
 
 
 def island_groups() -> IslandGroups:
