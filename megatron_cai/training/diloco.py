@@ -14,16 +14,31 @@ main checkpoint files hold island 0's).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
-import torch
 import torch.distributed as dist
 
 from ..core import device as device_mod
 from ..core import parallel_state as ps
-from ..core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, OuterStats
+from ..core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats
 from ..core.distributed.ddp import DistributedDataParallel
 from .checkpoint import param_names
+from .errors import RankLocalError
+
+
+class IslandLost(RankLocalError):
+    """An island stopped answering during an outer all-reduce: every rank that saw it says so (exit 2); the
+    run resumes from its last checkpoint."""
+
+
+@contextlib.contextmanager
+def naming_lost_islands():
+    """Core's :class:`IslandLostError` as the run's known error (one ``error:`` line per rank that saw it)."""
+    try:
+        yield
+    except IslandLostError as e:
+        raise IslandLost(str(e)) from e
 
 
 def island_groups() -> IslandGroups:
@@ -76,7 +91,9 @@ class DilocoSeam:
         if groups.islands > 1:  # every island starts from island 0's weights
             for b in buffers:
                 dist.broadcast(b, src=ps.get_outer_global_ranks()[0], group=groups.outer_group)
-        self.outer = DilocoOuter(config, FlatWeights(buffers), groups, lost_island=lost_island_line)
+        # with two islands the other one is the lost one; with more, the heartbeats tell which
+        self.outer = DilocoOuter(config, FlatWeights(buffers), groups,
+                                 lost_island=lost_island_line if groups.islands > 2 else None)
         self.checkpoint = DilocoCheckpoint(self)
         self._logged = OuterStats()
 
@@ -86,7 +103,8 @@ class DilocoSeam:
 
     def after_step(self, iteration: int) -> None:
         self.optimizer.finish_param_sync()  # --overlap-param-gather: the weights are whole before they are read
-        self.outer.after_inner_step(iteration)
+        with naming_lost_islands():
+            self.outer.after_inner_step(iteration)
 
     def log_line(self, iteration: int) -> str | None:
         """Outer steps, bytes and link-busy time since the last line; None when no outer step landed since."""
@@ -106,7 +124,8 @@ class DilocoSeam:
 
     # ---------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        state = {"outer": self.outer.state_dict()}
+        with naming_lost_islands():  # waits for the outer all-reduce in flight
+            state = {"outer": self.outer.state_dict()}
         if ps.get_num_islands() > 1:  # the main checkpoint files hold island 0's weights and inner state
             state["island"] = ps.get_island_rank()
             state["weights"] = [m.buffer.param_data.detach().cpu().clone() for m in self.model_chunks]
@@ -125,14 +144,3 @@ class DilocoSeam:
             m.buffer.param_data.copy_(w.to(m.buffer.param_data.device))
         self.optimizer.load_state_dict(state["inner_optimizer"], param_names(self.model_chunks))
         device_mod.set_rng_state(state["rng"])
-
-
-def weights_equal_across_islands(model_chunks) -> bool:
-    """Whether every island holds the same weights (after a whole-model outer step with no overlap)."""
-    flat = torch.cat([m.buffer.param_data.reshape(-1) for m in model_chunks])
-    if ps.get_num_islands() == 1:
-        return True
-    low, high = flat.clone(), flat.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=ps.get_outer_group())
-    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=ps.get_outer_group())
-    return bool(torch.equal(low, high))
