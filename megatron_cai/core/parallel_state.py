@@ -117,7 +117,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                    vpp=virtual_pipeline_model_parallel_size,
                    vpp_rank=0 if virtual_pipeline_model_parallel_size else None, islands=islands)
     rpn = ranks_per_node or island_size
-    tcp, dcp = tp * cp, dp * cp
+    tcp = tp * cp
     if rpn % tcp != 0 or ((tcp * dp) % rpn != 0 and rpn % (tcp * dp) != 0):
         # A node must hold whole TP x CP groups and a whole number of DP peers (or whole DP groups).
         if ranks_per_node is not None and world > 1:
@@ -141,7 +141,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
 def _island_layouts(tp: int, cp: int, dp: int, pp: int, rpn: int) -> dict[str, list[list[int]]]:
     """Every group of one island (ranks 0 .. TP x CP x DP x PP - 1) by kind, in Megatron's order."""
-    tcp, dcp = tp * cp, dp * cp
+    dcp = dp * cp
 
     def grank(t, c, d, p):
         return t + tp * (c + cp * (d + dp * p))

@@ -111,11 +111,11 @@ class DilocoSeam:
         now, last = self.outer.stats, self._logged
         if now.outer_steps + now.skipped == last.outer_steps + last.skipped:
             return None
-        steps = now.outer_steps - last.outer_steps
+        steps, sent = now.outer_steps - last.outer_steps, now.bytes_sent - last.bytes_sent
         line = (f" diloco outer | iteration {iteration} | island {self.outer.groups.island} of "
-                f"{self.outer.groups.islands} | outer steps {now.outer_steps} (+{steps}) | bytes sent "
-                f"{now.bytes_sent - last.bytes_sent} | per outer step {(now.bytes_sent - last.bytes_sent) // max(steps, 1)}"
-                f" | link busy {now.link_busy_s - last.link_busy_s:.3f} s | skipped {now.skipped}")
+                f"{self.outer.groups.islands} | outer steps {now.outer_steps} (+{steps}) | bytes sent {sent} | "
+                f"per outer step {sent // max(steps, 1)} | link busy {now.link_busy_s - last.link_busy_s:.3f} s | "
+                f"skipped {now.skipped}")
         self._logged = OuterStats(**vars(now))
         return line
 
