@@ -3,10 +3,11 @@ parameter buffers, run it after every inner step, log it, and carry its state in
 
 The Trainer calls::
 
-    seam = DilocoSeam.build(config.diloco, model_chunks, optimizer, device)   # None when DiLoCo is off
+    state = DilocoCheckpoint.for_config(config.diloco)    # None when DiLoCo is off; a per-rank checkpoint member
+    ... checkpointer.load(reducers + [state]) ...
+    seam = DilocoSeam.build(config.diloco, model_chunks, optimizer, state)   # on the loaded weights
     seam.after_step(iteration)            # after the inner optimizer step
-    seam.log_line(iteration)              # one line per outer window for the log, or None
-    checkpoint members: seam.checkpoint   # saved / loaded with the reducers' per-rank state
+    seam.log_line(iteration)              # the outer steps since the last line, for the log, or None
 
 The checkpoint member holds the outer state (anchors, outer momentum, error feedback, in-flight results, the
 fragments' schedule) and, with more than one island, the island's own weights and inner optimizer state (the
@@ -30,6 +31,10 @@ from .errors import RankLocalError
 class IslandLost(RankLocalError):
     """An island stopped answering during an outer all-reduce: every rank that saw it says so (exit 2); the
     run resumes from its last checkpoint."""
+
+
+class DilocoStateError(RankLocalError):
+    """The saved DiLoCo state does not fit this run (another fragment layout, another island)."""
 
 
 @contextlib.contextmanager
@@ -67,39 +72,63 @@ def lost_island_line() -> str:
 
 class DilocoCheckpoint:
     """The DiLoCo state as a member of the checkpoint's per-rank reducer state (``GradReducer``'s
-    ``carries_feedback`` / ``state_dict`` / ``load_state_dict``)."""
+    ``carries_feedback`` / ``state_dict`` / ``load_state_dict``). It exists before the checkpoint is loaded
+    and keeps what was loaded until the seam is built on the loaded weights."""
 
     carries_feedback = True
 
-    def __init__(self, seam: DilocoSeam) -> None:
-        self.seam = seam
+    def __init__(self) -> None:
+        self.seam: DilocoSeam | None = None
+        self.loaded: dict | None = None
+
+    @classmethod
+    def for_config(cls, config: DilocoConfig) -> DilocoCheckpoint | None:
+        return cls() if config.enabled else None
 
     def state_dict(self) -> dict:
+        if self.seam is None:
+            raise RuntimeError("the DiLoCo seam is not built yet: nothing to save")
         return {"diloco": self.seam.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.seam.load_state_dict(state["diloco"])
+        self.loaded = state["diloco"]
 
 
 class DilocoSeam:
-    """One rank's DiLoCo: the outer loop over its model chunks' flat parameter buffers."""
+    """One rank's DiLoCo: the outer loop over its model chunks' flat parameter buffers.
 
-    def __init__(self, config: DilocoConfig, model_chunks: list[DistributedDataParallel], optimizer) -> None:
+    Built after the checkpoint is loaded: the anchors are the loaded weights, or the saved DiLoCo state
+    (anchors, outer momentum, error feedback, in flight results, the island's own weights) when there is one.
+    """
+
+    def __init__(self, config: DilocoConfig, model_chunks: list[DistributedDataParallel], optimizer,
+                 checkpoint: DilocoCheckpoint) -> None:
         self.config, self.model_chunks, self.optimizer = config, model_chunks, optimizer
         buffers = [m.buffer.param_data for m in model_chunks]
         groups = island_groups()
-        if groups.islands > 1:  # every island starts from island 0's weights
+        loaded, checkpoint.loaded = checkpoint.loaded, None
+        if loaded is not None:
+            self._load_island_state(loaded)
+        elif groups.islands > 1:  # every island starts from island 0's weights
             for b in buffers:
                 dist.broadcast(b, src=ps.get_outer_global_ranks()[0], group=groups.outer_group)
         # with two islands the other one is the lost one; with more, the heartbeats tell which
         self.outer = DilocoOuter(config, FlatWeights(buffers), groups,
                                  lost_island=lost_island_line if groups.islands > 2 else None)
-        self.checkpoint = DilocoCheckpoint(self)
-        self._logged = OuterStats()
+        if loaded is not None:
+            try:
+                self.outer.load_state_dict(loaded["outer"])
+            except ValueError as e:
+                raise DilocoStateError(f"cannot resume DiLoCo: {e}") from e
+        self._logged = OuterStats(**vars(self.outer.stats))
+        self.checkpoint = checkpoint
+        checkpoint.seam = self
 
     @classmethod
-    def build(cls, config: DilocoConfig, model_chunks, optimizer) -> DilocoSeam | None:
-        return cls(config, model_chunks, optimizer) if config.enabled else None
+    def build(cls, config: DilocoConfig, model_chunks, optimizer,
+              checkpoint: DilocoCheckpoint | None) -> DilocoSeam | None:
+        """The seam of ``checkpoint`` (``DilocoCheckpoint.for_config``, loaded or not); None when DiLoCo is off."""
+        return cls(config, model_chunks, optimizer, checkpoint) if checkpoint is not None else None
 
     def after_step(self, iteration: int) -> None:
         self.optimizer.finish_param_sync()  # --overlap-param-gather: the weights are whole before they are read
@@ -133,13 +162,13 @@ class DilocoSeam:
             state["rng"] = device_mod.get_rng_state()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.outer.load_state_dict(state["outer"])
-        self._logged = OuterStats(**vars(self.outer.stats))
+    def _load_island_state(self, state: dict) -> None:
+        """An island's own weights, inner optimizer state and RNG (saved with more than one island)."""
         if "weights" not in state:
             return
         if state["island"] != ps.get_island_rank():
-            raise ValueError(f"DiLoCo state of island {state['island']} offered to island {ps.get_island_rank()}")
+            raise DilocoStateError(f"DiLoCo state of island {state['island']} offered to island "
+                                   f"{ps.get_island_rank()}")
         for m, w in zip(self.model_chunks, state["weights"]):
             m.buffer.param_data.copy_(w.to(m.buffer.param_data.device))
         self.optimizer.load_state_dict(state["inner_optimizer"], param_names(self.model_chunks))

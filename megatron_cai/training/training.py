@@ -48,7 +48,7 @@ from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
-from .diloco import DilocoSeam
+from .diloco import DilocoCheckpoint, DilocoSeam
 from .distill import setup_distillation
 from .errors import DataError
 from .flags.megatron_compat import no_op_message
@@ -222,9 +222,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
-        self.diloco = DilocoSeam.build(config.diloco, self.model, self.optimizer)  # None unless --diloco-inner-steps
+        diloco_state = DilocoCheckpoint.for_config(config.diloco)  # None unless --diloco-inner-steps
         # per-rank state saved beside the model: Squinch error feedback, DiLoCo's outer state
-        self.rank_states = [m.reducer for m in self.model] + ([self.diloco.checkpoint] if self.diloco else [])
+        self.rank_states = [m.reducer for m in self.model] + ([diloco_state] if diloco_state else [])
         self.scheduler = OptimizerParamScheduler(config.scheduler)
         self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
             run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
@@ -256,6 +256,7 @@ class Trainer:
                     self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
+        self.diloco = DilocoSeam.build(config.diloco, self.model, self.optimizer, diloco_state)  # on the loaded weights
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
         _check_train_split(train_ds, run.train_iters, config.data.data_path, config.data.split)
