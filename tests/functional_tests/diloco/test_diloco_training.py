@@ -55,3 +55,24 @@ def test_resume_with_an_outer_all_reduce_in_flight_is_bit_exact(tmp_path):
     # 8, 12 (the last one still in flight at the end)
     assert whole[0]["diloco"]["outer_steps"] == 5
     assert resumed[0]["diloco"] == {**whole[0]["diloco"], "link_busy_s": resumed[0]["diloco"]["link_busy_s"]}
+
+
+def _anchors_worker(rank, world_size, argv):
+    box = {}
+
+    def hook(trainer):
+        box["anchor"] = torch.cat([f.anchor for f in trainer.diloco.outer.fragments])
+        box["weights"] = torch.cat([m.buffer.param_data.clone() for m in trainer.model])
+
+    train(argv, world_size, trainer_hook=hook)
+    return box
+
+
+def test_switching_diloco_on_at_a_plain_checkpoint_anchors_the_loaded_weights(tmp_path):
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--train-iters", "2"]
+    saved = run_distributed(_worker, 1, (ARGS + ckpt,))[0]["weights"]
+    seam = ["--diloco-inner-steps", "2", "--diloco-fragments", "2", "--diloco-outer-lr", "0.5"]
+    resume = ["--load", str(tmp_path / "ckpt"), "--train-iters", "3"]  # the hook looks before the 3rd step
+    got = run_distributed(_anchors_worker, 1, (ARGS + ckpt + seam + resume,))[0]
+    assert torch.equal(got["weights"], saved)
+    assert torch.equal(got["anchor"], saved)
