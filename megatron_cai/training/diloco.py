@@ -144,7 +144,7 @@ class DilocoSeam:
         line = (f" diloco outer | iteration {iteration} | island {self.outer.groups.island} of "
                 f"{self.outer.groups.islands} | outer steps {now.outer_steps} (+{steps}) | bytes sent {sent} | "
                 f"per outer step {sent // max(steps, 1)} | link busy {now.link_busy_s - last.link_busy_s:.3f} s | "
-                f"skipped {now.skipped}")
+                f"inner loop waited {now.wait_s - last.wait_s:.3f} s | skipped {now.skipped}")
         self._logged = OuterStats(**vars(now))
         return line
 

@@ -51,11 +51,14 @@ class IslandGroups:
 
 @dataclass
 class OuterStats:
-    """Counters for the log: outer steps applied, bytes sent, link-busy seconds, outer steps skipped."""
+    """Counters for the log: outer steps applied, bytes sent, seconds the link was busy (the outer all-reduce's
+    wall time), seconds the inner loop waited for the outer loop (sends, late all-reduces, updates), outer
+    steps skipped (a non-finite mean pseudo-gradient)."""
 
     outer_steps: int = 0
     bytes_sent: int = 0
     link_busy_s: float = 0.0
+    wait_s: float = 0.0
     skipped: int = 0
 
 
@@ -134,6 +137,11 @@ class DilocoOuter:
     # ------------------------------------------------------------------------------------ schedule
     def after_inner_step(self, iteration: int) -> None:
         """``iteration``: inner steps done. Applies the outer updates due now, then sends the fragments due."""
+        start = time.perf_counter()
+        self._due(iteration)
+        self.stats.wait_s += time.perf_counter() - start
+
+    def _due(self, iteration: int) -> None:
         for f in [f for f, (at, _) in self.pending.items() if at == iteration]:
             self._apply(self.fragments[f])
         H = self.config.inner_steps

@@ -54,7 +54,9 @@ def test_resume_with_an_outer_all_reduce_in_flight_is_bit_exact(tmp_path):
     # 12 inner steps, each fragment every 4: fragment 0 after 2, 6, 10 (landing at 3, 7, 11), fragment 1 after 4,
     # 8, 12 (the last one still in flight at the end)
     assert whole[0]["diloco"]["outer_steps"] == 5
-    assert resumed[0]["diloco"] == {**whole[0]["diloco"], "link_busy_s": resumed[0]["diloco"]["link_busy_s"]}
+    timings = ("link_busy_s", "wait_s")
+    assert {k: v for k, v in resumed[0]["diloco"].items() if k not in timings} == \
+        {k: v for k, v in whole[0]["diloco"].items() if k not in timings}
 
 
 def _anchors_worker(rank, world_size, argv):
