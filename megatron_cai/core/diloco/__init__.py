@@ -3,7 +3,7 @@ average their pseudo-gradients (fp32, bf16 or Squinch 6-bit with error feedback)
 Nesterov outer optimizer, fragment by fragment (Streaming DiLoCo), overlapped with the inner steps.
 
 ``DilocoConfig`` (config.py) from the flags; ``DilocoOuter`` (outer.py) over a rank's flat weights;
-``OuterReduce`` (outer_reduce.py) the compressed outer all-reduce. The training loop's seam is
+``OuterReduce`` (outer_reduce.py) the compressed outer all-reduce; outer_model.py its step-time model. The training loop's seam is
 ``megatron_cai/training/diloco.py``.
 """
 from .config import OUTER_BITS, DilocoConfig
