@@ -3,8 +3,8 @@ average their pseudo-gradients (fp32, bf16 or Squinch 6-bit with error feedback)
 Nesterov outer optimizer, fragment by fragment (Streaming DiLoCo), overlapped with the inner steps.
 
 ``DilocoConfig`` (config.py) from the flags; ``DilocoOuter`` (outer.py) over a rank's flat weights;
-``OuterReduce`` (outer_reduce.py) the compressed outer all-reduce; outer_model.py its step-time model. The training loop's seam is
-``megatron_cai/training/diloco.py``.
+``OuterReduce`` (outer_reduce.py) the compressed outer all-reduce; outer_model.py its step-time model.
+The training loop's seam is ``megatron_cai/training/diloco.py``.
 """
 from .config import OUTER_BITS, DilocoConfig
 from .outer import DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats, fragment_bounds

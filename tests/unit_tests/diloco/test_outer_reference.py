@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_cai.core import parallel_state as ps
-from megatron_cai.core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups
+from megatron_cai.core.diloco import DilocoConfig, DilocoOuter, FlatWeights
+from megatron_cai.training.diloco import island_groups
 
 from .reference import diloco, inner_step
 
@@ -24,20 +25,13 @@ def _w0() -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, N)
 
 
-def _groups() -> IslandGroups:
-    return IslandGroups(islands=ps.get_num_islands(), island=ps.get_island_rank(), outer_group=ps.get_outer_group(),
-                        slice_group=ps.get_data_parallel_group(with_context_parallel=True),
-                        slice_rank=ps.get_data_parallel_rank(with_context_parallel=True),
-                        slice_world=ps.get_data_parallel_world_size(with_context_parallel=True))
-
-
 def _run(case) -> torch.Tensor:
     H, K, tau, lr, mu, bits, alpha = case
     cfg = DilocoConfig(islands=ps.get_num_islands(), inner_steps=H, outer_lr=lr, outer_momentum=mu,
                        outer_bits=bits, fragments=K, overlap_steps=tau, local_weight=alpha)
     w = _w0()
     halves = [w[:70], w[70:]]  # two "model chunks"
-    outer = DilocoOuter(cfg, FlatWeights(halves), _groups())
+    outer = DilocoOuter(cfg, FlatWeights(halves), island_groups())  # the training seam's view of parallel_state
     for t in range(1, STEPS + 1):
         w.copy_(inner_step(w, ps.get_island_rank(), t))
         outer.after_inner_step(t)
