@@ -42,7 +42,9 @@ def _run(case) -> torch.Tensor:
 def _worker(rank: int, world: int, islands: int):
     ps.initialize_model_parallel(1, 1, islands=islands)
     try:
-        return [_run(c) for c in CASES]
+        layout = (ps.get_data_parallel_global_ranks(with_context_parallel=True), ps.get_outer_global_ranks(),
+                  ps.get_data_shard(), ps.get_island_rank())
+        return [_run(c) for c in CASES] + [layout]
     finally:
         ps.destroy_model_parallel()
 
@@ -74,3 +76,6 @@ def test_two_islands_of_two_ranks_slice_the_outer_reduction():
 
     results = run_distributed(_worker, 4, args=(2,))
     _check(results, islands=2, slices=2)
+    # island i = ranks 2i, 2i + 1 (their DP group); the outer groups pair the same slot; 4 data shards
+    assert [r[-1] for r in results] == [([0, 1], [0, 2], (0, 4), 0), ([0, 1], [1, 3], (1, 4), 0),
+                                        ([2, 3], [0, 2], (2, 4), 1), ([2, 3], [1, 3], (3, 4), 1)]
