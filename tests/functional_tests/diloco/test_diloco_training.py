@@ -1,5 +1,5 @@
 """DiLoCo through the training loop: the seam to parallel state (H = 1 equals plain DP), and checkpoints (a
-resume with an outer all-reduce in flight is bit-exact)."""
+run killed with an outer all-reduce in flight resumes bit-exactly)."""
 from __future__ import annotations
 
 import torch
@@ -37,14 +37,38 @@ ISLANDS = ["--diloco-islands", "2", "--diloco-inner-steps", "4", "--diloco-fragm
            "--train-iters", "12"]
 
 
-def test_resume_with_an_outer_all_reduce_in_flight_is_bit_exact(tmp_path):
+class _Killed(Exception):
+    pass
+
+
+def _killed_worker(rank, world_size, argv, kill_at):
+    """Train until the outer step due after inner step ``kill_at``; die there, before it lands (the process's
+    state is lost: only the checkpoint remains)."""
+    def hook(trainer):
+        after_step = trainer.diloco.after_step
+
+        def dying(iteration):
+            if iteration == kill_at:
+                raise _Killed
+            after_step(iteration)
+
+        trainer.diloco.after_step = dying
+
+    try:
+        train(argv, world_size, trainer_hook=hook)
+    except _Killed:
+        return kill_at
+    return None
+
+
+def test_resume_after_a_kill_mid_outer_step_is_bit_exact(tmp_path):
     """2 islands x 1 rank, Squinch outer steps, K = 2 fragments overlapped by one inner step: fragment 0 is sent
-    after iteration 6 and lands after 7. The first run stops at 6 (checkpoint, then exit) with it in flight; the
-    resumed run equals the uninterrupted one bit for bit (weights of both islands, losses)."""
+    after iteration 6 and lands after 7. The first run saves at 6 with that all-reduce in flight and is killed at
+    7, before it lands; the resumed run equals the uninterrupted one bit for bit (both islands' weights,
+    losses, counters)."""
     whole = run_distributed(_worker, 2, (ARGS + ISLANDS,))
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"]
-    first = run_distributed(_worker, 2, (ARGS + ISLANDS + save + ["--exit-interval", "6"],))
-    assert len(first[0]["losses"]) == 6
+    assert run_distributed(_killed_worker, 2, (ARGS + ISLANDS + save, 7)) == [7, 7]
     resumed = run_distributed(_worker, 2, (ARGS + ISLANDS + save + ["--load", str(tmp_path / "ckpt")],))
     assert resumed[0]["losses"] == whole[0]["losses"][6:]
     assert resumed[1]["losses"] == whole[1]["losses"][6:]
