@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
@@ -27,6 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
+from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
     add_megatron_features,
@@ -347,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
-                add_megatron_features, divergence.add_arguments, add_moe_arguments):
+                add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -724,6 +726,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
         layout = _Layout(args, world_size)
     except ArgumentError as e:
         problems.record(e)
+    diloco: DilocoConfig = diloco_config(args, world_size, problems)
     problems.raise_if_any()  # every problem found so far, in one report
     try:
         config = TrainConfig(
@@ -738,6 +741,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
             checkpoint=_checkpoint_config(args),
             logging=_logging_config(args),
             distill=_distill_config(args),
+            diloco=diloco,
             flags=dict(vars(flags)),
         )
     except ArgumentError:

@@ -14,6 +14,7 @@
       checkpoint  CheckpointConfig
       logging     LoggingConfig    logging and evaluation
       distill     DistillConfig
+      diloco      DilocoConfig     (core/diloco/config.py) DiLoCo across islands
       flags       the parsed command line it was built from (a record: nothing reads options from it)
 
 It is built once by the pure function :func:`megatron_cai.training.arguments.build_config` from the
@@ -30,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.num_microbatches_calculator import BatchRampup
@@ -225,6 +227,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     flags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -338,6 +341,9 @@ FLAG_RANGES: dict[str, Range] = {
                      "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
     **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
+    **dict.fromkeys(["diloco_islands", "diloco_fragments", "diloco_outer_bits"], _AT_LEAST_1),
+    **dict.fromkeys(["diloco_inner_steps", "diloco_overlap_steps"], _AT_LEAST_0),
+    "diloco_outer_lr": _POSITIVE, "diloco_outer_momentum": _DROPOUT, "diloco_local_weight": _FRACTION,
     "rotary_percent": Range(0, 1, lo_open=True),
     "spiky_loss_factor": Range(1, lo_open=True),
 }

@@ -229,7 +229,7 @@ def discover_env(environ: dict | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "single")
 
 
-def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None
+def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None, islands: int = 1
                            ) -> tuple[DistEnv, torch.device]:
     """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/CP/DP/PP groups, seed RNGs.
 
@@ -262,11 +262,11 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
                    expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     try:
         ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout,
-                                     **experts)
+                                     islands=islands, **experts)
     except ps.ParallelLayoutError:
         if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, **experts)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, islands=islands, **experts)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     return env, device

@@ -47,6 +47,7 @@ from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
+from .diloco import DilocoCheckpoint, DilocoSeam
 from .distill import setup_distillation
 from .errors import DataError
 from .flags.megatron_compat import no_op_message
@@ -187,7 +188,8 @@ class Trainer:
             raise ArgumentError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model configuration "
                                 f"{config.model.vocab_size}: build the config with vocab_size=tokenizer.vocab_size")
         self.config = config
-        self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
+        self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env,
+                                                       islands=config.diloco.islands)
         print_rank_0(format_config(config))
         self.run_lock = open_run_dirs(config.checkpoint)  # collective: paths, the run lock, no overwrite
         model_cfg, run = config.model, config.training
@@ -223,6 +225,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
+        diloco_state = DilocoCheckpoint.for_config(config.diloco)  # None unless --diloco-inner-steps
+        # per-rank state saved beside the model: Squinch error feedback, DiLoCo's outer state
+        self.rank_states = [m.reducer for m in self.model] + ([diloco_state] if diloco_state else [])
         self.scheduler = OptimizerParamScheduler(config.scheduler)
         self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
             run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
@@ -241,7 +246,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
                                          self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
-            counters = self.checkpointer.load([m.reducer for m in self.model])  # either format
+            counters = self.checkpointer.load(self.rank_states)  # either format
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
@@ -255,6 +260,7 @@ class Trainer:
                     self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
+        self.diloco = DilocoSeam.build(config.diloco, self.model, self.optimizer, diloco_state)  # on the loaded weights
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
         _check_train_split(train_ds, run.train_iters, config.data.data_path, config.data.split)
@@ -309,7 +315,7 @@ class Trainer:
         if dataset is None:
             return None
         loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
-                                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                               *ps.get_data_shard(),  # DP rank among every island's
                                                num_workers=self.config.data.num_workers,
                                                pin_memory=self.device.type == "cuda")
         return DevicePrefetcher(iter(loader), self.device, lookahead=lookahead)
@@ -462,7 +468,7 @@ class Trainer:
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
-        path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model], non_persistent)
+        path = self.checkpointer.save(counters, [r.state_dict() for r in self.rank_states], non_persistent)
         if non_persistent:
             self._np_saved_iteration = self.state.iteration
         else:
@@ -506,6 +512,8 @@ class Trainer:
             step = self.train_step()
             losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
+            if self.diloco is not None:  # the outer steps due after this inner step (docs/diloco.md)
+                self.diloco.after_step(st.iteration)
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
             self.profiler.after_step(st.iteration)
@@ -538,6 +546,9 @@ class Trainer:
             first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
             if prints_log_line(st.iteration, log.log_interval, first):
                 self._log(window, stats, comm_bytes, first)
+                outer_line = self.diloco.log_line(st.iteration) if self.diloco is not None else None
+                if outer_line:
+                    print_rank_last(outer_line)
                 if not first:
                     window = LogWindow()
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
@@ -574,6 +585,9 @@ class Trainer:
         if run.manual_gc:
             gc.enable()
         st.extra["history"] = history
+        if self.diloco is not None:
+            self.diloco.close()
+            st.extra["diloco"] = dict(vars(self.diloco.outer.stats))
         self.tb.close()
         self.wandb.close()
         return st
