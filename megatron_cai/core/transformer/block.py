@@ -17,10 +17,11 @@ from torch import nn
 from ..quantization.dynamic_clamp import NormOutputRMS
 from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
+from .layer_pattern import check_stage_kv_sources
 from .lse_stats import LseStatsCollector
 from .mlp import MLP
 from .norms import build_norm
-from .self_attention import KVCache, SelfAttention
+from .self_attention import KVCache, SelfAttention, SharedKV
 
 
 class TransformerLayer(nn.Module):
@@ -47,9 +48,10 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, p, True)
 
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, shared_kv: SharedKV | None = None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, visibility, position_ids,
-                                                  kv_cache, input_rms=NormOutputRMS(self.input_layernorm)))
+                                                  kv_cache, input_rms=NormOutputRMS(self.input_layernorm),
+                                                  shared_kv=shared_kv))
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm)))
 
 
@@ -57,6 +59,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, config, layer_numbers: list[int], post_process: bool,
                  lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
+        check_stage_kv_sources(config, layer_numbers)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i, lse_stats) for i in layer_numbers})
         self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
                                            config.sequence_parallel, config.apply_layernorm_1p)
@@ -79,10 +82,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         layers = list(self.layers.values())
+        shared_kv: SharedKV | None = {} if self.config.kv_share_pattern else None  # this forward's source K/V
 
         def run(x, idx):
             for i in idx:
-                x = layers[i](x, rotary, visibility, position_ids, kv_cache)
+                x = layers[i](x, rotary, visibility, position_ids, kv_cache, shared_kv)
             return x
 
         for idx, recompute in self.recompute_groups():

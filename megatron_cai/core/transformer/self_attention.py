@@ -23,9 +23,12 @@ from .. import parallel_state as ps
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import divide
+from .layer_pattern import kv_source, layer_window
 from .lse_stats import LseStatsCollector
 from .norms import build_norm
 from .rope import apply_rotary
+
+SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # K/V of one forward's source layers, by layer number
 
 
 class KVCache:
@@ -81,40 +84,44 @@ class SelfAttention(nn.Module):
         q_size, kv_size = config.num_attention_heads * self.head_dim, groups * self.head_dim
         self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.qkv_bias,
                                              init_method=init_method, sequence_parallel=sp)
-        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
-                                              init_method=init_method, sections=[kv_size, kv_size],
-                                              sequence_parallel=sp, replicated=self.kv_replicated)
+        self.window = layer_window(config, layer_number)  # None: global attention
+        self.kv_source = kv_source(config, layer_number)  # this layer's number unless it shares another's K/V
+        self.linear_kv = None
+        if self.kv_source == layer_number:
+            self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
+                                                  init_method=init_method, sections=[kv_size, kv_size],
+                                                  sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:  # one norm over head_dim shared by all heads: weights summed over TP ranks
             self.q_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
                                           config.apply_layernorm_1p)
-            self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
-                                          config.apply_layernorm_1p)
+            if self.linear_kv is not None:
+                self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
+                                              config.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                input_rms=None) -> torch.Tensor:
+                input_rms=None, shared_kv: SharedKV | None = None) -> torch.Tensor:
+        """``shared_kv``: the K/V of this forward's source layers by layer number (``[b, kv_heads, s, d]``, after
+        RoPE and the cache); a source layer adds its own, a sharing layer (``kv_source`` another layer) reads its
+        source's instead of computing any."""
         q = self.linear_q(x, predicted_input_rms=input_rms)
-        kv = self.linear_kv(x, predicted_input_rms=input_rms)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, self.num_heads, self.head_dim)
-        k, v = kv.chunk(2, dim=-1)
-        k = k.reshape(b, s, self.num_groups, self.head_dim)
-        v = v.reshape(b, s, self.num_groups, self.head_dim)
-        if self.kv_replicated:
-            k = k[:, :, self.kv_group_index:self.kv_group_index + 1]
-            v = v[:, :, self.kv_group_index:self.kv_group_index + 1]
         if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            q = self.q_layernorm(q)
         if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_number, k, v)
+            q = apply_rotary(q, *rotary)
+        q = q.transpose(1, 2)  # [b, heads, s, d]
+        if self.linear_kv is None:
+            k, v = shared_kv[self.kv_source]
+        else:
+            k, v = self._own_kv(x, rotary, kv_cache, input_rms)
+            if shared_kv is not None:
+                shared_kv[self.layer_number] = (k, v)
         if self.config.recompute_granularity == "selective" and self.training and kv_cache is None:
             out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
                                                          use_reentrant=False)
@@ -125,13 +132,32 @@ class SelfAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
+    def _own_kv(self, x, rotary, kv_cache: KVCache | None, input_rms) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values ``[b, kv_heads, s, d]`` (after RoPE; with a cache, all tokens so far)."""
+        kv = self.linear_kv(x, predicted_input_rms=input_rms)
+        b, s = kv.shape[0], kv.shape[1]
+        k, v = kv.chunk(2, dim=-1)
+        k = k.reshape(b, s, self.num_groups, self.head_dim)
+        v = v.reshape(b, s, self.num_groups, self.head_dim)
+        if self.kv_replicated:
+            k = k[:, :, self.kv_group_index:self.kv_group_index + 1]
+            v = v[:, :, self.kv_group_index:self.kv_group_index + 1]
+        if self.k_layernorm is not None:
+            k = self.k_layernorm(k)
+        if rotary is not None:
+            k = apply_rotary(k, *rotary)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
+        return k, v
+
     def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
         cfg = self.config
         dropout = cfg.attention_dropout if self.training else 0.0
         # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
         with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            if visibility is None and not cfg.attention_zreg_coeff and cfg.window_size is None:
+            if visibility is None and not cfg.attention_zreg_coeff and self.window is None:
                 # Plain causal attention (or decoding one step past a causal prefix).
                 causal = q.shape[2] == k.shape[2]
                 mask = None
@@ -152,7 +178,7 @@ class SelfAttention(nn.Module):
         if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
             backend = cfg.attention_backend or default_backend(q.device)
             out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
-                                         window=cfg.window_size)
+                                         window=self.window)
             return out, lse
         if visibility is None:
             t = k.shape[2]
@@ -160,8 +186,8 @@ class SelfAttention(nn.Module):
             visibility = (idx, torch.full_like(idx, t))
         start, limit = visibility
         # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
-        window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
-        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
+        window_pos = position_ids if self.window is not None else None  # positions matter only for windows
+        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=self.window,
                           position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
                           dropout_p=dropout)
         return out, lse

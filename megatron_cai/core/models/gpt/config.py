@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...quantization.qat_config import QATConfig
+from ...transformer.layer_pattern import validate_patterns
 
 ACTIVATIONS = ("relu2", "swiglu", "gelu_erf", "gelu_tanh")
 # saved configs (checkpoints, Hugging Face exports) before erf GeLU existed called the tanh GeLU "gelu"
@@ -58,6 +59,9 @@ class GPTConfig:
     attention_zreg_scale: float = 1.0
     output_zreg_coeff: float = 0.0
     window_size: int | None = None
+    # per-layer attention patterns (core.transformer.layer_pattern): Megatron's int or 0/1 list, and ours
+    window_attn_skip_freq: int | list[int] | None = None
+    kv_share_pattern: int | list[int] | None = None  # K/V source of each layer (int N: groups of N); list after init
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
 
     def __post_init__(self) -> None:
@@ -77,6 +81,8 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"num-query-groups {self.num_query_groups}")
+        self.kv_share_pattern = validate_patterns(self.num_layers, self.window_size, self.window_attn_skip_freq,
+                                                  self.kv_share_pattern)
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
         if self.activation == "gelu":
@@ -95,7 +101,7 @@ class GPTConfig:
                            "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
                            "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
                            "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor")
+                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "kv_share_pattern")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
