@@ -73,7 +73,8 @@ def test_training_equals_explicit_reference(recompute):
         ref_loss.backward()
         assert abs(loss.item() - ref_loss.item()) < 1e-6, (it, loss.item(), ref_loss.item())
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref[name].grad, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{it} {n}: {m}")
+            where = f"iteration {it} {name}"
+            torch.testing.assert_close(p.grad, ref[name].grad, atol=1e-6, rtol=0, msg=lambda m, w=where: f"{w}: {m}")
         opt.step()
         ref_opt.step()
         first = loss.item() if first is None else first
