@@ -13,7 +13,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ...core.transformer.layer_pattern import LayerPatternError, parse_int_or_pattern
+from ...core.parallel_state import ParallelLayoutError
+from ...core.transformer.layer_pattern import (
+    LayerPatternError,
+    check_stage_kv_sources,
+    parse_int_or_pattern,
+    validate_patterns,
+)
+from ..config import ArgumentError
 
 __all__ = ["add_arguments", "model_fields"]
 
@@ -38,5 +45,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`GPTConfig` fields these flags set."""
-    return {"window_attn_skip_freq": args.window_attn_skip_freq, "kv_share_pattern": args.kv_share_pattern}
+    """The :class:`GPTConfig` fields these flags set; a sharing group split over pipeline stages is refused here,
+    on every rank alike, before any model is built."""
+    fields = {"window_attn_skip_freq": args.window_attn_skip_freq, "kv_share_pattern": args.kv_share_pattern}
+    _check_pipeline_groups(args)
+    return fields
+
+
+def _check_pipeline_groups(args: argparse.Namespace) -> None:
+    from ...core.models.gpt.model import stage_layer_numbers
+
+    if args.kv_share_pattern is None:
+        return
+    try:
+        pattern = validate_patterns(args.num_layers, None, None, args.kv_share_pattern)
+    except LayerPatternError as e:
+        raise ArgumentError(str(e)) from None
+    pp = args.pipeline_model_parallel_size
+    per_vpp = args.num_layers_per_virtual_pipeline_stage
+    vpp = args.num_layers // pp // per_vpp if per_vpp else None
+    sources = _Sources(args.num_layers, pattern)
+    for rank in range(pp):
+        for chunk in range(vpp or 1):
+            try:
+                check_stage_kv_sources(sources, stage_layer_numbers(args.num_layers, rank, pp, chunk, vpp))
+            except ParallelLayoutError as e:
+                raise ArgumentError(str(e)) from None
+
+
+class _Sources:
+    """The two fields :func:`check_stage_kv_sources` reads."""
+
+    def __init__(self, num_layers: int, kv_share_pattern: list[int] | None) -> None:
+        self.num_layers, self.kv_share_pattern = num_layers, kv_share_pattern
