@@ -125,11 +125,6 @@ def _append_causal(cache: KVCache, batch: int, length: int, device) -> None:
     cache.append_visibility(start, torch.full_like(start, torch.iinfo(torch.int64).max))
 
 
-def _supports_cache(config: GPTConfig) -> bool:
-    # Sliding windows take the interval-attention path, which needs as many queries as keys.
-    return config.window_size is None
-
-
 # --------------------------------------------------------------------------------------- generate
 def generation_length(prompt_tokens: int, max_new_tokens: int, trained_context: int,
                       max_position_embeddings: int | None, learned_positions: bool) -> tuple[str | None, str | None]:
@@ -180,7 +175,6 @@ def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_ne
     model.eval()
     prompt_length = tokens.shape[1]
     step_logits = []
-    use_cache = use_cache and _supports_cache(cfg)
     cache = KVCache() if use_cache else None
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
     try:

@@ -83,6 +83,9 @@ class TransformerBlock(nn.Module):
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         layers = list(self.layers.values())
         shared_kv: SharedKV | None = {} if self.config.kv_share_pattern else None  # this forward's source K/V
+        new_positions = position_ids
+        if kv_cache is not None and position_ids is not None:  # windows measure on every key's position
+            position_ids = kv_cache.key_positions(position_ids)
 
         def run(x, idx):
             for i in idx:
@@ -94,6 +97,8 @@ class TransformerBlock(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(run, x, idx, use_reentrant=False)
             else:
                 x = run(x, idx)
+        if kv_cache is not None and new_positions is not None:
+            kv_cache.append_positions(new_positions)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

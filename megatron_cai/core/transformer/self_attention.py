@@ -42,6 +42,17 @@ class KVCache:
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.visibility_start: torch.Tensor | None = None
         self.visibility_limit: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None  # [batch, cached] logical positions (sliding windows)
+
+    def key_positions(self, new: torch.Tensor) -> torch.Tensor:
+        """Positions of every key of a forward: the cached tokens' then ``new`` ([batch, new tokens])."""
+        if self.position_ids is None:
+            return new
+        return torch.cat([self.position_ids.expand(new.shape[0], -1), new], dim=1)
+
+    def append_positions(self, new: torch.Tensor) -> None:
+        """Record the positions of a forward's new tokens (the model does, after its layers ran)."""
+        self.position_ids = self.key_positions(new)
 
     @property
     def length(self) -> int:
