@@ -2,6 +2,7 @@
 one entry per sharing group and greedy decoding equals full recompute token for token."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_cai.core.models.gpt.config import GPTConfig
@@ -30,13 +31,23 @@ def test_cache_holds_one_entry_per_sharing_group():
     assert cache.position_ids.tolist() == [[0, 1, 2, 3, 4]]
 
 
-def test_shared_windowed_cache_equals_recompute_over_200_greedy_tokens():
+def _cache_equals_recompute(tokens: int) -> None:
     model = kaiju_model()
     prompt = torch.tensor([[3, 17, 5, 42, 8, 11, 2], [9, 9, 1, 0, 33, 4, 4]])
-    cached = generate(model, prompt, 200, temperature=0, return_logits=True)
-    plain = generate(model, prompt, 200, temperature=0, use_cache=False, return_logits=True)
-    assert cached.new_tokens.shape == (2, 200)
+    cached = generate(model, prompt, tokens, temperature=0, return_logits=True)
+    plain = generate(model, prompt, tokens, temperature=0, use_cache=False, return_logits=True)
+    assert cached.new_tokens.shape == (2, tokens)
     assert torch.equal(cached.tokens, plain.tokens)
     worst = max(float((a - b).abs().max()) for a, b in zip(cached.logits, plain.logits))
     assert worst < 1e-9, worst
     assert len(set(cached.new_tokens[0].tolist())) > 5  # not a degenerate repetition of one token
+
+
+def test_shared_windowed_cache_equals_recompute():
+    """CI size: 24 tokens, three times the window."""
+    _cache_equals_recompute(24)
+
+
+@pytest.mark.slow
+def test_shared_windowed_cache_equals_recompute_over_200_greedy_tokens():
+    _cache_equals_recompute(200)
