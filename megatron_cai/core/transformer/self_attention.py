@@ -50,6 +50,10 @@ class KVCache:
             return new
         return torch.cat([self.position_ids.expand(new.shape[0], -1), new], dim=1)
 
+    def layer_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the cached K/V (for counting bytes)."""
+        return [t for pair in self.layers.values() for t in pair]
+
     def append_positions(self, new: torch.Tensor) -> None:
         """Record the positions of a forward's new tokens (the model does, after its layers ran)."""
         self.position_ids = self.key_positions(new)
