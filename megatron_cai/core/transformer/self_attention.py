@@ -77,7 +77,70 @@ class KVCache:
         return k, v
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """Softmax attention over ``[b, heads, s, d]`` queries and keys for an attention layer: the SDPA fast path
+    for plain causal attention, else the visibility-interval backends (windows, Z-Reg, context parallelism).
+    A subclass sets ``config``, ``window`` (None: global) and ``lse_slot``."""
+
+    config: object
+    window: int | None
+    lse_slot: object
+
+    def attend(self, q, k, v, visibility, position_ids, recomputable: bool) -> torch.Tensor:
+        """The attention output ``[b, heads, s_q, d]``; the core attention is recomputed in backward under
+        ``--recompute-granularity selective`` (training, no cache)."""
+        if self.config.recompute_granularity == "selective" and self.training and recomputable:
+            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
+                                                         use_reentrant=False)
+        else:
+            out, lse = self._core_attention(q, k, v, visibility, position_ids)
+        if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
+            self.lse_slot.record(lse)
+        return out
+
+    def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
+        cfg = self.config
+        dropout = cfg.attention_dropout if self.training else 0.0
+        # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
+        with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            if visibility is None and not cfg.attention_zreg_coeff and self.window is None:
+                # Plain causal attention (or decoding one step past a causal prefix).
+                causal = q.shape[2] == k.shape[2]
+                mask = None
+                if not causal:
+                    offset = k.shape[2] - q.shape[2]
+                    mask = (torch.arange(k.shape[2], device=q.device)[None, :]
+                            <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=causal,
+                                                      enable_gqa=q.shape[1] != k.shape[1]), None
+            return self._interval_attention(q, k, v, visibility, position_ids, dropout)
+
+    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
+        from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
+
+        cfg = self.config
+        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
+        if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
+            backend = cfg.attention_backend or default_backend(q.device)
+            out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
+                                         window=self.window)
+            return out, lse
+        if visibility is None:
+            t = k.shape[2]
+            idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
+            visibility = (idx, torch.full_like(idx, t))
+        start, limit = visibility
+        # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
+        window_pos = position_ids if self.window is not None else None  # positions matter only for windows
+        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=self.window,
+                          position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
+                          dropout_p=dropout)
+        return out, lse
+
+
+class SelfAttention(CoreAttention):
     def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod,
                  lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
@@ -137,13 +200,7 @@ class SelfAttention(nn.Module):
             k, v = self._own_kv(x, rotary, kv_cache, input_rms)
             if shared_kv is not None:
                 shared_kv[self.layer_number] = (k, v)
-        if self.config.recompute_granularity == "selective" and self.training and kv_cache is None:
-            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
-                                                         use_reentrant=False)
-        else:
-            out, lse = self._core_attention(q, k, v, visibility, position_ids)
-        if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
-            self.lse_slot.record(lse)
+        out = self.attend(q, k, v, visibility, position_ids, recomputable=kv_cache is None)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.linear_proj(out)
 
@@ -165,44 +222,3 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
         return k, v
-
-    def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
-        cfg = self.config
-        dropout = cfg.attention_dropout if self.training else 0.0
-        # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
-        with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            if visibility is None and not cfg.attention_zreg_coeff and self.window is None:
-                # Plain causal attention (or decoding one step past a causal prefix).
-                causal = q.shape[2] == k.shape[2]
-                mask = None
-                if not causal:
-                    offset = k.shape[2] - q.shape[2]
-                    mask = (torch.arange(k.shape[2], device=q.device)[None, :]
-                            <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                      is_causal=causal,
-                                                      enable_gqa=q.shape[1] != k.shape[1]), None
-            return self._interval_attention(q, k, v, visibility, position_ids, dropout)
-
-    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
-        from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
-
-        cfg = self.config
-        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
-        if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
-            backend = cfg.attention_backend or default_backend(q.device)
-            out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
-                                         window=self.window)
-            return out, lse
-        if visibility is None:
-            t = k.shape[2]
-            idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
-            visibility = (idx, torch.full_like(idx, t))
-        start, limit = visibility
-        # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
-        window_pos = position_ids if self.window is not None else None  # positions matter only for windows
-        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=self.window,
-                          position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
-                          dropout_p=dropout)
-        return out, lse
