@@ -19,6 +19,7 @@ from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
 from .layer_pattern import check_stage_kv_sources
 from .lse_stats import LseStatsCollector
+from .mla import MLASelfAttention
 from .mlp import MLP
 from .norms import build_norm
 from .self_attention import KVCache, SelfAttention, SharedKV
@@ -33,7 +34,8 @@ class TransformerLayer(nn.Module):
         sp = config.sequence_parallel
         eps, one_p = config.layernorm_epsilon, config.apply_layernorm_1p
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
-        self.self_attention = SelfAttention(config, layer_number, init, out_init, lse_stats)
+        attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, layer_number, init, out_init, lse_stats)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
         self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
                        init, out_init, sp)
