@@ -145,3 +145,21 @@ def test_latent_cache_generation_equals_recompute():
     prefill(model, prompt, cache)
     latent, k_pe = cache.layers[0]
     assert latent.shape == (2, 1, 5, 8) and k_pe.shape == (2, 1, 5, 4)  # kv_lora_rank + rope dims per token
+
+
+def test_megatron_flags_build_the_mla_config():
+    from megatron_cai.training.arguments import parse_config
+    from megatron_cai.training.errors import UserError
+
+    argv = ["--mock-data", "--vocab-size", "100", "--train-iters", "1", "--num-layers", "2",
+            "--position-embedding-type", "rope", "--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank",
+            "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rotary-scaling-factor",
+            "40", "--mscale-all-dim", "0.707"]
+    model = parse_config(argv + ["--rope-type", "rope"], world_size=1).model
+    got = {k: getattr(model, k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                          "qk_pos_emb_head_dim", "v_head_dim", "rotary_scaling_factor",
+                                          "mscale_all_dim")}
+    assert got == {"multi_latent_attention": True, "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8,
+                   "qk_pos_emb_head_dim": 4, "v_head_dim": 6, "rotary_scaling_factor": 40.0, "mscale_all_dim": 0.707}
+    with pytest.raises(UserError, match="YaRN RoPE is not implemented here; pass --rope-type rope"):
+        parse_config(argv, world_size=1)
