@@ -44,9 +44,9 @@ def _compare_with_megatron(rank, world, q_lora_rank, qk_layernorm, scaling, inte
 
     from megatron_cai.core import parallel_state as ps
     from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.tensor_parallel.layers import normal_init
     from megatron_cai.core.transformer.mla import MLASelfAttention
     from megatron_cai.core.transformer.rope import rotary_cos_sin
-    from megatron_cai.core.tensor_parallel.layers import normal_init
 
     mps.initialize_model_parallel(1)
     ps.initialize_model_parallel(1, 1)
