@@ -1,9 +1,9 @@
 """Kaiju-style attention (MQA, 5:1 local/global windows, cross-layer KV sharing, int8 cache) against a Llama-style
 baseline (GQA 8, global attention, SwiGLU, bf16 cache) at equal parameters.
 
-    python bench/kaiju.py [--quick] [--skip-agreement]
+    python bench/kaiju.py [--quick] [--skip-agreement] [--out PREFIX] [--from-json]
 
-Parts (each prints a table; all go to bench/results/kaiju.{json,md}):
+Parts (all go to PREFIX.{json,md}, by default bench/results/kaiju):
 
 - ``cache``: KV-cache bytes per token, counted from the cache tensors after a prefill of ``--context`` tokens
   (``int8_kv_cache.cache_bytes``), and the ratio baseline / Kaiju split into its factors: MQA (KV heads), sharing
@@ -20,7 +20,6 @@ the sizes small (context 512, 300 tokens, 150 training steps).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,13 +28,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import harness as H  # noqa: E402
+
 from megatron_cai.core.models.gpt.config import GPTConfig  # noqa: E402
 from megatron_cai.core.models.gpt.model import GPTModel  # noqa: E402
 from megatron_cai.core.transformer.int8_kv_cache import cache_bytes, make_kv_cache  # noqa: E402
 from megatron_cai.core.transformer.layer_pattern import group_sources, is_local_layer  # noqa: E402
 from megatron_cai.inference.generation import ensure_single_process, generate, prefill  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def model_config(kind: str, layers: int, hidden: int, heads: int, ffn: int, window: int, vocab: int,
@@ -177,29 +176,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (CI-scale)")
-    p.add_argument("--skip-agreement", action="store_true")
-    p.add_argument("--out", default=RESULTS)
-    args = p.parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "kaiju")
+    p.add_argument("--skip-agreement", action="store_true", help="only the cache part (what CI runs)")
+    args = H.parse(p, argv)
+    out = H.Results(args.out)
+    if args.from_json:
+        out.rewrite(markdown)
+        return
     args.layers, args.hidden, args.heads = (6, 128, 16) if args.quick else (12, 512, 16)
     args.context, args.window = (512, 128) if args.quick else (4096, 1024)
     args.tokens, args.train_steps = (300, 150) if args.quick else (2000, 600)
     result = {"quick": args.quick, "cache": cache_part(args)}
-    print(json.dumps(result["cache"], indent=1))
+    print(json.dumps(result["cache"], indent=1), flush=True)
     if not args.skip_agreement:
         result["agreement"] = agreement_part(args)
-        print(json.dumps(result["agreement"], indent=1))
-    os.makedirs(args.out, exist_ok=True)
-    name = "kaiju_quick" if args.quick else "kaiju"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
-    return 0
+    out.write(result, markdown)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
