@@ -74,3 +74,19 @@ def test_greedy_with_int8_cache_tracks_the_full_cache():
 def test_unknown_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         make_kv_cache("int4")
+
+
+@pytest.mark.slow
+def test_int8_cache_agrees_with_bf16_over_2000_greedy_tokens():
+    """Acceptance: a small Kaiju-style model trained by bench/kaiju.py; greedy with the int8 cache agrees with the
+    bf16 cache on >= 99% of 2,000 tokens (measured: 100%, |log p| difference mean 1.9e-3)."""
+    import argparse
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench")
+    sys.path.insert(0, os.path.abspath(bench))
+    import kaiju
+
+    result = kaiju.agreement_part(argparse.Namespace(tokens=2000, train_steps=150))
+    assert result["agreement"] >= 0.99, result
