@@ -28,6 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
+from .flags import kaiju
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -349,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
-                add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments):
+                add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
+                kaiju.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -486,6 +488,7 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
         moe=moe_config(args),
+        **kaiju.model_fields(args),
     )
 
 

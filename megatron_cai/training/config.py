@@ -314,6 +314,9 @@ _FRACTION, _DROPOUT = Range(0, 1), Range(0, 1, hi_open=True)
 
 # Every numeric flag of the parser (a test checks that none is missing), by its argparse ``dest``.
 FLAG_RANGES: dict[str, Range] = {
+    # multi-latent attention (training/flags/kaiju.py)
+    **dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"], _AT_LEAST_1),
+    **dict.fromkeys(["rotary_scaling_factor", "mscale"], _POSITIVE), "mscale_all_dim": _AT_LEAST_0,
     **dict.fromkeys(["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
                      "window_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",

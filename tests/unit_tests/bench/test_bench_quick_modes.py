@@ -400,3 +400,14 @@ def test_statistics_helpers():
     assert H.count_spikes([5.0, 4.9, 4.8, 4.7, 5.5, 4.6, float("nan")]) == 2
     assert H.count_spikes([5.0, 4.0, 3.0, 2.0]) == 0
     assert H.count_spikes([4.0, 5.0, 5.0, 5.0, 5.2]) == 0  # against the median: one low loss makes no spikes
+
+
+def test_kaiju_cache_is_at_most_a_twentieth_of_the_baseline(run):
+    """Bytes counted from the cache tensors: the ratio is at least 20 and equals its factors (MQA and sharing
+    account for the bf16 Kaiju cache exactly; int8 for the rest)."""
+    c = load(run, "kaiju")["cache"]
+    assert c["ratio"] >= 20, c
+    assert c["ratio_from_factors"] == pytest.approx(c["ratio"], rel=1e-12)
+    assert c["bytes_per_token"]["llama_bf16"] == c["factors"]["mqa"] * c["factors"]["sharing"] * \
+        c["bytes_per_token"]["kaiju_bf16"]
+    assert abs(c["params"]["kaiju"] / c["params"]["llama"] - 1) < 0.01  # equal parameters (within 1%)
