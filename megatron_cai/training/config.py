@@ -314,6 +314,12 @@ _FRACTION, _DROPOUT = Range(0, 1), Range(0, 1, hi_open=True)
 
 # Every numeric flag of the parser (a test checks that none is missing), by its argparse ``dest``.
 FLAG_RANGES: dict[str, Range] = {
+    # Mixture of Experts (training/flags/moe.py)
+    **dict.fromkeys(["expert_tensor_parallel_size", "moe_ffn_hidden_size", "moe_router_num_groups",
+                     "moe_router_group_topk", "moe_shared_expert_intermediate_size"], _AT_LEAST_1),
+    **dict.fromkeys(["moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_bias_update_rate"],
+                    _AT_LEAST_0),
+    **dict.fromkeys(["moe_expert_capacity_factor", "moe_router_topk_scaling_factor"], _POSITIVE),
     # multi-latent attention (training/flags/kaiju.py)
     **dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"], _AT_LEAST_1),
     **dict.fromkeys(["rotary_scaling_factor", "mscale"], _POSITIVE), "mscale_all_dim": _AT_LEAST_0,
