@@ -12,6 +12,7 @@ Behind it, modules named for what they hold:
 - ``run_lock``: one job per ``--save`` (rank 0's ``fcntl`` lock, held for the job's life);
 - ``integrity``: every file's content hash, computed as it is written, verified on load;
 - ``file_io``: reads and writes whose errors name the file and the rank;
+- ``safe_load``: loading is not executing: weights-only torch files, DCP metadata through a restricted unpickler;
 - ``reshard``: the layout-free (canonical) form and resharding torch-format checkpoints;
 - ``format_conversion``: torch <-> torch_dist (``tools/convert_checkpoint.py --target-ckpt-format``).
 
@@ -25,7 +26,6 @@ from .file_io import (
     DEFAULT_ALGORITHM,
     CheckpointError,
     CheckpointIOError,
-    load_torch,
     save_torch,
     write_json,
     write_text,
@@ -55,6 +55,17 @@ from .run_dirs import (
     same_path,
 )
 from .run_lock import RunLock
+from .safe_load import (
+    CheckpointTrust,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    add_trust_flags,
+    checkpoint_trust,
+    load_torch,
+    load_weights,
+    set_trust,
+    trust_from_flags,
+)
 from .torch_format import load_torch_checkpoint, rank_dir_name
 
 __all__ = [
@@ -66,4 +77,6 @@ __all__ = [
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
     "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
+    "CheckpointTrust", "SafeFileSystemReader", "UnsafeCheckpointError", "add_trust_flags", "checkpoint_trust",
+    "load_weights", "set_trust", "trust_from_flags",
 ]

@@ -30,8 +30,8 @@ from ..errors import safe_print
 from . import dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
 from .dcp_pieces import DCP_METADATA
-from .file_io import ALGORITHMS, CheckpointError
-from .integrity import Mismatch, read_manifest, verify_share
+from .file_io import CheckpointError
+from .integrity import MANIFEST, Mismatch, UnverifiableError, check_listing, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
 from .retention import RetentionPolicy, check_non_persistent_dir, newest_checkpoint, non_persistent_root
 from .run_dirs import (
@@ -46,6 +46,7 @@ from .run_dirs import (
     same_path,
 )
 from .run_lock import RunLock
+from .safe_load import CheckpointTrust, current_trust, read_signing_key, set_trust
 
 
 class Checkpointer:
@@ -65,6 +66,14 @@ class Checkpointer:
                             if ckpt.async_save and ckpt.save else None)
         self.retention = RetentionPolicy(ckpt, log=safe_print)
         self.loaded_root: str | None = None  # the directory load() read (--load or its non-persistent one)
+        set_trust(CheckpointTrust(trust_code=ckpt.trust_checkpoint_code,  # what this process's loads accept
+                                  allow_unverified=ckpt.allow_unverified_checkpoint,
+                                  signing_key=read_signing_key(ckpt.checkpoint_signing_key)), log=self._rank0_log)
+
+    @staticmethod
+    def _rank0_log(line: str) -> None:
+        if ps.get_rank() == 0:
+            safe_print(line)
 
     @property
     def asynchronous(self) -> bool:
@@ -206,16 +215,24 @@ def verify_checkpoint(root: str, iteration: int) -> None:
     """Collective: check every file of ``iter_XXXXXXX`` against its recorded content hash, the files split
     over the ranks. A file that does not verify is one error (every rank raises it, rank 0 prints it)
     naming the file, the rank that checked it, the expected and found hashes, and the last iteration that
-    verifies. A checkpoint without hashes (saved before they were recorded) loads with one line."""
+    verifies. A manifest that is missing or uses an algorithm this installation lacks is an error, or one
+    warning under ``--allow-unverified-checkpoint``; a damaged, unsigned (with ``--checkpoint-signing-key``) or
+    incomplete manifest (files on disk it does not list, names outside the directory) is always an error."""
     d = iteration_dir(root, iteration)
     rank, world = ps.get_rank(), ps.get_world_size()
-    manifest = read_manifest(d)  # a damaged manifest is an error on every rank alike
-    if manifest is None or manifest["algorithm"] not in ALGORITHMS:
+    try:  # every rank reads the manifest: a bad one is an error on every rank alike
+        manifest = read_manifest(d)
+        if manifest is None:
+            raise UnverifiableError(f"checkpoint {d} has no content hashes ({MANIFEST}): its files cannot be "
+                                    f"verified (the manifest was removed, or the checkpoint predates them); pass "
+                                    f"--allow-unverified-checkpoint to load it anyway")
+    except UnverifiableError as e:
+        if not current_trust().allow_unverified:
+            raise
         if rank == 0:
-            why = ("carries no content hashes (saved before they were recorded)" if manifest is None else
-                   f"was hashed with {manifest['algorithm']}, which needs the xxhash package (pip install xxhash)")
-            safe_print(f" checkpoint {d} {why}: its files are not verified")
+            safe_print(f" WARNING: {e}: loading it unverified (--allow-unverified-checkpoint)")
         return
+    check_listing(d, manifest)
     bad: list[Mismatch] = verify_share(d, manifest, rank, world)
     if world > 1:
         everyone: list = [None] * world
