@@ -25,7 +25,13 @@ from megatron_cai.inference.generation import (  # noqa: E402
     generation_length,
     load_model,
 )
-from megatron_cai.training.checkpoint import CheckpointError, ConversionError  # noqa: E402
+from megatron_cai.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    ConversionError,
+    add_trust_flags,
+    checkpoint_trust,
+    trust_from_flags,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    add_trust_flags(p)
     return p
 
 
@@ -76,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = args.device or device_mod.default_device_name()
     try:
-        model, ck = load_model(args.load, args.ckpt_step, device)
+        with checkpoint_trust(trust_from_flags(args)):
+            model, ck = load_model(args.load, args.ckpt_step, device)
         tokenizer = checkpoint_tokenizer(ck, args.tokenizer_model, args.tokenizer_type)
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
         ids = tokenizer.tokenize(prompt)

@@ -19,7 +19,14 @@ Behind it, modules named for what they hold:
 Code outside this package imports only the names below (``test_code_structure.py`` checks it).
 """
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .checkpointer import Checkpointer, open_run_dirs, resolve_load_format, verify_checkpoint, warn_if_short_of_space
+from .checkpointer import (
+    Checkpointer,
+    check_plain_data,
+    open_run_dirs,
+    resolve_load_format,
+    verify_checkpoint,
+    warn_if_short_of_space,
+)
 from .dcp_pieces import read_dcp_metadata
 from .file_io import (
     ALGORITHMS,
@@ -61,8 +68,10 @@ from .safe_load import (
     UnsafeCheckpointError,
     add_trust_flags,
     checkpoint_trust,
+    current_trust,
     load_torch,
     load_weights,
+    read_signing_key,
     set_trust,
     trust_from_flags,
 )
@@ -78,5 +87,6 @@ __all__ = [
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
     "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
     "CheckpointTrust", "SafeFileSystemReader", "UnsafeCheckpointError", "add_trust_flags", "checkpoint_trust",
-    "load_weights", "set_trust", "trust_from_flags",
+    "load_weights", "set_trust", "trust_from_flags", "check_plain_data",
+    "read_signing_key", "current_trust",
 ]

@@ -23,13 +23,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ...core import parallel_state as ps
 from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
 from . import dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .dcp_pieces import DCP_METADATA
+from .dcp_pieces import DCP_METADATA, dcp_load, read_dcp_metadata
 from .file_io import CheckpointError
 from .integrity import MANIFEST, Mismatch, UnverifiableError, check_listing, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
@@ -46,7 +47,7 @@ from .run_dirs import (
     same_path,
 )
 from .run_lock import RunLock
-from .safe_load import CheckpointTrust, current_trust, read_signing_key, set_trust
+from .safe_load import CheckpointTrust, current_trust, load_torch, read_signing_key, set_trust
 
 
 class Checkpointer:
@@ -245,6 +246,26 @@ def verify_checkpoint(root: str, iteration: int) -> None:
     last = (f"the last iteration that verifies is iter_{good:07d}: resume it with --load {root} --ckpt-step {good}"
             if good is not None else "no earlier iteration in this directory verifies")
     raise CheckpointError(f"{bad[0].describe()}{more}; {last}")
+
+
+def check_plain_data(iteration_dir_path: str) -> int:
+    """Read every pickle of one iteration directory as a load would (no collectives): torch files as weights
+    only, DCP's ``.metadata`` through the restricted unpickler and its byte objects as weights only. Raises
+    :class:`.safe_load.UnsafeCheckpointError` for the first one that is not plain data; returns how many were read
+    (``tools/verify_checkpoint.py``)."""
+    n = 0
+    for d, _, names in os.walk(iteration_dir_path):
+        for name in sorted(names):
+            if name.endswith(".pt") and not os.path.islink(os.path.join(d, name)):
+                load_torch(os.path.join(d, name))
+                n += 1
+    if os.path.isfile(os.path.join(iteration_dir_path, DCP_METADATA)):
+        saved = read_dcp_metadata(iteration_dir_path).state_dict_metadata
+        objects = {k: None for k, v in saved.items() if isinstance(v, BytesStorageMetadata)}
+        if objects:
+            dcp_load(objects, iteration_dir_path, no_dist=True)
+        n += 1 + len(objects)
+    return n
 
 
 def open_run_dirs(ckpt: CheckpointConfig) -> RunLock | None:
