@@ -37,6 +37,8 @@ from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata,
 from .retention import RetentionPolicy, check_non_persistent_dir, newest_checkpoint, non_persistent_root
 from .run_dirs import (
     TRACKER,
+    IterationPin,
+    barrier,
     check_paths,
     check_run_dirs,
     directory_bytes,
@@ -46,7 +48,7 @@ from .run_dirs import (
     read_tracker,
     same_path,
 )
-from .run_lock import RunLock
+from .run_lock import RunLock, lock_holder
 from .safe_load import CheckpointTrust, current_trust, load_torch, read_signing_key, set_trust
 
 
@@ -158,15 +160,21 @@ class Checkpointer:
         this run's layout, either format (collective); returns the saved counters, {} when nothing loaded."""
         ckpt = self.config.checkpoint
         step = step if step is not None else ckpt.ckpt_step
-        if root is None and step is None:  # the newest of --load's persistent and non-persistent checkpoints
-            root, iteration = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
-        else:
-            root = root if root is not None else ckpt.load
-            iteration = step if step is not None else read_tracker(root)
+        root, iteration, pin = choose_iteration(ckpt, root, step)  # collective; rank 0 pins it
         if iteration is None:
             if ckpt.exit_on_missing_checkpoint:
                 raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
             return {}
+        try:
+            counters = self._load(root, iteration, reducers)
+            barrier()  # every rank has read its files: the pin may go
+        finally:
+            if pin is not None:
+                pin.release()
+        return counters
+
+    def _load(self, root: str, iteration: int, reducers) -> dict:
+        ckpt = self.config.checkpoint
         refuse_megatron_lm_checkpoint(root, iteration)
         fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
@@ -189,6 +197,41 @@ class Checkpointer:
             root, self.model_chunks, self.optimizer, self.scheduler, self.config.model, load_optim=ckpt.load_optim,
             load_rng=ckpt.load_rng, finetune=ckpt.finetune, step=iteration,
             exit_on_missing=ckpt.exit_on_missing_checkpoint, reducers=reducers, train_config=self.config)
+
+
+def choose_iteration(ckpt: CheckpointConfig, root: str | None, step: int | None,
+                     attempts: int = 5) -> tuple[str | None, int | None, IterationPin | None]:
+    """Collective: (directory, iteration, rank 0's pin) that a load reads, decided by rank 0 for every rank.
+
+    Without a step: the newest published iteration of ``--load`` (or its non-persistent directory), pinned so
+    that another job saving into the directory cannot remove it while this job reads it; when it went away
+    before the pin held (that job published a newer one and removed it), the newest one is chosen again. A
+    directory another job is saving into gets one line saying which iteration is loaded."""
+    choice: list = [None, None]
+    pin = None
+    if ps.get_rank() == 0:
+        for _ in range(attempts):
+            if root is None and step is None:
+                where, it = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
+            else:
+                where = root if root is not None else ckpt.load
+                it = step if step is not None else read_tracker(where)
+            choice = [where, it]
+            if it is None:
+                break
+            pin = IterationPin.take(where, it)
+            if pin is not None or step is not None:
+                break
+            safe_print(f" {iteration_dir(where, it)} went away while this job chose it (another job saving into "
+                       f"{where} removed it): choosing the newest published iteration again")
+        if choice[1] is not None and not same_path(choice[0], ckpt.save):
+            writer = lock_holder(choice[0])
+            if writer is not None:
+                safe_print(f" --load {choice[0]} is being saved into by another job ({writer}): loading "
+                           f"iter_{choice[1]:07d}, the newest published iteration (never one being written)")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0], choice[1], pin
 
 
 def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect: bool) -> str:
