@@ -274,7 +274,8 @@ def verify_checkpoint(root: str, iteration: int) -> None:
         if not current_trust().allow_unverified:
             raise
         if rank == 0:
-            safe_print(f" WARNING: {e}: loading it unverified (--allow-unverified-checkpoint)")
+            why = str(e).split("; pass --allow-unverified-checkpoint")[0]
+            safe_print(f" WARNING: {why}: loading it unverified (--allow-unverified-checkpoint)")
         return
     check_listing(d, manifest)
     bad: list[Mismatch] = verify_share(d, manifest, rank, world)
