@@ -205,10 +205,12 @@ def _tamper(root: str, case: str, tmp_path) -> str:
         os.symlink(outside, rank_file(root, 4))
         return "symbolic link"
     m = json.load(open(path))
-    if case == "unknown_algorithm":
-        m["algorithm"] = "none"
+    if case == "unknown_algorithm":  # the downgrade: an algorithm the installation lacks (no xxhash)
+        from megatron_cai.training.checkpoint import ALGORITHMS
+
+        m["algorithm"] = "xxh3_64" if "xxh3_64" not in ALGORITHMS else "xxh128"
         open(path, "w").write(json.dumps(m))
-        return "'none'"
+        return f"{m['algorithm']!r}"
     name, expect = {"dotdot": ("../../outside.txt", "(..)"), "absolute": ("/etc/hostname", "an absolute path"),
                     "dev_zero": ("/dev/zero", "an absolute path")}[case]
     from megatron_cai.training.checkpoint.file_io import hash_file
