@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 def _no_checkpoint_trust_leaks():
     """A Trainer built with --trust-checkpoint-code (or the other loading flags) sets the process's checkpoint
     loading policy; every test starts and ends with the default, strict one."""
-    from megatron_cai.training.checkpoint.safe_load import CheckpointTrust, set_trust
+    from megatron_cai.training.checkpoint import CheckpointTrust, set_trust
 
     yield
     set_trust(CheckpointTrust(), log=lambda *_: None)

@@ -111,9 +111,10 @@ def install() -> None:
 
         retention.remove_iteration = remove_iteration
     if env.get("FAULT_PAUSE_CHOSEN"):
-        from megatron_cai.training.checkpoint import checkpointer
+        from megatron_cai.training import checkpoint
 
-        real_newest = checkpointer.newest_checkpoint  # the name the load calls
+        checkpointer = checkpoint.checkpointer  # the module whose name the load calls
+        real_newest = checkpointer.newest_checkpoint
 
         def newest_checkpoint(*args, **kwargs):
             out = real_newest(*args, **kwargs)

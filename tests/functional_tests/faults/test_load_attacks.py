@@ -37,13 +37,33 @@ class Payload:
         return exec, (f"open({self.marker!r}, 'w').write('ran')",)
 
 
+def _hash(data: bytes) -> str:
+    from megatron_cai.training.checkpoint import ALGORITHMS, DEFAULT_ALGORITHM
+
+    h = ALGORITHMS[DEFAULT_ALGORITHM]()
+    h.update(data)
+    return h.hexdigest()
+
+
+def manifest_hash(algorithm: str, files: dict) -> str:
+    return _hash(json.dumps({"algorithm": algorithm, "files": files}, sort_keys=True, separators=(",", ":")).encode())
+
+
 def recompute_manifest(iteration_dir: str) -> None:
     """Rewrite ``checksums.json`` for the files as they are now (what anyone with write access can do)."""
-    from megatron_cai.training.checkpoint.integrity import hash_tree, manifest_for
+    from megatron_cai.training.checkpoint import DEFAULT_ALGORITHM
 
-    records = hash_tree(iteration_dir)
+    files = {}
+    for d, _, names in os.walk(iteration_dir):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), iteration_dir)
+            if rel != MANIFEST:
+                data = open(os.path.join(d, n), "rb").read()
+                files[rel] = {"hash": _hash(data), "bytes": len(data), "rank": 0}
+    manifest = {"format": 1, "algorithm": DEFAULT_ALGORITHM, "files": files,
+                "manifest_hash": manifest_hash(DEFAULT_ALGORITHM, files)}
     with open(os.path.join(iteration_dir, MANIFEST), "w") as f:
-        json.dump(manifest_for(iteration_dir, records), f)
+        json.dump(manifest, f)
 
 
 def plant_in_torch_file(path: str, marker: str) -> None:
@@ -65,19 +85,22 @@ def plant_in_dcp_metadata(iteration_dir: str, marker: str) -> None:
 
 def plant_in_dcp_object(iteration_dir: str, marker: str) -> None:
     """The ``common`` byte object inside the ``.distcp`` file (a torch.save pickle DCP writes for non-tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron_cai.training.checkpoint.dcp_pieces import dcp_load, dcp_save, read_dcp_metadata
-
-    saved = read_dcp_metadata(iteration_dir).state_dict_metadata
+    with open(os.path.join(iteration_dir, ".metadata"), "rb") as f:
+        saved = pickle.load(f).state_dict_metadata  # noqa: S301 - our own file
     sd = {k: None if isinstance(v, BytesStorageMetadata) else torch.empty(v.size, dtype=v.properties.dtype)
           for k, v in saved.items()}
-    dcp_load(sd, iteration_dir, no_dist=True)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(iteration_dir),
+             planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
     sd["common"] = {**sd["common"], "extra": Payload(marker)}
     for name in os.listdir(iteration_dir):
         if name.endswith(".distcp") or name == ".metadata":
             os.remove(os.path.join(iteration_dir, name))
-    dcp_save(sd, iteration_dir, no_dist=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(iteration_dir),
+             planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
     recompute_manifest(iteration_dir)
 
 
@@ -213,15 +236,13 @@ def _tamper(root: str, case: str, tmp_path) -> str:
         return f"{m['algorithm']!r}"
     name, expect = {"dotdot": ("../../outside.txt", "(..)"), "absolute": ("/etc/hostname", "an absolute path"),
                     "dev_zero": ("/dev/zero", "an absolute path")}[case]
-    from megatron_cai.training.checkpoint.file_io import hash_file
-    from megatron_cai.training.checkpoint.integrity import _manifest_hash
-
     target = os.path.normpath(os.path.join(d, name))
     if case == "dotdot":
         open(target, "w").write("outside the checkpoint")
-    h = hash_file(target, m["algorithm"]) if case != "dev_zero" else None  # an older loader read /dev/zero forever
-    m["files"][name] = {"hash": h.digest if h else "0" * 16, "bytes": h.nbytes if h else 1 << 40, "rank": 0}
-    m["manifest_hash"] = _manifest_hash(m["algorithm"], m["files"])
+    data = open(target, "rb").read() if case != "dev_zero" else None  # an older loader read /dev/zero forever
+    m["files"][name] = {"hash": _hash(data) if data is not None else "0" * 16,
+                        "bytes": len(data) if data is not None else 1 << 40, "rank": 0}
+    m["manifest_hash"] = manifest_hash(m["algorithm"], m["files"])
     open(path, "w").write(json.dumps(m))
     return expect
 
