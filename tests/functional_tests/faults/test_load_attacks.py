@@ -94,7 +94,7 @@ def plant_in_dcp_object(iteration_dir: str, marker: str) -> None:
     sd = {k: None if isinstance(v, BytesStorageMetadata) else torch.empty(v.size, dtype=v.properties.dtype)
           for k, v in saved.items()}
     dcp.load(sd, storage_reader=dcp.FileSystemReader(iteration_dir),
-             planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
+             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False), no_dist=True)
     sd["common"] = {**sd["common"], "extra": Payload(marker)}
     for name in os.listdir(iteration_dir):
         if name.endswith(".distcp") or name == ".metadata":
