@@ -255,15 +255,16 @@ def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect
     return found
 
 
-def verify_checkpoint(root: str, iteration: int) -> None:
+def verify_checkpoint(root: str, iteration: int, *, collective: bool = True) -> None:
     """Collective: check every file of ``iter_XXXXXXX`` against its recorded content hash, the files split
-    over the ranks. A file that does not verify is one error (every rank raises it, rank 0 prints it)
+    over the ranks (``collective=False``: this process checks them all, as the offline readers and a teacher
+    loaded by some ranks only do). A file that does not verify is one error (every rank raises it, rank 0 prints it)
     naming the file, the rank that checked it, the expected and found hashes, and the last iteration that
     verifies. A manifest that is missing or uses an algorithm this installation lacks is an error, or one
     warning under ``--allow-unverified-checkpoint``; a damaged, unsigned (with ``--checkpoint-signing-key``) or
     incomplete manifest (files on disk it does not list, names outside the directory) is always an error."""
     d = iteration_dir(root, iteration)
-    rank, world = ps.get_rank(), ps.get_world_size()
+    rank, world = (ps.get_rank(), ps.get_world_size()) if collective else (0, 1)
     try:  # every rank reads the manifest: a bad one is an error on every rank alike
         manifest = read_manifest(d)
         if manifest is None:
@@ -273,7 +274,7 @@ def verify_checkpoint(root: str, iteration: int) -> None:
     except UnverifiableError as e:
         if not current_trust().allow_unverified:
             raise
-        if rank == 0:
+        if rank == 0 and ps.get_rank() == 0:
             why = str(e).split("; pass --allow-unverified-checkpoint")[0]
             safe_print(f" WARNING: {why}: loading it unverified (--allow-unverified-checkpoint)")
         return

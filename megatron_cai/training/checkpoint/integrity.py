@@ -61,6 +61,7 @@ from .safe_load import current_trust
 MANIFEST = "checksums.json"
 MANIFEST_FORMAT = 1
 SIGNATURE = "hmac_sha256"
+_OPTIONAL_ALGORITHMS = {"xxh3_64": "it needs the xxhash package: pip install xxhash"}  # read when installed
 
 
 class _HashingFileSystem(FileSystem):
@@ -226,14 +227,17 @@ def read_manifest(iteration_dir: str) -> dict | None:
     if not isinstance(files, dict):
         raise CheckpointError(f"checkpoint content hashes {path} are corrupt: no file list")
     if algorithm not in ALGORITHMS:
-        need = " (it needs the xxhash package: pip install xxhash)" if algorithm == "xxh3_64" else ""
-        raise UnverifiableError(f"checkpoint content hashes {path} use the hash algorithm {algorithm!r}, which "
-                                f"this installation cannot check{need}: its files cannot be verified (new saves "
-                                f"use {DEFAULT_ALGORITHM}); pass --allow-unverified-checkpoint to load it anyway")
-    _check_entries(path, algorithm, files)
+        if algorithm in _OPTIONAL_ALGORITHMS:  # a real algorithm whose package is not installed
+            raise UnverifiableError(
+                f"checkpoint content hashes {path} use the hash algorithm {algorithm!r}, which this installation "
+                f"cannot check ({_OPTIONAL_ALGORITHMS[algorithm]}): its files cannot be verified (new saves use "
+                f"{DEFAULT_ALGORITHM}); pass --allow-unverified-checkpoint to load it anyway")
+        raise CheckpointError(f"checkpoint content hashes {path} are corrupt: unknown hash algorithm {algorithm!r} "
+                              f"(hash mismatch of the manifest itself, or a manifest of a newer version)")
     if _manifest_hash(algorithm, files) != m.get("manifest_hash"):
         raise CheckpointError(f"checkpoint content hashes {path} are corrupt (hash mismatch of the manifest "
                               f"itself: expected {m.get('manifest_hash')}, found {_manifest_hash(algorithm, files)})")
+    _check_entries(path, algorithm, files)
     return m
 
 

@@ -176,7 +176,7 @@ def load_canonical(root: str, step: int | None = None, *, load_optimizer: bool =
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
-    verify_checkpoint(root, iteration)
+    verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     try:
         meta = read_metadata(root, iteration)
     except CheckpointError as e:

@@ -348,3 +348,27 @@ def test_a_load_while_another_job_saves_and_prunes_reads_a_published_iteration(t
                 p.kill()
     assert reader.returncode == 0, (out + err)[-3000:]
     assert "went away while this job chose it" in out and f"loaded checkpoint from {save} at iteration 4" in out
+
+
+def test_a_recomputed_manifest_fails_its_signature(tmp_path):
+    """The issue's bypass (rewrite a file, recompute checksums.json) against a run saved with
+    --checkpoint-signing-key: the verifier and --load refuse it; an untouched signed checkpoint resumes."""
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    root = str(tmp_path / "run")
+    signed = ["--checkpoint-signing-key", str(key)]
+    proc = run([*BASE[:-1], "2", "--save", root, "--save-interval", "1", *signed])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hmac_sha256" in json.load(open(os.path.join(root, "iter_0000002", MANIFEST)))
+    verify = os.path.join(TOOLS, "verify_checkpoint.py")
+    assert run([root, "--all", *signed], script=verify).returncode == 0
+    marker = str(tmp_path / "marker")
+    plant_in_torch_file(rank_file(root, 2), marker)  # and the manifest recomputed, unsigned
+    m = json.load(open(os.path.join(root, "iter_0000002", MANIFEST)))
+    old = json.load(open(os.path.join(root, "iter_0000001", MANIFEST)))["hmac_sha256"]
+    open(os.path.join(root, "iter_0000002", MANIFEST), "w").write(json.dumps({**m, "hmac_sha256": old}))
+    assert_one_error(run([root, *signed], script=verify), "do not match their signature")
+    assert_one_error(run([*BASE[:-1], "3", "--load", root, *signed]), "do not match their signature")
+    assert not os.path.exists(marker)
+    proc = run([*BASE[:-1], "2", "--load", root, "--ckpt-step", "1", *signed])
+    assert proc.returncode == 0 and f"loaded checkpoint from {root} at iteration 1" in proc.stdout, proc.stderr

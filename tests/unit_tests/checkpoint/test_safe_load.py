@@ -154,10 +154,16 @@ def test_an_unknown_algorithm_is_unverifiable_not_skipped(tmp_path):
     ig.write_manifest(d, _iteration(d))
     path = os.path.join(d, ig.MANIFEST)
     m = json.load(open(path))
-    m["algorithm"] = "xxh3_64" if "xxh3_64" not in ig.ALGORITHMS else "crc32"
+    if "xxh3_64" not in ig.ALGORITHMS:  # the downgrade: a real algorithm this installation lacks
+        m["algorithm"] = "xxh3_64"
+        json.dump(m, open(path, "w"))
+        with pytest.raises(ig.UnverifiableError, match="xxhash package.*--allow-unverified-checkpoint"):
+            ig.read_manifest(d)
+    m["algorithm"] = "crc32"  # no algorithm at all: a damaged manifest, which no flag loads
     json.dump(m, open(path, "w"))
-    with pytest.raises(ig.UnverifiableError, match="--allow-unverified-checkpoint"):
+    with pytest.raises(CheckpointError, match="corrupt: unknown hash algorithm 'crc32'") as e:
         ig.read_manifest(d)
+    assert not isinstance(e.value, ig.UnverifiableError)
 
 
 def test_a_signed_manifest_verifies_only_with_its_key(tmp_path):
