@@ -144,6 +144,7 @@ def test_pretrain_load_never_runs_a_payload(base, dist_run, tmp_path, where):
     assert_kept(before, root, allow_new=False)
 
 
+@pytest.mark.slow  # the opt-in's behaviour is unit-tested (test_safe_load.py); this is the whole process
 def test_trust_checkpoint_code_is_explicit_and_says_what_it_allows(base, tmp_path):
     """The opt-in runs the old, pickled path, and says so first (here: a payload, to show what it allows)."""
     marker = str(tmp_path / "marker")
@@ -254,8 +255,8 @@ def test_a_downgraded_or_steered_manifest_is_one_error_within_seconds(base, tmp_
     before = snapshot(root)
     t0 = time.time()
     proc = run([*BASE, "--load", root, "--save", root], timeout=120)  # /dev/zero hung main forever
-    assert time.time() - t0 < 60
     assert_one_error(proc, os.path.join(root, "iter_0000004"), needle)
+    assert time.time() - t0 < 60  # start-up included; the check itself takes milliseconds (test_safe_load.py)
     assert_kept(before, root, allow_new=False)
 
 
