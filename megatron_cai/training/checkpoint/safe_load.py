@@ -23,7 +23,6 @@ import argparse
 import collections
 import dataclasses
 import enum
-import io
 import os
 import pickle
 import stat
@@ -175,7 +174,8 @@ def _admitted(module: str, name: str) -> bool:
         import importlib
 
         obj = getattr(importlib.import_module(module), name, None)
-        return isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        return (isinstance(obj, type) and obj.__module__.startswith("torch.distributed.checkpoint.")
+                and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)))  # not enum.Enum itself
     if module == "torch":
         obj = getattr(torch, name, None)
         return obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format))
@@ -216,7 +216,7 @@ class SafeFileSystemReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = os.path.join(str(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
         with open(path, "rb") as f:
-            md = load_dcp_metadata(io.BufferedReader(f), path)
+            md = load_dcp_metadata(f, path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = getattr(self, "load_id", None)

@@ -86,7 +86,7 @@ def test_the_metadata_unpickler_refuses_a_module_before_importing_it(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="not_a_module_xyz.anything"):
         load_dcp_metadata(io.BytesIO(crafted), "m")
     for module, name in (("torch", "load"), ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
-                         ("os", "system"), ("pathlib", "_local")):
+                         ("os", "system"), ("pathlib", "_local"), ("torch.distributed.checkpoint.metadata", "Enum")):
         crafted = b"\x80\x04c" + f"{module}\n{name}\n".encode() + b")R."
         with pytest.raises(UnsafeCheckpointError):
             load_dcp_metadata(io.BytesIO(crafted), "m")
