@@ -79,9 +79,9 @@ def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: b
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
-    verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     path = iteration_dir(root, iteration)
     meta = read_metadata(root, iteration)
+    verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     saved = read_dcp_metadata(path).state_dict_metadata
     sd: dict[str, Any] = {}
     for k, md in saved.items():

@@ -176,9 +176,9 @@ def load_canonical(root: str, step: int | None = None, *, load_optimizer: bool =
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
-    verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     try:
         meta = read_metadata(root, iteration)
+        verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     src = Layout(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],

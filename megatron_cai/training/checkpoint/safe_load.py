@@ -4,7 +4,8 @@
   ``torch.load(weights_only=True)``: tensors, storages, the builtin containers and scalars that PyTorch's
   weights-only unpickler admits, plus :data:`SAFE_TYPES` (exactly the other types our saves write).
 - DCP's ``.metadata`` is read by :class:`SafeFileSystemReader`, whose unpickler resolves only DCP's own metadata
-  classes (dataclasses and enums of ``torch.distributed.checkpoint.metadata`` / ``.filesystem``), ``torch.Size``,
+  classes (dataclasses and enums of ``torch.distributed.checkpoint.metadata``, ``.filesystem``, ``.planner`` and
+  ``.storage``: megatron-core keeps its save plans in the metadata), ``torch.Size``,
   torch dtypes, layouts and memory formats, and ``pathlib`` paths; any other global is refused before its module
   is imported. This is a restricted unpickler rather than a reader of our own for the format: the pickle's
   classes are DCP's public dataclasses, stable across PyTorch versions (checked on torch 2.11 and 2.13), while
@@ -38,7 +39,9 @@ from ..errors import current_rank, safe_print
 from .file_io import CheckpointError, CheckpointIOError, describe_unreadable
 
 SAFE_TYPES: list[Any] = [collections.OrderedDict]  # state_dict() containers; everything else is torch's default
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint.storage")  # megatron-core
+# keeps its save plans (SavePlan, WriteItem...) in the metadata
 _PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path", "PurePath")
 _MIN_KEY_BYTES = 16
 
