@@ -207,31 +207,45 @@ def choose_iteration(ckpt: CheckpointConfig, root: str | None, step: int | None,
     that another job saving into the directory cannot remove it while this job reads it; when it went away
     before the pin held (that job published a newer one and removed it), the newest one is chosen again. A
     directory another job is saving into gets one line saying which iteration is loaded."""
-    choice: list = [None, None]
+    choice: list = [None, None, None]  # directory, iteration, rank 0's error
     pin = None
     if ps.get_rank() == 0:
-        for _ in range(attempts):
-            if root is None and step is None:
-                where, it = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
-            else:
-                where = root if root is not None else ckpt.load
-                it = step if step is not None else read_tracker(where)
-            choice = [where, it]
-            if it is None:
-                break
-            pin = IterationPin.take(where, it)
-            if pin is not None or step is not None:
-                break
-            safe_print(f" {iteration_dir(where, it)} went away while this job chose it (another job saving into "
-                       f"{where} removed it): choosing the newest published iteration again")
-        if choice[1] is not None and not same_path(choice[0], ckpt.save):
-            writer = lock_holder(choice[0])
-            if writer is not None:
-                safe_print(f" --load {choice[0]} is being saved into by another job ({writer}): loading "
-                           f"iter_{choice[1]:07d}, the newest published iteration (never one being written)")
+        try:
+            choice[:2], pin = _choose_and_pin(ckpt, root, step, attempts)
+        except CheckpointError as e:
+            choice[2] = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
+    if choice[2] is not None:
+        raise CheckpointError(choice[2])
     return choice[0], choice[1], pin
+
+
+def _choose_and_pin(ckpt: CheckpointConfig, root: str | None, step: int | None,
+                    attempts: int) -> tuple[list, IterationPin | None]:
+    """Rank 0's part of :func:`choose_iteration`: ``[directory, iteration]`` and the pin."""
+    choice: list = [None, None]
+    pin = None
+    for _ in range(attempts):
+        if root is None and step is None:
+            where, it = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
+        else:
+            where = root if root is not None else ckpt.load
+            it = step if step is not None else read_tracker(where)
+        choice = [where, it]
+        if it is None:
+            break
+        pin = IterationPin.take(where, it)
+        if pin is not None or step is not None:
+            break
+        safe_print(f" {iteration_dir(where, it)} went away while this job chose it (another job saving into "
+                   f"{where} removed it): choosing the newest published iteration again")
+    if choice[1] is not None and not same_path(choice[0], ckpt.save):
+        writer = lock_holder(choice[0])
+        if writer is not None:
+            safe_print(f" --load {choice[0]} is being saved into by another job ({writer}): loading "
+                       f"iter_{choice[1]:07d}, the newest published iteration (never one being written)")
+    return choice, pin
 
 
 def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect: bool) -> str:
