@@ -198,6 +198,9 @@ def test_megatron_torch_dist_import_never_runs_a_payload_in_its_metadata(base, t
         pickle.dump(md, f)
     proc = run(["--from-megatron", "--load", mlm, "--save", str(tmp_path / "out")], script=CONVERT)
     _assert_refused(proc, marker, path, "not plain")
+    proc = run(["--model-type", "GPT", "--loader", "core", "--saver", "core", "--load-dir", mlm, "--save-dir",
+                str(tmp_path / "out2")], script=os.path.join(TOOLS, "checkpoint", "convert.py"))  # Megatron's tool
+    _assert_refused(proc, marker, path, "not plain")
 
 
 def test_hf_import_of_a_pickled_bin_is_one_error_line(base, tmp_path):
