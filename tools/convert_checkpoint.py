@@ -34,9 +34,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     ConversionError,
-    add_trust_flags,
     check_conversion_target,
     checkpoint_trust,
     detect_format,
@@ -101,7 +101,7 @@ def _add_megatron_flags(p: argparse.ArgumentParser) -> None:
                    help="--to-megatron: the megatron-core layer spec whose parameter names to write")
     g.add_argument("--megatron-trust-pickle", action="store_true",
                    help="--from-megatron: allow rank files that do not load with torch.load(weights_only=True)")
-    add_trust_flags(p.add_argument_group("checkpoints of ours (docs/checkpoints.md)"))
+    add_checkpoint_trust_flags(p.add_argument_group("checkpoints of ours (docs/checkpoints.md)"))
 
 
 def _convert_megatron(a: argparse.Namespace) -> int:

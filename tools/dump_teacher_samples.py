@@ -52,10 +52,10 @@ from megatron_cai.core.distillation import (  # noqa: E402
     topk_select,
 )
 from megatron_cai.core.distillation.dataset import sample_order_fingerprint  # noqa: E402
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     CheckpointError,
     ConversionError,
-    add_trust_flags,
     checkpoint_trust,
     load_canonical,
     trust_from_flags,
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     t.add_argument("--bf16", action="store_true", help="teacher forward under bf16 autocast")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_trust_flags(t)
+    add_checkpoint_trust_flags(t)
     d = p.add_argument_group("data (the student's flags)")
     d.add_argument("--data-path", nargs="+", required=True, help="one preprocessed prefix")
     d.add_argument("--split", default="969,30,1")

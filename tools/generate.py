@@ -25,10 +25,10 @@ from megatron_cai.inference.generation import (  # noqa: E402
     generation_length,
     load_model,
 )
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     CheckpointError,
     ConversionError,
-    add_trust_flags,
     checkpoint_trust,
     trust_from_flags,
 )
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
-    add_trust_flags(p)
+    add_checkpoint_trust_flags(p)
     return p
 
 

@@ -285,6 +285,12 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="resume although the tokenizer's content differs from the one the checkpoint was saved "
                         "with (by default an error; --finetune allows it too)")
+    add_checkpoint_trust_flags(g)
+
+
+def add_checkpoint_trust_flags(g: argparse._ActionsContainer) -> None:
+    """What a load of a checkpoint accepts (``training/checkpoint/safe_load.py``); the tools that read checkpoints
+    add the same three flags to their own parsers."""
     g.add_argument("--trust-checkpoint-code", action="store_true",
                    help="load checkpoint files that are not plain data (torch.load(weights_only=False), DCP's "
                         "unrestricted reader): they may run code; only for checkpoints from a trusted source")

@@ -25,9 +25,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     ConversionError,
-    add_trust_flags,
     check_conversion_target,
     checkpoint_trust,
     trust_from_flags,
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --save-dir (ours)")
     p.add_argument("--megatron-trust-pickle", action="store_true",
                    help="core loader: rank files that do not load with torch.load(weights_only=True) (ours)")
-    add_trust_flags(p)
+    add_checkpoint_trust_flags(p)
     return p
 
 

@@ -66,7 +66,6 @@ from .safe_load import (
     CheckpointTrust,
     SafeFileSystemReader,
     UnsafeCheckpointError,
-    add_trust_flags,
     checkpoint_trust,
     current_trust,
     load_torch,
@@ -86,7 +85,7 @@ __all__ = [
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
     "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
-    "CheckpointTrust", "SafeFileSystemReader", "UnsafeCheckpointError", "add_trust_flags", "checkpoint_trust",
+    "CheckpointTrust", "SafeFileSystemReader", "UnsafeCheckpointError", "checkpoint_trust",
     "load_weights", "set_trust", "trust_from_flags", "check_plain_data",
     "read_signing_key", "current_trust",
 ]

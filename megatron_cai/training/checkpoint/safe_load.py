@@ -107,19 +107,8 @@ def read_signing_key(path: str | None) -> bytes | None:
     return key
 
 
-def add_trust_flags(p: argparse.ArgumentParser) -> None:
-    """The three loading-policy flags, for the tools' own parsers (training: ``training/arguments.py``)."""
-    p.add_argument("--trust-checkpoint-code", action="store_true",
-                   help="load checkpoint files that are not plain data (torch.load(weights_only=False)): they may "
-                        "run code; only for checkpoints from a trusted source")
-    p.add_argument("--allow-unverified-checkpoint", action="store_true",
-                   help="load a checkpoint that has no content-hash manifest (or one hashed with an algorithm "
-                        "this installation lacks), its files unverified")
-    p.add_argument("--checkpoint-signing-key", default=None, metavar="FILE",
-                   help="a file holding the HMAC key: saves sign their manifest, loads require the signature")
-
-
 def trust_from_flags(args: argparse.Namespace) -> CheckpointTrust:
+    """The policy the three flags of ``arguments.add_checkpoint_trust_flags`` ask for (the tools' parsers)."""
     return CheckpointTrust(trust_code=args.trust_checkpoint_code, allow_unverified=args.allow_unverified_checkpoint,
                            signing_key=read_signing_key(args.checkpoint_signing_key))
 

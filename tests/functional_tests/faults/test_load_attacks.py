@@ -104,15 +104,6 @@ def plant_in_dcp_object(iteration_dir: str, marker: str) -> None:
     recompute_manifest(iteration_dir)
 
 
-@pytest.fixture(scope="module")
-def dist_run(tmp_path_factory) -> str:
-    """Two iterations of the base run in torch_dist format (one rank)."""
-    root = str(tmp_path_factory.mktemp("dist") / "ckpt")
-    proc = run([*BASE[:-1], "2", "--save", root, "--save-interval", "1", "--ckpt-format", "torch_dist"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
-
-
 def _copy(src: str, tmp_path, name: str = "src") -> str:
     dst = str(tmp_path / name)
     shutil.copytree(src, dst)
@@ -126,7 +117,7 @@ def _assert_refused(proc, marker: str, *needles: str) -> None:
 
 # ----------------------------------------------------------------------------- 1. safe loading
 @pytest.mark.parametrize("where", ["torch_rank_file", "dcp_metadata", "dcp_object"])
-def test_pretrain_load_never_runs_a_payload(base, dist_run, tmp_path, where):
+def test_pretrain_load_never_runs_a_payload(base, dist_sync, tmp_path, where):
     marker = str(tmp_path / "marker")
     if where == "torch_rank_file":
         root = copy_run(base, tmp_path, 4)
@@ -134,7 +125,7 @@ def test_pretrain_load_never_runs_a_payload(base, dist_run, tmp_path, where):
         plant_in_torch_file(target, marker)
         flags = [*BASE, "--load", root, "--save", root]
     else:
-        root = _copy(dist_run, tmp_path)
+        root = _copy(dist_sync, tmp_path)
         d = os.path.join(root, "iter_0000002")
         (plant_in_dcp_metadata if where == "dcp_metadata" else plant_in_dcp_object)(d, marker)
         target = os.path.join(d, ".metadata") if where == "dcp_metadata" else d
@@ -175,9 +166,9 @@ def test_tools_never_run_a_payload_in_a_torch_file(base, tmp_path, tool):
     _assert_refused(run(argv, script=os.path.join(TOOLS, script)), marker, rank_file(root, 2), "not plain")
 
 
-def test_converting_torch_dist_never_runs_a_payload_in_its_metadata(dist_run, tmp_path):
+def test_converting_torch_dist_never_runs_a_payload_in_its_metadata(dist_sync, tmp_path):
     marker = str(tmp_path / "marker")
-    root = _copy(dist_run, tmp_path)
+    root = _copy(dist_sync, tmp_path)
     plant_in_dcp_metadata(os.path.join(root, "iter_0000002"), marker)
     proc = run(["--load", root, "--save", str(tmp_path / "out")], script=CONVERT)
     _assert_refused(proc, marker, os.path.join(root, "iter_0000002", ".metadata"), "not plain")
