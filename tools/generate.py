@@ -26,7 +26,13 @@ from megatron_cai.inference.generation import (  # noqa: E402
     generation_length,
     load_model,
 )
-from megatron_cai.training.checkpoint import CheckpointError, ConversionError  # noqa: E402
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
+from megatron_cai.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    ConversionError,
+    checkpoint_trust,
+    trust_from_flags,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; int8: int8 blocks scaled per head by dynamic clamping")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    add_checkpoint_trust_flags(p)
     return p
 
 
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = args.device or device_mod.default_device_name()
     try:
-        model, ck = load_model(args.load, args.ckpt_step, device)
+        with checkpoint_trust(trust_from_flags(args)):
+            model, ck = load_model(args.load, args.ckpt_step, device)
         tokenizer = checkpoint_tokenizer(ck, args.tokenizer_model, args.tokenizer_type)
         prompt = args.prompt if args.prompt is not None else sys.stdin.read()
         ids = tokenizer.tokenize(prompt)

@@ -33,9 +33,11 @@ from ..core.transformer.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FAC
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     CanonicalCheckpoint,
+    CheckpointError,
     ConversionError,
     Layout,
     load_canonical,
+    load_weights,
     save_resharded,
     target_layout,
 )
@@ -392,7 +394,13 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
         return out
     bin_path = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.exists(bin_path):
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
+        try:
+            return load_weights(bin_path, bin_path)  # weights only: a pickle that would run code is refused
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the weights-only unpickler fails on damage in many ways
+            raise ConversionError(f"cannot read {bin_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") \
+                from None
     raise ConversionError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 

@@ -56,8 +56,12 @@ from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     TRACKER,
     CanonicalCheckpoint,
+    CheckpointTrust,
     ConversionError,
     Layout,
+    SafeFileSystemReader,
+    checkpoint_trust,
+    current_trust,
     fit_vocab_rows,
     iteration_dir,
     load_canonical,
@@ -355,7 +359,10 @@ def read_megatron_checkpoint(root: str, step: int | None = None, *, trust_pickle
     if not os.path.isdir(it_dir):
         raise ConversionError(f"{it_dir} is missing")
     if os.path.exists(os.path.join(it_dir, ".metadata")):
-        return read_torch_dist(it_dir, iteration, trust_pickle=trust_pickle)
+        trust = current_trust()  # --megatron-trust-pickle also admits DCP metadata that is not plain data
+        with checkpoint_trust(CheckpointTrust(trust.trust_code or trust_pickle, trust.allow_unverified,
+                                              trust.signing_key), log=lambda *_: None):
+            return read_torch_dist(it_dir, iteration, trust_pickle=trust_pickle)
     ranks = {}
     for d in sorted(os.listdir(it_dir)):
         m = _RANK_DIR.match(d)
@@ -436,7 +443,7 @@ def read_torch_dist(it_dir: str, iteration: int, *, trust_pickle: bool = False) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(it_dir)
+    reader = SafeFileSystemReader(it_dir)  # DCP's .metadata through the restricted unpickler
     md = reader.read_metadata().state_dict_metadata
     legacy_common = os.path.join(it_dir, "common.pt")
     if os.path.exists(legacy_common):

@@ -292,6 +292,21 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="resume although the tokenizer's content differs from the one the checkpoint was saved "
                         "with (by default an error; --finetune allows it too)")
+    add_checkpoint_trust_flags(g)
+
+
+def add_checkpoint_trust_flags(g: argparse._ActionsContainer) -> None:
+    """What a load of a checkpoint accepts (``training/checkpoint/safe_load.py``); the tools that read checkpoints
+    add the same three flags to their own parsers."""
+    g.add_argument("--trust-checkpoint-code", action="store_true",
+                   help="load checkpoint files that are not plain data (torch.load(weights_only=False), DCP's "
+                        "unrestricted reader): they may run code; only for checkpoints from a trusted source")
+    g.add_argument("--allow-unverified-checkpoint", action="store_true",
+                   help="load a checkpoint without a content-hash manifest (or hashed with an algorithm this "
+                        "installation lacks), its files unverified")
+    g.add_argument("--checkpoint-signing-key", default=None, metavar="FILE",
+                   help="a file holding an HMAC key: saves sign their manifest, loads require the signature "
+                        "(docs/checkpoints.md)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -659,6 +674,9 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
         overwrite_checkpoints=args.overwrite_checkpoints,
         allow_tokenizer_change=args.allow_tokenizer_change,
+        trust_checkpoint_code=args.trust_checkpoint_code,
+        allow_unverified_checkpoint=args.allow_unverified_checkpoint,
+        checkpoint_signing_key=args.checkpoint_signing_key,
         save_retain_interval=args.save_retain_interval,
         non_persistent_save_interval=args.non_persistent_save_interval,
         non_persistent_ckpt_type=args.non_persistent_ckpt_type,

@@ -143,6 +143,9 @@ class CheckpointConfig:
     async_save: bool = False                  # --async-save: write in the background
     overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
     allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
+    trust_checkpoint_code: bool = False       # unpickle checkpoint files that are not plain data (may run code)
+    allow_unverified_checkpoint: bool = False  # load a checkpoint without a usable content-hash manifest
+    checkpoint_signing_key: str | None = None  # a file holding the HMAC key that signs and checks manifests
     save_retain_interval: int | None = None   # keep only these multiples (and the newest) of the persistent saves
     non_persistent_save_interval: int | None = None  # frequent saves to the non-persistent directory
     non_persistent_ckpt_type: str | None = None      # "global" (the only one here) or None

@@ -31,7 +31,7 @@ from ...core.models.gpt.config import GPTConfig
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
 from ..errors import safe_print
-from .file_io import CheckpointError, FileHash, load_torch, save_torch, write_json
+from .file_io import CheckpointError, FileHash, save_torch, write_json
 from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
@@ -43,6 +43,7 @@ from .metadata import (
     tp_layout,
 )
 from .run_dirs import TRACKER, IterationPaths, barrier, begin_save, iteration_dir, publish, read_tracker
+from .safe_load import load_torch
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
