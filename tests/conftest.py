@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: a folder named gpu matches
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _no_checkpoint_trust_leaks():
+    """A Trainer built with --trust-checkpoint-code (or the other loading flags) sets the process's checkpoint
+    loading policy; every test starts and ends with the default, strict one."""
+    from megatron_cai.training.checkpoint import CheckpointTrust, set_trust
+
+    yield
+    set_trust(CheckpointTrust(), log=lambda *_: None)

@@ -34,15 +34,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     ConversionError,
     check_conversion_target,
+    checkpoint_trust,
     detect_format,
     dist_to_torch,
     read_metadata,
     read_tracker,
     reshard_checkpoint,
     torch_to_dist,
+    trust_from_flags,
 )
 from megatron_cai.training.errors import KNOWN_ERRORS, run_cli  # noqa: E402
 
@@ -98,6 +101,7 @@ def _add_megatron_flags(p: argparse.ArgumentParser) -> None:
                    help="--to-megatron: the megatron-core layer spec whose parameter names to write")
     g.add_argument("--megatron-trust-pickle", action="store_true",
                    help="--from-megatron: allow rank files that do not load with torch.load(weights_only=True)")
+    add_checkpoint_trust_flags(p.add_argument_group("checkpoints of ours (docs/checkpoints.md)"))
 
 
 def _convert_megatron(a: argparse.Namespace) -> int:
@@ -149,7 +153,12 @@ _SIZE_FLAGS = ("target_tensor_parallel_size", "target_pipeline_model_parallel_si
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    return run_cli(lambda: _convert(a), KNOWN_ERRORS + (FileNotFoundError, ValueError, OSError))
+    return run_cli(lambda: _trusted_convert(a), KNOWN_ERRORS + (FileNotFoundError, ValueError, OSError))
+
+
+def _trusted_convert(a: argparse.Namespace) -> int:
+    with checkpoint_trust(trust_from_flags(a)):
+        return _convert(a)
 
 
 def _convert(a: argparse.Namespace) -> int:

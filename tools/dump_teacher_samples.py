@@ -52,7 +52,14 @@ from megatron_cai.core.distillation import (  # noqa: E402
     topk_select,
 )
 from megatron_cai.core.distillation.dataset import sample_order_fingerprint  # noqa: E402
-from megatron_cai.training.checkpoint import ConversionError, load_canonical  # noqa: E402
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
+from megatron_cai.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    ConversionError,
+    checkpoint_trust,
+    load_canonical,
+    trust_from_flags,
+)
 from megatron_cai.training.distill import build_teacher  # noqa: E402
 from megatron_cai.training.tokenizer import build_tokenizer  # noqa: E402
 
@@ -77,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     t.add_argument("--bf16", action="store_true", help="teacher forward under bf16 autocast")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_checkpoint_trust_flags(t)
     d = p.add_argument_group("data (the student's flags)")
     d.add_argument("--data-path", nargs="+", required=True, help="one preprocessed prefix")
     d.add_argument("--split", default="969,30,1")
@@ -183,8 +191,9 @@ def dump(args) -> list[int]:
         raise DumpError("--k, --shard-size and --micro-batch-size must be >= 1 and --temperature > 0")
     num_samples = student_num_samples(args)
     try:
-        ck = load_canonical(args.load, args.ckpt_step, load_optimizer=False)
-    except (ConversionError, FileNotFoundError) as e:
+        with checkpoint_trust(trust_from_flags(args)):
+            ck = load_canonical(args.load, args.ckpt_step, load_optimizer=False)
+    except (ConversionError, CheckpointError, FileNotFoundError) as e:
         raise DumpError(f"--load {args.load}: {e}") from None
     vocab = ck.config.vocab_size
     tokenizer = _tokenizer(args, ck)

@@ -118,7 +118,7 @@ def get_rng_state() -> dict[str, Any]:
     """All generator states of this process (python, numpy, torch CPU and the current CUDA device)."""
     state = {
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state_as_data(np.random.get_state()),
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -126,9 +126,16 @@ def get_rng_state() -> dict[str, Any]:
     return state
 
 
+def _numpy_state_as_data(state: tuple) -> tuple:
+    """NumPy's legacy generator state with its key array as a tensor: plain data for a weights-only load."""
+    name, keys, pos, has_gauss, cached = state
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]  # keys: a tensor (plain data), or an ndarray in older checkpoints
+    np.random.set_state((name, np.asarray(keys, dtype=np.int64).astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

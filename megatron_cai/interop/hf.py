@@ -33,9 +33,11 @@ from ..core.transformer.rope import LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_LOW_FREQ_FAC
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     CanonicalCheckpoint,
+    CheckpointError,
     ConversionError,
     Layout,
     load_canonical,
+    load_weights,
     save_resharded,
     target_layout,
 )
@@ -73,6 +75,9 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} rotates whole heads (the model has --rotary-percent {c.rotary_percent})")
     if c.qk_layernorm:
         why.append(f"{arch} has no query/key layernorm (the model has --qk-layernorm)")
+    if c.window_attn_skip_freq is not None or c.kv_share_pattern is not None:  # one window for all layers there
+        why.append(f"{arch} has no per-layer windows or cross-layer KV sharing (the model has "
+                   f"--window-attn-skip-freq / --kv-share-pattern)")
     if c.add_qkv_bias and not c.add_bias_linear:
         why.append(f"{arch} has no query/key/value-only biases (the model has --add-qkv-bias)")
     if c.rope_scaling and arch != "llama":
@@ -393,7 +398,13 @@ def read_hf_weights(hf_dir: str) -> dict[str, torch.Tensor]:
         return out
     bin_path = os.path.join(hf_dir, "pytorch_model.bin")
     if os.path.exists(bin_path):
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
+        try:
+            return load_weights(bin_path, bin_path)  # weights only: a pickle that would run code is refused
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the weights-only unpickler fails on damage in many ways
+            raise ConversionError(f"cannot read {bin_path}: {type(e).__name__}: {str(e).splitlines()[0][:200]}") \
+                from None
     raise ConversionError(f"{hf_dir}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 

@@ -56,8 +56,12 @@ from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     TRACKER,
     CanonicalCheckpoint,
+    CheckpointTrust,
     ConversionError,
     Layout,
+    SafeFileSystemReader,
+    checkpoint_trust,
+    current_trust,
     fit_vocab_rows,
     iteration_dir,
     load_canonical,
@@ -162,6 +166,8 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
     if c.attention_output_gate or c.rotary_interleaved:
         raise ConversionError("--attention-output-gate and --rotary-interleaved models are not converted to "
                               "Megatron-LM yet (its linear_qkv packs the gate after each group's query heads)")
+    if c.kv_share_pattern is not None:
+        raise ConversionError("cross-layer KV sharing (--kv-share-pattern) has no Megatron-LM equivalent")
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
@@ -356,7 +362,10 @@ def read_megatron_checkpoint(root: str, step: int | None = None, *, trust_pickle
     if not os.path.isdir(it_dir):
         raise ConversionError(f"{it_dir} is missing")
     if os.path.exists(os.path.join(it_dir, ".metadata")):
-        return read_torch_dist(it_dir, iteration, trust_pickle=trust_pickle)
+        trust = current_trust()  # --megatron-trust-pickle also admits DCP metadata that is not plain data
+        with checkpoint_trust(CheckpointTrust(trust.trust_code or trust_pickle, trust.allow_unverified,
+                                              trust.signing_key), log=lambda *_: None):
+            return read_torch_dist(it_dir, iteration, trust_pickle=trust_pickle)
     ranks = {}
     for d in sorted(os.listdir(it_dir)):
         m = _RANK_DIR.match(d)
@@ -437,7 +446,7 @@ def read_torch_dist(it_dir: str, iteration: int, *, trust_pickle: bool = False) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(it_dir)
+    reader = SafeFileSystemReader(it_dir)  # DCP's .metadata through the restricted unpickler
     md = reader.read_metadata().state_dict_metadata
     legacy_common = os.path.join(it_dir, "common.pt")
     if os.path.exists(legacy_common):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
@@ -27,6 +28,8 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
+from .flags import kaiju
+from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
     add_megatron_features,
@@ -36,6 +39,7 @@ from .flags.megatron_features import (
     loss_scale_config,
     step_schedule_global_batch,
 )
+from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
 from .flags.rules import check_flags, check_machine, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
@@ -238,6 +242,9 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="*", default=None, help="prefixes for test")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--allow-data-change", action="store_true",
+                   help="resume although a data file's content fingerprint differs from the one the checkpoint "
+                        "recorded (by default an error naming the file; each changed file is then a warning)")
     g.add_argument("--tokenizer-type", default=None,
                    help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given (as Megatron-LM's GPT "
                         "example scripts), else SentencePieceTokenizer (what tools/train_tokenizer.py makes)",
@@ -302,6 +309,21 @@ def _checkpoint(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-tokenizer-change", action="store_true",
                    help="resume although the tokenizer's content differs from the one the checkpoint was saved "
                         "with (by default an error; --finetune allows it too)")
+    add_checkpoint_trust_flags(g)
+
+
+def add_checkpoint_trust_flags(g: argparse._ActionsContainer) -> None:
+    """What a load of a checkpoint accepts (``training/checkpoint/safe_load.py``); the tools that read checkpoints
+    add the same three flags to their own parsers."""
+    g.add_argument("--trust-checkpoint-code", action="store_true",
+                   help="load checkpoint files that are not plain data (torch.load(weights_only=False), DCP's "
+                        "unrestricted reader): they may run code; only for checkpoints from a trusted source")
+    g.add_argument("--allow-unverified-checkpoint", action="store_true",
+                   help="load a checkpoint without a content-hash manifest (or hashed with an algorithm this "
+                        "installation lacks), its files unverified")
+    g.add_argument("--checkpoint-signing-key", default=None, metavar="FILE",
+                   help="a file holding an HMAC key: saves sign their manifest, loads require the signature "
+                        "(docs/checkpoints.md)")
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
@@ -366,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
-                add_megatron_features, divergence.add_arguments):
+                add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
+                kaiju.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -508,7 +531,14 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
+        moe=moe_config(args),
+        **kaiju.model_fields(args),
     )
+
+
+def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
+    ep, etp = expert_sizes(args, world_size)
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
 def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
@@ -527,6 +557,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         device=args.device,
         deterministic_mode=args.deterministic_mode,
         use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+        **_expert_sizes(args, layout.world_size),
     )
 
 
@@ -629,6 +660,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         split=args.split,
         data_cache_path=args.data_cache_path,
         mock_data=args.mock_data,
+        allow_data_change=args.allow_data_change,
         num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids,
@@ -676,6 +708,9 @@ def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         auto_detect_ckpt_format=args.auto_detect_ckpt_format,
         overwrite_checkpoints=args.overwrite_checkpoints,
         allow_tokenizer_change=args.allow_tokenizer_change,
+        trust_checkpoint_code=args.trust_checkpoint_code,
+        allow_unverified_checkpoint=args.allow_unverified_checkpoint,
+        checkpoint_signing_key=args.checkpoint_signing_key,
         save_retain_interval=args.save_retain_interval,
         non_persistent_save_interval=args.non_persistent_save_interval,
         non_persistent_ckpt_type=args.non_persistent_ckpt_type,
@@ -746,6 +781,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
         layout = _Layout(args, world_size)
     except ArgumentError as e:
         problems.record(e)
+    diloco: DilocoConfig = diloco_config(args, world_size, problems)
     problems.raise_if_any()  # every problem found so far, in one report
     try:
         config = TrainConfig(
@@ -760,6 +796,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
             checkpoint=_checkpoint_config(args),
             logging=_logging_config(args),
             distill=_distill_config(args),
+            diloco=diloco,
             flags=dict(vars(flags)),
         )
     except ArgumentError:

@@ -14,6 +14,7 @@
       checkpoint  CheckpointConfig
       logging     LoggingConfig    logging and evaluation
       distill     DistillConfig
+      diloco      DilocoConfig     (core/diloco/config.py) DiLoCo across islands
       flags       the parsed command line it was built from (a record: nothing reads options from it)
 
 It is built once by the pure function :func:`megatron_cai.training.arguments.build_config` from the
@@ -30,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.num_microbatches_calculator import BatchRampup
@@ -64,6 +66,8 @@ class ParallelConfig:
     device: str | None = None                 # None: cuda when available
     deterministic_mode: bool = False          # Megatron's deterministic environment + algorithms (determinism.py)
     use_tp_pp_dp_mapping: bool = False        # global ranks enumerate TP, CP, PP, then DP (default: TP, CP, DP, PP)
+    expert_model_parallel_size: int = 1       # MoE: experts split over EP ranks
+    expert_tensor_parallel_size: int | None = None  # None: the TP size
 
 
 @dataclass
@@ -105,6 +109,7 @@ class DataConfig:
     split: str | None = "969,30,1"            # normalised ("99,1,0"); None with the per-split paths
     data_cache_path: str | None = None
     mock_data: bool = False
+    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     num_workers: int = 2
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -142,6 +147,9 @@ class CheckpointConfig:
     async_save: bool = False                  # --async-save: write in the background
     overwrite_checkpoints: bool = False       # an existing iteration in --save is moved aside, not refused
     allow_tokenizer_change: bool = False      # resume with a tokenizer whose content differs from the saved one
+    trust_checkpoint_code: bool = False       # unpickle checkpoint files that are not plain data (may run code)
+    allow_unverified_checkpoint: bool = False  # load a checkpoint without a usable content-hash manifest
+    checkpoint_signing_key: str | None = None  # a file holding the HMAC key that signs and checks manifests
     save_retain_interval: int | None = None   # keep only these multiples (and the newest) of the persistent saves
     non_persistent_save_interval: int | None = None  # frequent saves to the non-persistent directory
     non_persistent_ckpt_type: str | None = None      # "global" (the only one here) or None
@@ -226,6 +234,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     flags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -312,6 +321,15 @@ _FRACTION, _DROPOUT = Range(0, 1), Range(0, 1, hi_open=True)
 
 # Every numeric flag of the parser (a test checks that none is missing), by its argparse ``dest``.
 FLAG_RANGES: dict[str, Range] = {
+    # Mixture of Experts (training/flags/moe.py)
+    **dict.fromkeys(["expert_tensor_parallel_size", "moe_ffn_hidden_size", "moe_router_num_groups",
+                     "moe_router_group_topk", "moe_shared_expert_intermediate_size"], _AT_LEAST_1),
+    **dict.fromkeys(["moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_router_bias_update_rate"],
+                    _AT_LEAST_0),
+    **dict.fromkeys(["moe_expert_capacity_factor", "moe_router_topk_scaling_factor"], _POSITIVE),
+    # multi-latent attention (training/flags/kaiju.py)
+    **dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"], _AT_LEAST_1),
+    **dict.fromkeys(["rotary_scaling_factor", "mscale"], _POSITIVE), "mscale_all_dim": _AT_LEAST_0,
     **dict.fromkeys(["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
                      "window_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -339,6 +357,9 @@ FLAG_RANGES: dict[str, Range] = {
                      "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
     **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
+    **dict.fromkeys(["diloco_islands", "diloco_fragments", "diloco_outer_bits"], _AT_LEAST_1),
+    **dict.fromkeys(["diloco_inner_steps", "diloco_overlap_steps"], _AT_LEAST_0),
+    "diloco_outer_lr": _POSITIVE, "diloco_outer_momentum": _DROPOUT, "diloco_local_weight": _FRACTION,
     "rotary_percent": Range(0, 1, lo_open=True),
     "spiky_loss_factor": Range(1, lo_open=True),
 }

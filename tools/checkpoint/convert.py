@@ -25,7 +25,13 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_cai.training.checkpoint import ConversionError, check_conversion_target  # noqa: E402
+from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
+from megatron_cai.training.checkpoint import (  # noqa: E402
+    ConversionError,
+    check_conversion_target,
+    checkpoint_trust,
+    trust_from_flags,
+)
 from megatron_cai.training.errors import KNOWN_ERRORS, run_cli  # noqa: E402
 
 LOADERS = {"core": "core", "mcore": "core", "hf": "hf", "llama_mistral": "hf"}
@@ -61,12 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --save-dir (ours)")
     p.add_argument("--megatron-trust-pickle", action="store_true",
                    help="core loader: rank files that do not load with torch.load(weights_only=True) (ours)")
+    add_checkpoint_trust_flags(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_cli(lambda: convert(args), KNOWN_ERRORS + (FileNotFoundError, OSError))
+    return run_cli(lambda: _trusted(args), KNOWN_ERRORS + (FileNotFoundError, OSError))
+
+
+def _trusted(args: argparse.Namespace) -> int:
+    with checkpoint_trust(trust_from_flags(args)):
+        return convert(args)
 
 
 def _plugin(kind: str, name: str, table: dict[str, str]) -> str:

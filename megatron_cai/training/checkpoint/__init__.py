@@ -12,20 +12,27 @@ Behind it, modules named for what they hold:
 - ``run_lock``: one job per ``--save`` (rank 0's ``fcntl`` lock, held for the job's life);
 - ``integrity``: every file's content hash, computed as it is written, verified on load;
 - ``file_io``: reads and writes whose errors name the file and the rank;
+- ``safe_load``: loading is not executing: weights-only torch files, DCP metadata through a restricted unpickler;
 - ``reshard``: the layout-free (canonical) form and resharding torch-format checkpoints;
 - ``format_conversion``: torch <-> torch_dist (``tools/convert_checkpoint.py --target-ckpt-format``).
 
 Code outside this package imports only the names below (``test_code_structure.py`` checks it).
 """
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .checkpointer import Checkpointer, open_run_dirs, resolve_load_format, verify_checkpoint, warn_if_short_of_space
+from .checkpointer import (
+    Checkpointer,
+    check_plain_data,
+    open_run_dirs,
+    resolve_load_format,
+    verify_checkpoint,
+    warn_if_short_of_space,
+)
 from .dcp_pieces import read_dcp_metadata
 from .file_io import (
     ALGORITHMS,
     DEFAULT_ALGORITHM,
     CheckpointError,
     CheckpointIOError,
-    load_torch,
     save_torch,
     write_json,
     write_text,
@@ -55,7 +62,19 @@ from .run_dirs import (
     same_path,
 )
 from .run_lock import RunLock
-from .torch_format import load_torch_checkpoint, rank_dir_name
+from .safe_load import (
+    CheckpointTrust,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
+    checkpoint_trust,
+    current_trust,
+    load_torch,
+    load_weights,
+    read_signing_key,
+    set_trust,
+    trust_from_flags,
+)
+from .torch_format import load_torch_checkpoint, param_names, rank_dir_name
 
 __all__ = [
     "OUTPUT_WEIGHT", "TORCH", "TORCH_DIST", "TRACKER", "AsyncCheckpointSaver", "AsyncSave", "CanonicalCheckpoint",
@@ -65,5 +84,8 @@ __all__ = [
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
-    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
+    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM", "param_names",
+    "CheckpointTrust", "SafeFileSystemReader", "UnsafeCheckpointError", "checkpoint_trust",
+    "load_weights", "set_trust", "trust_from_flags", "check_plain_data",
+    "read_signing_key", "current_trust",
 ]

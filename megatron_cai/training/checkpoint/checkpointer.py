@@ -23,19 +23,22 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ...core import parallel_state as ps
 from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
-from . import dist_format, torch_format
+from . import data_record, dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
-from .dcp_pieces import DCP_METADATA
-from .file_io import ALGORITHMS, CheckpointError
-from .integrity import Mismatch, read_manifest, verify_share
+from .dcp_pieces import DCP_METADATA, dcp_load, read_dcp_metadata
+from .file_io import CheckpointError
+from .integrity import MANIFEST, Mismatch, UnverifiableError, check_listing, read_manifest, verify_share
 from .metadata import TORCH_DIST, check_tokenizer, detect_format, read_metadata, refuse_megatron_lm_checkpoint
 from .retention import RetentionPolicy, check_non_persistent_dir, newest_checkpoint, non_persistent_root
 from .run_dirs import (
     TRACKER,
+    IterationPin,
+    barrier,
     check_paths,
     check_run_dirs,
     directory_bytes,
@@ -45,7 +48,8 @@ from .run_dirs import (
     read_tracker,
     same_path,
 )
-from .run_lock import RunLock
+from .run_lock import RunLock, lock_holder
+from .safe_load import CheckpointTrust, current_trust, load_torch, read_signing_key, set_trust
 
 
 class Checkpointer:
@@ -65,6 +69,14 @@ class Checkpointer:
                             if ckpt.async_save and ckpt.save else None)
         self.retention = RetentionPolicy(ckpt, log=safe_print)
         self.loaded_root: str | None = None  # the directory load() read (--load or its non-persistent one)
+        set_trust(CheckpointTrust(trust_code=ckpt.trust_checkpoint_code,  # what this process's loads accept
+                                  allow_unverified=ckpt.allow_unverified_checkpoint,
+                                  signing_key=read_signing_key(ckpt.checkpoint_signing_key)), log=self._rank0_log)
+
+    @staticmethod
+    def _rank0_log(line: str) -> None:
+        if ps.get_rank() == 0:
+            safe_print(line)
 
     @property
     def asynchronous(self) -> bool:
@@ -148,20 +160,29 @@ class Checkpointer:
         this run's layout, either format (collective); returns the saved counters, {} when nothing loaded."""
         ckpt = self.config.checkpoint
         step = step if step is not None else ckpt.ckpt_step
-        if root is None and step is None:  # the newest of --load's persistent and non-persistent checkpoints
-            root, iteration = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
-        else:
-            root = root if root is not None else ckpt.load
-            iteration = step if step is not None else read_tracker(root)
+        root, iteration, pin = choose_iteration(ckpt, root, step)  # collective; rank 0 pins it
         if iteration is None:
             if ckpt.exit_on_missing_checkpoint:
                 raise CheckpointError(f"no checkpoint in {root} ({TRACKER} is missing)")
             return {}
+        try:
+            counters = self._load(root, iteration, reducers)
+            barrier()  # every rank has read its files: the pin may go
+        finally:
+            if pin is not None:
+                pin.release()
+        return counters
+
+    def _load(self, root: str, iteration: int, reducers) -> dict:
+        ckpt = self.config.checkpoint
         refuse_megatron_lm_checkpoint(root, iteration)
         fmt = resolve_load_format(root, iteration, ckpt.ckpt_format, ckpt.auto_detect_ckpt_format)
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
         check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
                         allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
+        if not ckpt.finetune:  # the data's fingerprints against the checkpoint's record (fine-tuning: other data)
+            data_record.check_data(read_metadata(root, iteration), self.config.data, iteration_dir(root, iteration),
+                                   allowed=self.config.data.allow_data_change)
         self.loaded_root = root
         if not ckpt.finetune and (same_path(root, ckpt.save) or same_path(root, self.retention.np_root)):
             self.retention.resumed_in_place()
@@ -179,6 +200,55 @@ class Checkpointer:
             root, self.model_chunks, self.optimizer, self.scheduler, self.config.model, load_optim=ckpt.load_optim,
             load_rng=ckpt.load_rng, finetune=ckpt.finetune, step=iteration,
             exit_on_missing=ckpt.exit_on_missing_checkpoint, reducers=reducers, train_config=self.config)
+
+
+def choose_iteration(ckpt: CheckpointConfig, root: str | None, step: int | None,
+                     attempts: int = 5) -> tuple[str | None, int | None, IterationPin | None]:
+    """Collective: (directory, iteration, rank 0's pin) that a load reads, decided by rank 0 for every rank.
+
+    Without a step: the newest published iteration of ``--load`` (or its non-persistent directory), pinned so
+    that another job saving into the directory cannot remove it while this job reads it; when it went away
+    before the pin held (that job published a newer one and removed it), the newest one is chosen again. A
+    directory another job is saving into gets one line saying which iteration is loaded."""
+    choice: list = [None, None, None]  # directory, iteration, rank 0's error
+    pin = None
+    if ps.get_rank() == 0:
+        try:
+            choice[:2], pin = _choose_and_pin(ckpt, root, step, attempts)
+        except CheckpointError as e:
+            choice[2] = str(e)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    if choice[2] is not None:
+        raise CheckpointError(choice[2])
+    return choice[0], choice[1], pin
+
+
+def _choose_and_pin(ckpt: CheckpointConfig, root: str | None, step: int | None,
+                    attempts: int) -> tuple[list, IterationPin | None]:
+    """Rank 0's part of :func:`choose_iteration`: ``[directory, iteration]`` and the pin."""
+    choice: list = [None, None]
+    pin = None
+    for _ in range(attempts):
+        if root is None and step is None:
+            where, it = newest_checkpoint(ckpt.load, non_persistent_root(ckpt, ckpt.load))
+        else:
+            where = root if root is not None else ckpt.load
+            it = step if step is not None else read_tracker(where)
+        choice = [where, it]
+        if it is None:
+            break
+        pin = IterationPin.take(where, it)
+        if pin is not None or step is not None:
+            break
+        safe_print(f" {iteration_dir(where, it)} went away while this job chose it (another job saving into "
+                   f"{where} removed it): choosing the newest published iteration again")
+    if choice[1] is not None and not same_path(choice[0], ckpt.save):
+        writer = lock_holder(choice[0])
+        if writer is not None:
+            safe_print(f" --load {choice[0]} is being saved into by another job ({writer}): loading "
+                       f"iter_{choice[1]:07d}, the newest published iteration (never one being written)")
+    return choice, pin
 
 
 def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect: bool) -> str:
@@ -202,20 +272,30 @@ def resolve_load_format(root: str, iteration: int, ckpt_format: str, auto_detect
     return found
 
 
-def verify_checkpoint(root: str, iteration: int) -> None:
+def verify_checkpoint(root: str, iteration: int, *, collective: bool = True) -> None:
     """Collective: check every file of ``iter_XXXXXXX`` against its recorded content hash, the files split
-    over the ranks. A file that does not verify is one error (every rank raises it, rank 0 prints it)
+    over the ranks (``collective=False``: this process checks them all, as the offline readers and a teacher
+    loaded by some ranks only do). A file that does not verify is one error (every rank raises it, rank 0 prints it)
     naming the file, the rank that checked it, the expected and found hashes, and the last iteration that
-    verifies. A checkpoint without hashes (saved before they were recorded) loads with one line."""
+    verifies. A manifest that is missing or uses an algorithm this installation lacks is an error, or one
+    warning under ``--allow-unverified-checkpoint``; a damaged, unsigned (with ``--checkpoint-signing-key``) or
+    incomplete manifest (files on disk it does not list, names outside the directory) is always an error."""
     d = iteration_dir(root, iteration)
-    rank, world = ps.get_rank(), ps.get_world_size()
-    manifest = read_manifest(d)  # a damaged manifest is an error on every rank alike
-    if manifest is None or manifest["algorithm"] not in ALGORITHMS:
-        if rank == 0:
-            why = ("carries no content hashes (saved before they were recorded)" if manifest is None else
-                   f"was hashed with {manifest['algorithm']}, which needs the xxhash package (pip install xxhash)")
-            safe_print(f" checkpoint {d} {why}: its files are not verified")
+    rank, world = (ps.get_rank(), ps.get_world_size()) if collective else (0, 1)
+    try:  # every rank reads the manifest: a bad one is an error on every rank alike
+        manifest = read_manifest(d)
+        if manifest is None:
+            raise UnverifiableError(f"checkpoint {d} has no content hashes ({MANIFEST}): its files cannot be "
+                                    f"verified (the manifest was removed, or the checkpoint predates them); pass "
+                                    f"--allow-unverified-checkpoint to load it anyway")
+    except UnverifiableError as e:
+        if not current_trust().allow_unverified:
+            raise
+        if rank == 0 and ps.get_rank() == 0:
+            why = str(e).split("; pass --allow-unverified-checkpoint")[0]
+            safe_print(f" WARNING: {why}: loading it unverified (--allow-unverified-checkpoint)")
         return
+    check_listing(d, manifest)
     bad: list[Mismatch] = verify_share(d, manifest, rank, world)
     if world > 1:
         everyone: list = [None] * world
@@ -228,6 +308,26 @@ def verify_checkpoint(root: str, iteration: int) -> None:
     last = (f"the last iteration that verifies is iter_{good:07d}: resume it with --load {root} --ckpt-step {good}"
             if good is not None else "no earlier iteration in this directory verifies")
     raise CheckpointError(f"{bad[0].describe()}{more}; {last}")
+
+
+def check_plain_data(iteration_dir_path: str) -> int:
+    """Read every pickle of one iteration directory as a load would (no collectives): torch files as weights
+    only, DCP's ``.metadata`` through the restricted unpickler and its byte objects as weights only. Raises
+    :class:`.safe_load.UnsafeCheckpointError` for the first one that is not plain data; returns how many were read
+    (``tools/verify_checkpoint.py``)."""
+    n = 0
+    for d, _, names in os.walk(iteration_dir_path):
+        for name in sorted(names):
+            if name.endswith(".pt") and not os.path.islink(os.path.join(d, name)):
+                load_torch(os.path.join(d, name))
+                n += 1
+    if os.path.isfile(os.path.join(iteration_dir_path, DCP_METADATA)):
+        saved = read_dcp_metadata(iteration_dir_path).state_dict_metadata
+        objects = {k: None for k, v in saved.items() if isinstance(v, BytesStorageMetadata)}
+        if objects:
+            dcp_load(objects, iteration_dir_path, no_dist=True)
+        n += 1 + len(objects)
+    return n
 
 
 def open_run_dirs(ckpt: CheckpointConfig) -> RunLock | None:

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -34,6 +33,7 @@ from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.tensor_parallel.utils import section_sizes
 from .file_io import CheckpointError, FileHash, describe_write_error
 from .integrity import HashingFileSystemWriter
+from .safe_load import SafeFileSystemReader, load_weights
 
 DCP_METADATA = ".metadata"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -84,8 +84,9 @@ class PiecesSavePlanner(DefaultSavePlanner):
 
 
 class PiecesLoadPlanner(DefaultLoadPlanner):
-    def __init__(self) -> None:
+    def __init__(self, checkpoint: str = "") -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.checkpoint = checkpoint  # the directory, for messages
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.original_state_dict = self.state_dict = state_dict  # flat already; Pieces are not tensors
@@ -94,6 +95,11 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+
+    def load_bytes(self, read_item, value) -> None:
+        """A byte object (``common``, ``rank_state.*``) is read as weights only (:mod:`.safe_load`)."""
+        fqn = read_item.dest_index.fqn
+        self.state_dict[fqn] = load_weights(value, f"the object {fqn!r} of torch_dist checkpoint {self.checkpoint}")
 
 
 def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> list[tuple[tuple, tuple, int, int]]:
@@ -220,7 +226,9 @@ def read_dcp_metadata(path: str):
         raise CheckpointError(f"{file} is missing: {path} is not a complete torch_dist checkpoint (an interrupted "
                               f"save, or another format: see --auto-detect-ckpt-format)")
     try:
-        return FileSystemReader(path).read_metadata()
+        return SafeFileSystemReader(path).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - pickle, EOF, OS errors: all mean the same thing here
         size = os.path.getsize(file)
         raise CheckpointError(f"{file} is corrupt ({size} bytes): {type(e).__name__}: "
@@ -231,13 +239,17 @@ def dcp_load(sd: dict[str, Any], path: str, *, no_dist: bool = False) -> None:
     """``dcp.load`` with our planner; a failed read is an error naming the directory and the rank."""
     try:
         with _quiet(no_dist):
-            dcp.load(sd, checkpoint_id=path, planner=PiecesLoadPlanner(), no_dist=no_dist)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=PiecesLoadPlanner(path), no_dist=no_dist)
     except CheckpointException as e:  # every failing rank's exception, gathered by DCP (a BaseException)
         ranks = sorted(e.failures)
         exc = e.failures[ranks[0]][0] if isinstance(e.failures[ranks[0]], tuple) else e.failures[ranks[0]]
+        if isinstance(exc, CheckpointError):  # a refused object: its own message names it
+            raise type(exc)(str(exc)) from None
         others = f" (and ranks {ranks[1:]})" if len(ranks) > 1 else ""
         raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {ranks[0]}"
                               f"{others}: {describe_dcp_error(exc)}") from None
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - a failure before DCP's collective phase
         raise CheckpointError(f"cannot read torch_dist checkpoint {path} on rank {_process_rank()}: "
                               f"{describe_dcp_error(e)}") from None

@@ -1,7 +1,7 @@
 """Checkpoint file I/O that names the file: every read and write of a checkpoint goes through here.
 
-Every write is hashed as its bytes go out (:class:`HashingStream`: XXH3-64 with the ``xxhash`` package,
-else BLAKE2b-64 of the standard library); :mod:`.integrity` records and verifies the hashes.
+Every write is hashed as its bytes go out (:class:`HashingStream`: BLAKE2b-256 of the standard library);
+:mod:`.integrity` records and verifies the hashes. Reads of torch files are in :mod:`.safe_load`.
 
 An I/O problem becomes a ``CheckpointIOError`` that says which file, which rank, and what was found:
 a missing file, an empty or truncated ``.pt``, something that is not a torch file, invalid JSON, or a
@@ -14,7 +14,6 @@ import errno
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import threading
 import zipfile
@@ -32,15 +31,18 @@ _NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 # ------------------------------------------------------------------------------- content hashes
-try:  # XXH3-64 is ~10x faster than BLAKE2b: the save-time cost stays a few percent (bench/checkpoint.py)
+try:  # XXH3-64 manifests of older saves verify where the xxhash package is installed
     import xxhash
 except ImportError:  # pragma: no cover - the GPU validation machine takes no installs
     xxhash = None
 
-ALGORITHMS: dict[str, Callable[[], Any]] = {"blake2b_64": lambda: hashlib.blake2b(digest_size=8)}
+# BLAKE2b (hashlib: always there) with a 256-bit digest for every new save: collision-resistant, so a signed
+# manifest (:mod:`.integrity`) binds the files' bytes. blake2b_64 and xxh3_64 are read for older saves.
+ALGORITHMS: dict[str, Callable[[], Any]] = {"blake2b_256": lambda: hashlib.blake2b(digest_size=32),
+                                            "blake2b_64": lambda: hashlib.blake2b(digest_size=8)}
 if xxhash is not None:
     ALGORITHMS["xxh3_64"] = xxhash.xxh3_64
-DEFAULT_ALGORITHM = "xxh3_64" if xxhash is not None else "blake2b_64"
+DEFAULT_ALGORITHM = "blake2b_256"
 _OVERLAP_BYTES = 1 << 22      # writes this large hash in a helper thread while the bytes go to the file
 _READ_CHUNK = 1 << 24
 
@@ -149,17 +151,21 @@ def copy_hashed(src: str, dst: str) -> FileHash:
     return out
 
 
-def hash_file(path: str, algorithm: str = DEFAULT_ALGORITHM) -> FileHash:
-    """The hash of a file as it is on disk now (verification and the converters)."""
+def hash_stream(f, algorithm: str = DEFAULT_ALGORITHM) -> FileHash:
+    """The hash of what is left to read in the unbuffered binary file ``f``."""
     h, n = new_hasher(algorithm), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        while k := f.readinto(buf):
-            h.update(view[:k])
-            n += k
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    while k := f.readinto(buf):
+        h.update(view[:k])
+        n += k
     return FileHash(h.hexdigest(), n)
 
+
+def hash_file(path: str, algorithm: str = DEFAULT_ALGORITHM) -> FileHash:
+    """The hash of a file as it is on disk now (the converters, the tokenizer's content hash)."""
+    with open(path, "rb", buffering=0) as f:
+        return hash_stream(f, algorithm)
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -262,7 +268,8 @@ def read_json(path: str, what: str = "checkpoint metadata") -> dict:
     return obj
 
 
-def _what_is_wrong(path: str, exc: BaseException) -> str:
+def describe_unreadable(path: str, exc: BaseException) -> str:
+    """What is wrong with a torch file that would not load (empty, truncated, not a torch file)."""
     size = os.path.getsize(path)
     if size == 0:
         return "empty file (0 bytes): truncated"
@@ -279,13 +286,3 @@ def _what_is_wrong(path: str, exc: BaseException) -> str:
     if head[:1] == b"\x80":  # a legacy (pickle) torch file
         return f"truncated or corrupt legacy torch file ({size} bytes): {type(exc).__name__}: {exc}"
     return f"not a torch file ({size} bytes, starts with {head!r})"
-
-
-def load_torch(path: str) -> Any:
-    """``torch.load(path, map_location="cpu")``; an error names the file, the rank and what was found."""
-    if not os.path.exists(path):
-        raise CheckpointIOError(f"{path} is missing: incomplete checkpoint (read by rank {current_rank()})")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError, zipfile.BadZipFile) as e:
-        raise CheckpointIOError(f"cannot load {path} on rank {current_rank()}: {_what_is_wrong(path, e)}") from None

@@ -18,7 +18,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from ...core.models.gpt.config import GPTConfig
 from .dcp_pieces import dcp_load, dcp_save, read_dcp_metadata
 from .dist_format import COMMON, EXP_AVG, EXP_AVG_SQ, FORMAT, RANK_STATE, rank_key
-from .file_io import load_torch
 from .metadata import FORMAT_VERSION, TORCH_DIST, detect_format, read_metadata
 from .reshard import (
     CanonicalCheckpoint,
@@ -30,6 +29,7 @@ from .reshard import (
     target_layout,
 )
 from .run_dirs import TRACKER, iteration_dir, read_tracker
+from .safe_load import load_torch
 
 
 def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimizer: bool = True,
@@ -69,15 +69,19 @@ def torch_to_dist(load: str, save: str, step: int | None = None, *, with_optimiz
 
 
 def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True):
-    """Read a torch_dist checkpoint into full tensors (a ``CanonicalCheckpoint``, one process).
+    """Read a torch_dist checkpoint into full tensors (a ``CanonicalCheckpoint``, one process), after checking
+    its files against their content hashes.
 
     The per-rank states come back keyed by their saved (TP, PP) coordinates, with reducer states in
     ``reducer_states[(tp, pp)][dp]``."""
+    from .checkpointer import verify_checkpoint
+
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
     path = iteration_dir(root, iteration)
     meta = read_metadata(root, iteration)
+    verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     saved = read_dcp_metadata(path).state_dict_metadata
     sd: dict[str, Any] = {}
     for k, md in saved.items():
@@ -115,13 +119,10 @@ def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: b
 
 def load_any_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True) -> CanonicalCheckpoint:
     """Either format's checkpoint (``iter_XXXXXXX`` at ``step``, else the tracker's) in canonical form, in one
-    process, after checking its files against their content hashes (``tools/generate.py``, the HF export)."""
-    from .checkpointer import verify_checkpoint
-
+    process, after checking its files against their content hashes (``tools/generate.py``)."""
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
-    verify_checkpoint(root, iteration)
     if detect_format(root, iteration) == TORCH_DIST:
         return load_dist_canonical(root, iteration, load_optimizer=load_optimizer)
     return load_canonical(root, iteration, load_optimizer=load_optimizer)

@@ -19,8 +19,18 @@ from ...core import parallel_state as ps
 from ...core.models.gpt.config import GPTConfig
 from ..config import TokenizerConfig, TrainConfig, config_diff
 from ..errors import safe_print
+from .data_record import RECORD_KEY, data_fingerprints
 from .dcp_pieces import DCP_METADATA
-from .file_io import DEFAULT_ALGORITHM, CheckpointError, FileHash, copy_hashed, hash_file, new_hasher, read_json
+from .file_io import (
+    ALGORITHMS,
+    DEFAULT_ALGORITHM,
+    CheckpointError,
+    FileHash,
+    copy_hashed,
+    hash_file,
+    new_hasher,
+    read_json,
+)
 from .run_dirs import iteration_dir
 
 FORMAT_VERSION = 1
@@ -39,10 +49,11 @@ def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
             "model_config": train_config.model.to_dict(),
             "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
             "args": train_config.flags,
-            "tokenizer_hash": tokenizer_content_hash(train_config.tokenizer)}
+            "tokenizer_hash": tokenizer_content_hash(train_config.tokenizer),
+            RECORD_KEY: data_fingerprints(train_config.data)}  # compared on resume (data_record.check_data)
 
 
-def tokenizer_content_hash(tokenizer: TokenizerConfig) -> str | None:
+def tokenizer_content_hash(tokenizer: TokenizerConfig, algorithm: str = DEFAULT_ALGORITHM) -> str | None:
     """A content hash of the tokenizer's files (model, vocab and merge files; every file of a directory);
     None for a tokenizer without files (``NullTokenizer``, mock data)."""
     files: list[str] = []
@@ -53,17 +64,20 @@ def tokenizer_content_hash(tokenizer: TokenizerConfig) -> str | None:
             files.append(path)
     if not files:
         return None
-    h = new_hasher()
+    h = new_hasher(algorithm)
     for f in files:
-        h.update(hash_file(f).digest.encode())
-    return f"{DEFAULT_ALGORITHM}:{h.hexdigest()}"
+        h.update(hash_file(f, algorithm).digest.encode())
+    return f"{algorithm}:{h.hexdigest()}"
 
 
 def check_tokenizer(meta: dict, tokenizer: TokenizerConfig, where: str, allowed: bool, log=safe_print) -> None:
     """The tokenizer's content hash against the one the checkpoint was saved with: a difference is an error
     unless ``allowed`` (``--finetune``, ``--allow-tokenizer-change``), then one line says so."""
-    saved, here = meta.get("tokenizer_hash"), tokenizer_content_hash(tokenizer)
-    if saved is None or here is None or saved == here or saved.split(":")[0] != here.split(":")[0]:
+    saved = meta.get("tokenizer_hash")
+    if not isinstance(saved, str) or saved.split(":")[0] not in ALGORITHMS:
+        return  # no hash saved (or one this installation cannot compute): nothing to compare
+    here = tokenizer_content_hash(tokenizer, saved.split(":")[0])
+    if here is None or saved == here:
         return
     files = ", ".join(p for p in (tokenizer.tokenizer_model, tokenizer.vocab_file, tokenizer.merge_file) if p)
     what = (f"the tokenizer ({files}) is not the one checkpoint {where} was trained with: its content hash is "

@@ -44,9 +44,11 @@ from ...core.parallel_state import ParallelLayoutError, check_layout
 from ...core.tensor_parallel.utils import shard_tensor, unshard_tensor
 from ..errors import UserError
 from ..tokenizer import vocab_size_with_padding
-from .file_io import CheckpointError, load_torch, save_torch, write_json
+from .file_io import CheckpointError, save_torch, write_json
+from .integrity import hash_tree
 from .metadata import FORMAT_VERSION, read_metadata
 from .run_dirs import TRACKER, iteration_dir, publish, read_tracker
+from .safe_load import load_torch
 from .torch_format import rank_dir_name
 
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -167,12 +169,16 @@ def _join(shards: dict[int, torch.Tensor], meta: dict | None, name: str, tp: int
 
 
 def load_canonical(root: str, step: int | None = None, *, load_optimizer: bool = True) -> CanonicalCheckpoint:
-    """Read a checkpoint of any TP/PP/VPP layout into full tensors (see the module docstring)."""
+    """Read a checkpoint of any TP/PP/VPP layout into full tensors (see the module docstring), after checking
+    its files against their content hashes."""
+    from .checkpointer import verify_checkpoint
+
     iteration = step if step is not None else read_tracker(root)
     if iteration is None:
         raise ConversionError(f"no checkpoint in {root} ({TRACKER} is missing; pass --ckpt-step N)")
     try:
         meta = read_metadata(root, iteration)
+        verify_checkpoint(root, iteration, collective=False)  # one process reads it all (some ranks only)
     except CheckpointError as e:
         raise ConversionError(str(e)) from None
     src = Layout(meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
@@ -379,13 +385,14 @@ def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,
 
 def publish_converted(out_root: str, iteration: int, meta: dict, tokenizer_dir: str | None) -> str:
     """Finish a converted checkpoint written into ``iter_XXXXXXX.tmp``: ``metadata.json``, the tokenizer copy,
-    the rename to ``iter_XXXXXXX/`` and the tracker, written last. The caller has checked that ``out_root`` is not the
-    source or another run (``check_conversion_target``)."""
+    the content hashes of every file (``checksums.json``, signed under a signing key), the rename to
+    ``iter_XXXXXXX/`` and the tracker, written last. The caller has checked that ``out_root`` is not the source or
+    another run (``check_conversion_target``)."""
     tmp = iteration_dir(out_root, iteration) + ".tmp"
     write_json(os.path.join(tmp, "metadata.json"), meta)
     if tokenizer_dir:
         shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
-    return publish(out_root, iteration)
+    return publish(out_root, iteration, hash_tree(tmp))
 
 
 def reshard_checkpoint(load: str, save: str, tp: int, pp: int, vp_layers: int | None = None, *,

@@ -23,10 +23,13 @@ What is deleted, and when (issue 28: nothing is removed unless intended):
 - a deletion that fails (permissions, a busy file system) is one warning, not an error; the next save
   tries again;
 - a deletion first renames ``iter_N`` to ``iter_N.deleting`` (one atomic step), so a kill mid-deletion never
-  leaves a half-deleted ``iter_N``; leftover ``*.deleting`` directories are removed by the next pass.
+  leaves a half-deleted ``iter_N``; leftover ``*.deleting`` directories are removed by the next pass;
+- never an iteration another job is loading (it holds a shared ``flock`` on the directory,
+  :class:`.run_dirs.IterationPin`): it is kept until a later save.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -117,14 +120,24 @@ def unpublished_reason(root: str, iteration: int) -> str | None:
 
 
 def remove_iteration(root: str, iteration: int, log: Callable[[str], None]) -> bool:
-    """Delete ``iter_N`` of ``root`` (renamed to ``iter_N.deleting`` first); False for a symbolic link (kept)."""
+    """Delete ``iter_N`` of ``root`` (renamed to ``iter_N.deleting`` first); False for a symbolic link or an
+    iteration another job is loading (:class:`.run_dirs.IterationPin`): kept."""
     d = iteration_dir(root, iteration)
     if os.path.islink(d):
         log(f" --save-retain-interval: kept {d}: it is a symbolic link")
         return False
-    doomed = d + DELETING
-    os.replace(d, doomed)
-    shutil.rmtree(doomed)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f" kept {d} for now: another job is loading it (the next save removes it)")
+            return False
+        doomed = d + DELETING
+        os.replace(d, doomed)
+        shutil.rmtree(doomed)
+    finally:
+        os.close(fd)
     return True
 
 

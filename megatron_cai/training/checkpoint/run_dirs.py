@@ -23,6 +23,7 @@ Start-up checks:
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -145,6 +146,37 @@ def publish(root: str, iteration: int, records: dict[str, tuple[FileHash, int]] 
             if later > iteration:
                 move_aside(root, later, log)
     return final
+
+
+class IterationPin:
+    """A shared ``flock`` on one published ``iter_XXXXXXX`` directory, held while a job reads it: a writer's
+    retention (:func:`.retention.remove_iteration`) takes the exclusive lock before it removes an iteration, so
+    it skips one that a reader holds (and the next save tries again)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def take(cls, root: str, iteration: int) -> IterationPin | None:
+        """Pin ``iter_XXXXXXX`` of ``root``; None when it is gone or being removed."""
+        path = iteration_dir(root, iteration)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not renamed to iter_N.deleting meanwhile
+                return cls(fd)
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def list_iterations(root: str) -> list[int]:

@@ -17,7 +17,6 @@ from . import (
     table_parallel,
     table_runtime,
     table_training,
-    table_window,
 )
 from .report import FlagProblems
 from .table import CompatFlag, FlagTable
@@ -25,11 +24,12 @@ from .table import CompatFlag, FlagTable
 __all__ = ["CompatFlag", "FlagTable", "MAPPED_FLAGS", "NO_OP_FLAGS", "REFUSED_FLAGS", "TOPIC_TABLES",
            "add_compat_arguments", "attention_backend_for", "check_compat", "mapped_messages", "no_op_message"]
 
-# One table per topic. A feature that lands replaces its topic's module (table_moe, table_mla, table_window,
-# table_hybrid): it removes its rows there and add_argument()s the flags where it implements them.
+# One table per topic. A feature that lands removes its rows from its topic's module (as MoE did in table_moe,
+# MLA in table_mla, per-layer windows in the former table_window; table_hybrid is still to land) and
+# add_argument()s the flags where it implements them (flags/moe.py, flags/kaiju.py).
 TOPIC_TABLES: tuple[FlagTable, ...] = (
     table_model.TABLE, table_parallel.TABLE, table_checkpoint.TABLE, table_training.TABLE, table_runtime.TABLE,
-    table_moe.TABLE, table_mla.TABLE, table_window.TABLE, table_hybrid.TABLE,
+    table_moe.TABLE, table_mla.TABLE, table_hybrid.TABLE,
 )
 NO_OP_FLAGS: list[CompatFlag] = [f for t in TOPIC_TABLES for f in t.no_op]
 MAPPED_FLAGS: list[CompatFlag] = [f for t in TOPIC_TABLES for f in t.mapped]

@@ -1,4 +1,4 @@
-"""Megatron-LM's Mixture-of-Experts flags (refused until MoE lands; the MoE work replaces this file): the flags of
+"""Megatron-LM's Mixture-of-Experts flags that MoE here (flags/moe.py) does not implement: the flags of
 megatron-core 0.19.2's parser in this topic that are not implemented here, each accepted without effect, mapped
 onto what runs here, or refused by name (the states: training/flags/table.py). Types, choices and defaults
 follow megatron-core's."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .table import CompatFlag, FlagTable
 
-_MOE = "Mixture-of-Experts is not implemented here yet (dense GPT only)"
+_MOE = "this Mixture-of-Experts option is not implemented here (docs/moe.md lists those that are)"
 _RL = "reinforcement learning (GRPO) is not implemented here"
 
 TABLE = FlagTable(
@@ -15,58 +15,26 @@ TABLE = FlagTable(
     no_op=[],
     mapped=[],
     refused=[
-        CompatFlag(
-            "--expert-model-parallel-size",
-            "no Mixture-of-Experts layers here (dense GPT only)",
-            None,
-            int,
-            1,
-            allowed=(1,),
-        ),
-        CompatFlag("--expert-tensor-parallel-size", _MOE, None, int, None),
         CompatFlag("--expert-tensor-parallel-num-weight-shards", _MOE, None, int, None),
         CompatFlag("--overlap-moe-expert-parallel-comm", _MOE),
         CompatFlag("--overlap-dispatch-backward-with-experts-wgrad", _MOE),
         CompatFlag("--ep-overlap-early-attn-memory-release", _MOE),
-        CompatFlag("--moe-shared-expert-intermediate-size", _MOE, None, int, None),
-        CompatFlag("--moe-shared-expert-gate", _MOE),
-        CompatFlag("--moe-shared-expert-overlap", _MOE),
         CompatFlag("--use-grouped-gemm-for-shared-expert", _MOE),
         CompatFlag("--moe-shared-expert-glu-interleave-size", _MOE, None, int, None),
-        CompatFlag("--moe-ffn-hidden-size", _MOE, None, int, None),
-        CompatFlag("--moe-router-topk", "no Mixture-of-Experts layers here (dense GPT only)", None, int, 2),
         CompatFlag("--moe-enable-routing-replay", _MOE),
         CompatFlag("--moe-router-padding-for-quantization", _MOE),
         CompatFlag("--moe-router-padding-for-fp8", _MOE),
-        CompatFlag("--moe-router-num-groups", _MOE, None, int, None),
-        CompatFlag("--moe-router-group-topk", _MOE, None, int, None),
-        CompatFlag("--moe-router-pre-softmax", _MOE),
-        CompatFlag("--moe-router-topk-scaling-factor", _MOE, None, float, None),
-        CompatFlag("--moe-router-score-function", _MOE, None, str, "softmax", ("softmax", "sigmoid", "sqrtsoftplus")),
-        CompatFlag("--moe-router-dtype", _MOE, None, str, None, ("fp32", "fp64")),
-        CompatFlag("--moe-router-enable-expert-bias", _MOE),
-        CompatFlag("--moe-router-bias-update-rate", _MOE, None, float, 0.001),
         CompatFlag("--moe-router-quantile-balancing-ema", _MOE, None, float, 0.0),
         CompatFlag("--moe-router-force-load-balancing", _MOE),
         CompatFlag("--moe-router-force-biased", _MOE, None, float, None),
-        CompatFlag("--moe-grouped-gemm", _MOE),
         CompatFlag("--moe-single-grouped-weight", _MOE),
         CompatFlag("--moe-single-grouped-bias", _MOE),
-        CompatFlag("--moe-z-loss-coeff", _MOE, None, float, None),
-        CompatFlag("--moe-input-jitter-eps", _MOE, None, float, None),
-        CompatFlag("--moe-token-dispatcher-type", _MOE, None, str, "allgather", ("allgather", "alltoall", "flex")),
         CompatFlag("--moe-enable-deepep", _MOE),
         CompatFlag("--moe-flex-dispatcher-backend", _MOE, None, str, "deepep", ("deepep", "hybridep", "ncclep")),
         CompatFlag("--moe-permute-fusion-into-hybridep", _MOE),
         CompatFlag("--moe-hybridep-pad-uneven-dispatch-inputs", _MOE),
-        CompatFlag("--moe-per-layer-logging", _MOE),
-        CompatFlag("--moe-expert-capacity-factor", _MOE, None, float, None),
-        CompatFlag("--moe-pad-expert-input-to-capacity", _MOE),
         CompatFlag("--moe-pad-experts-for-cuda-graph-inference", _MOE),
-        CompatFlag("--moe-token-drop-policy", _MOE, None, str, "probs", ("probs", "position")),
         CompatFlag("--moe-layer-recompute", _MOE),
-        CompatFlag("--moe-permute-fusion", _MOE),
-        CompatFlag("--moe-router-fusion", _MOE),
         CompatFlag("--moe-apply-probs-on-input", _MOE),
         CompatFlag("--moe-latent-size", _MOE, None, int, None),
         CompatFlag("--moe-flex-dispatcher-num-sms", _MOE, None, int, None),
@@ -90,18 +58,7 @@ TABLE = FlagTable(
         CompatFlag("--rl-inference-expert-model-parallel-size", _RL, None, int, None),
         CompatFlag("--rl-inference-expert-tensor-model-parallel-size", _RL, None, int, None),
         CompatFlag("--save-tokens-per-expert-interval", _MOE, None, int, None),
-        CompatFlag("--num-experts", "no Mixture-of-Experts layers here (dense GPT only)", None, int, None),
-        CompatFlag("--moe-layer-freq", _MOE, None, str, 1),
         CompatFlag("--moe-use-upcycling", _MOE),
-        CompatFlag(
-            "--moe-router-load-balancing-type",
-            _MOE,
-            "+",
-            str,
-            "aux_loss",
-            ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"),
-        ),
-        CompatFlag("--moe-aux-loss-coeff", _MOE, "+", float, 0.0),
         CompatFlag("--moe-upcycling-granularity", _MOE, None, int, 1),
         CompatFlag("--moe-routing-trace-path", _MOE, None, str, None),
         CompatFlag("--moe-routing-trace-max-training-iters", _MOE, None, int, None),

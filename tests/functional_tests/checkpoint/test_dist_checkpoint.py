@@ -227,7 +227,8 @@ def test_missing_and_corrupt_metadata_are_named(saved_tp2pp2, tmp_path):
         f.truncate(20)
     with pytest.raises(AssertionError, match=r"iter_0000005/\.metadata does not verify \(truncated\)"):
         _run(1, args)  # the content hashes catch it first
-    os.remove(os.path.join(ckpt, "iter_0000005", "checksums.json"))  # as saved before content hashes
+    os.remove(os.path.join(ckpt, "iter_0000005", "checksums.json"))  # loaded unverified: the reader names it
+    args += ["--allow-unverified-checkpoint"]
     with pytest.raises(AssertionError, match=r"iter_0000005/\.metadata is corrupt \(20 bytes\)"):
         _run(1, args)
     os.remove(meta)
@@ -239,9 +240,9 @@ def test_missing_and_corrupt_metadata_are_named(saved_tp2pp2, tmp_path):
     os.remove(os.path.join(ckpt, "iter_0000010", shard))
     with pytest.raises(AssertionError, match=rf"iter_0000010/{shard} does not verify \(missing\)"):
         _run(1, BASE + ["--train-iters", str(ITERS + 1), "--load", ckpt])
-    os.remove(os.path.join(ckpt, "iter_0000010", "checksums.json"))  # as saved before content hashes
+    os.remove(os.path.join(ckpt, "iter_0000010", "checksums.json"))  # loaded unverified: the reader names it
     with pytest.raises(AssertionError, match=r"cannot read torch_dist checkpoint .*iter_0000010 on rank 0"):
-        _run(1, BASE + ["--train-iters", str(ITERS + 1), "--load", ckpt])
+        _run(1, BASE + ["--train-iters", str(ITERS + 1), "--load", ckpt, "--allow-unverified-checkpoint"])
 
 
 def test_tracker_written_last_and_no_tmp_left(saved_tp2pp2):

@@ -12,6 +12,8 @@
                             newer checkpoint is published and before anything older is deleted
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
     FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
+    FAULT_PAUSE_CHOSEN=P    once a load has chosen its checkpoint (the tracker read), create P.paused and wait
+                            until P.go exists (another job may save and remove checkpoints meanwhile)
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -108,6 +110,21 @@ def install() -> None:
             return real_remove(root, iteration, log)
 
         retention.remove_iteration = remove_iteration
+    if env.get("FAULT_PAUSE_CHOSEN"):
+        from megatron_cai.training import checkpoint
+
+        checkpointer = checkpoint.checkpointer  # the module whose name the load calls
+        real_newest = checkpointer.newest_checkpoint
+
+        def newest_checkpoint(*args, **kwargs):
+            out = real_newest(*args, **kwargs)
+            prefix = env["FAULT_PAUSE_CHOSEN"]
+            open(prefix + ".paused", "w").close()
+            while not os.path.exists(prefix + ".go"):
+                time.sleep(0.1)
+            return out
+
+        checkpointer.newest_checkpoint = newest_checkpoint
     real_loss = pretrain_gpt.loss_func
 
     def loss_func(loss_mask, output, **kwargs):

@@ -229,8 +229,8 @@ def test_out_of_vocabulary_ids_are_one_error(tmp_path, bad_id, why):
 # --------------------------------------------------------------------------------- 5. I/O errors
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
 def test_damaged_checkpoint_names_the_file(base, tmp_path, damage):
-    """A checkpoint saved before content hashes were recorded (no checksums.json): it says so in one line, and
-    the reader itself names the damaged file (with hashes, test_integrity_faults finds it first)."""
+    """A checkpoint without content hashes (no checksums.json) loaded with --allow-unverified-checkpoint: it says so
+    in one line, and the reader itself names the damaged file (with hashes, test_integrity_faults finds it first)."""
     run_dir = copy_run(base, tmp_path, 4)
     os.remove(os.path.join(run_dir, "iter_0000004", "checksums.json"))
     path = rank_file(run_dir, 4)
@@ -238,22 +238,24 @@ def test_damaged_checkpoint_names_the_file(base, tmp_path, damage):
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2] if damage == "truncate" else b"this is not a checkpoint\n" * 10)
     before = snapshot(run_dir)
-    proc = run([*BASE, "--load", run_dir, "--save", run_dir])
+    proc = run([*BASE, "--load", run_dir, "--save", run_dir, "--allow-unverified-checkpoint"])
     expected = "truncated or corrupt torch file" if damage == "truncate" else "not a torch file"
     assert_one_error(proc, path, expected, "rank 0")
-    assert "iter_0000004 carries no content hashes" in proc.stdout, proc.stdout[-2000:]
+    assert "iter_0000004 has no content hashes (checksums.json): its files cannot be verified" in proc.stdout, \
+        proc.stdout[-2000:]
     assert_kept(before, run_dir, allow_new=False)
     assert_resumes_bit_exactly(run_dir, 2, base, tmp_path)  # the previous checkpoint is intact
 
 
 def test_bad_metadata_json_names_the_file(base, tmp_path):
-    """Without content hashes (an older checkpoint) the JSON reader names the file; with them the hash does."""
+    """Without content hashes (--allow-unverified-checkpoint) the JSON reader names the file; with them the hash
+    does."""
     run_dir = copy_run(base, tmp_path, 4)
     os.remove(os.path.join(run_dir, "iter_0000004", "checksums.json"))
     meta = os.path.join(run_dir, "iter_0000004", "metadata.json")
     with open(meta, "w") as f:
         f.write('{"iteration": 4, "tensor_model')
-    proc = run([*BASE, "--load", run_dir, "--save", run_dir])
+    proc = run([*BASE, "--load", run_dir, "--save", run_dir, "--allow-unverified-checkpoint"])
     assert_one_error(proc, meta, "corrupt", "invalid JSON")
     assert_resumes_bit_exactly(run_dir, 3, base, tmp_path)
 

@@ -132,15 +132,6 @@ def test_damaged_async_torch_dist_checkpoint_is_one_error(dist_base, tmp_path, d
     canonical_equal(run_dir, dist_base, 2)  # the last good iteration is intact
 
 
-@pytest.fixture(scope="module")
-def dist_sync(tmp_path_factory) -> str:
-    """Two iterations of the base run saved synchronously in torch_dist format (one rank)."""
-    root = str(tmp_path_factory.mktemp("dist_sync") / "ckpt")
-    proc = run([*BASE[:-1], "2", "--save", root, "--save-interval", "1", "--ckpt-format", "torch_dist"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
-
-
 def test_a_flip_anywhere_in_any_format_is_one_error_naming_the_file(base, dist_base, dist_sync, tmp_path):
     """Every file of a checkpoint is in its manifest, in both formats, saved synchronously or by --async-save;
     one flipped byte anywhere in any of them (the manifest too) makes loading raise one error naming it."""

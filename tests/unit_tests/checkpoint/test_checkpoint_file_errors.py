@@ -12,10 +12,10 @@ from megatron_cai.core.distributed.squinch_reducer import SquinchReducer
 from megatron_cai.training.checkpoint.file_io import (
     CheckpointError,
     CheckpointIOError,
-    load_torch,
     read_json,
     save_torch,
 )
+from megatron_cai.training.checkpoint.safe_load import load_torch
 from megatron_cai.training.checkpoint.torch_format import reducer_state_dropped
 
 

@@ -77,15 +77,24 @@ def test_doc_table_is_generated_from_the_tables():
     assert text == expected, "docs/megatron-compat.md is stale: python tools/megatron_flag_table.py --write-doc"
 
 
-@pytest.mark.parametrize("topic", ["moe", "mla", "window", "hybrid"])
+@pytest.mark.parametrize("topic", ["hybrid"])
 def test_features_yet_to_land_refuse_in_their_own_topic_table(topic):
     table = next(t for t in compat.TOPIC_TABLES if t.topic == topic)
     assert table.refused and not table.no_op and not table.mapped
 
 
-@pytest.mark.parametrize("flag,topic", [("--num-experts", "moe"), ("--expert-tensor-parallel-size", "moe"),
-                                        ("--multi-latent-attention", "mla"), ("--q-lora-rank", "mla"),
-                                        ("--window-attn-skip-freq", "window"), ("--hybrid-layer-pattern", "hybrid")])
+# Landed features (MoE: flags/moe.py; MLA, per-layer windows: flags/kaiju.py): our parser implements them.
+@pytest.mark.parametrize("flag", ["--num-experts", "--moe-router-topk", "--expert-model-parallel-size",
+                                  "--expert-tensor-parallel-size", "--multi-latent-attention", "--q-lora-rank",
+                                  "--mscale", "--rope-type", "--window-attn-skip-freq"])
+def test_landed_feature_flags_are_implemented(flag):
+    assert flag not in _states()
+    assert flag in {o for a in build_parser()._actions for o in a.option_strings}
+
+
+@pytest.mark.parametrize("flag,topic", [("--moe-enable-deepep", "moe"), ("--moe-use-upcycling", "moe"),
+                                        ("--cache-mla-latents", "mla"), ("--yarn-beta-fast", "mla"),
+                                        ("--hybrid-layer-pattern", "hybrid")])
 def test_feature_flags_are_refused_by_name(flag, topic):
     assert _states()[flag] == [f"refused ({topic})"]
     value = [] if next(f for f in compat.REFUSED_FLAGS if f.flag == flag).nargs == 0 else ["3"]

@@ -36,3 +36,25 @@ def test_the_flag_reaches_the_parallel_config():
     base = ["--mock-data", "--vocab-size", "64", "--train-iters", "2"]
     assert parse_config(base + ["--use-tp-pp-dp-mapping"], world_size=1).parallel.use_tp_pp_dp_mapping
     assert not parse_config(base, world_size=1).parallel.use_tp_pp_dp_mapping
+
+
+@pytest.mark.parametrize("order", [ps.DEFAULT_ORDER, ps.TP_PP_DP_ORDER])
+def test_the_order_applies_inside_each_diloco_island(monkeypatch, order):
+    import torch.distributed as dist
+
+    world, islands, tp, pp = 16, 2, 2, 2  # two islands of 8 ranks: TP 2 x DP 2 x PP 2 each
+    expected = ps.rank_layouts(tp, 1, 2, pp, order)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(ps, "new_group", lambda ranks=None, **kw: tuple(ranks))
+    for rank in range(world):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=rank: r)
+        ps.initialize_model_parallel(tp, pp, islands=islands, order=order)
+        try:
+            offset = (rank // 8) * 8
+            for kind in ("tp", "dp", "pp", "mp"):
+                mine = [[r + offset for r in g] for g in expected[kind] if rank - offset in g]
+                assert [list(ps._s().ranks[kind])] == mine, (kind, rank)
+            assert list(ps._s().ranks["outer"]) == [rank % 8, rank % 8 + 8]
+        finally:
+            ps.destroy_model_parallel()

@@ -126,7 +126,10 @@ def test_a_checkpoint_of_the_previous_optimizer_loads_and_steps_like_torch_adamw
     shutil.copytree(FIXTURE, root)
     saved = torch.load(f"{root}/iter_0000002/mp_rank_00/model_optim_rng.pt", weights_only=False)["optimizer"]
     config, tokenizer = pretrain_gpt.build_run(FIXTURE_FLAGS + ["--train-iters", "3", "--load", root,
-                                                                "--no-exit-signal-handler"], world_size=1)
+                                                                "--no-exit-signal-handler",
+                                                                # it predates content hashes and plain-data saves
+                                                                "--allow-unverified-checkpoint",
+                                                                "--trust-checkpoint-code"], world_size=1)
     trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)
     opt, module = trainer.optimizer, trainer.model[0].module
     named = dict(module.named_parameters())

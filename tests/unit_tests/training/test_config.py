@@ -152,9 +152,16 @@ def _copy_fixture(tmp_path) -> str:
 
 
 def test_a_checkpoint_saved_before_the_typed_config_loads_and_resumes(tmp_path, capsys):
+    """The fixture predates content hashes and plain-data saves (its NumPy RNG state is a pickled ndarray): it
+    loads only with both explicit flags, each refused alone."""
     root = _copy_fixture(tmp_path)
     payload = torch.load(os.path.join(root, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
-    trainer = _trainer(FIXTURE_FLAGS + ["--train-iters", "3", "--load", root, "--no-exit-signal-handler"])
+    flags = FIXTURE_FLAGS + ["--train-iters", "3", "--load", root, "--no-exit-signal-handler"]
+    with pytest.raises(checkpoint.CheckpointError, match="has no content hashes"):
+        _trainer(flags + ["--trust-checkpoint-code"])
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="numpy"):
+        _trainer(flags + ["--allow-unverified-checkpoint"])
+    trainer = _trainer(flags + ["--allow-unverified-checkpoint", "--trust-checkpoint-code"])
     assert "predates saved training configurations" in capsys.readouterr().out
     assert trainer.state.iteration == 2 and trainer.state.consumed_train_samples == 4
     loaded = trainer.model[0].module.state_dict()
@@ -171,20 +178,22 @@ def test_a_checkpoint_saved_before_the_typed_config_loads_and_resumes(tmp_path, 
 
 def test_an_incompatible_old_checkpoint_is_refused_naming_the_difference(tmp_path):
     root = _copy_fixture(tmp_path)
+    unverified = ["--allow-unverified-checkpoint"]  # the fixture predates content hashes
     with pytest.raises(checkpoint.CheckpointError, match=r"hidden_size: 16 \(checkpoint\) vs 32 \(this run\)"):
-        _trainer([a if a != "16" else "32" for a in FIXTURE_FLAGS] + ["--train-iters", "3", "--load", root])
+        _trainer([a if a != "16" else "32" for a in FIXTURE_FLAGS] + ["--train-iters", "3", "--load", root,
+                                                                     *unverified])
     meta_path = os.path.join(root, "iter_0000002", "metadata.json")
     meta = json.load(open(meta_path))
     meta["checkpoint_version"] = 7
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(checkpoint.CheckpointError, match="checkpoint_version 7.*up to 1"):
-        _trainer(FIXTURE_FLAGS + ["--train-iters", "3", "--load", root])
+        _trainer(FIXTURE_FLAGS + ["--train-iters", "3", "--load", root, *unverified])
 
 
 def test_component_configs_are_dataclasses_composed_into_train_config():
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     assert list(fields) == ["model", "parallel", "training", "ddp", "optimizer", "scheduler", "data", "tokenizer",
-                            "checkpoint", "logging", "distill", "flags"]
+                            "checkpoint", "logging", "distill", "diloco", "flags"]
     cfg = parse_config(FLAGS, world_size=1)
     for name in fields:
         if name != "flags":
