@@ -6,7 +6,8 @@ Slurm signals every process of a job step, torchrun's agent included, and torchr
 it dies of the signal (``FAILED 10:0``) while its workers save. This launcher is torchrun with SIGUSR1
 blocked from its first line: the agent never sees it, every thread and every worker inherits the block,
 and a thread here takes each SIGUSR1 (``sigwait``) and forwards it to the workers, which torchrun starts in
-sessions of their own (a ``proctrack/pgid`` Slurm would not reach them). A worker keeps the signal pending
+sessions of their own (a ``proctrack/pgid`` Slurm would not reach them); one that arrives before the
+workers exist (imports, rendezvous) is forwarded when they appear. A worker keeps the signal pending
 until ``pretrain_gpt.py`` has installed its handler (``training.exit_signal``), so a signal during the
 workers' start-up is neither lost nor fatal. Everything else is torchrun's (``torch.distributed.run``).
 """
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 FORWARDED = signal.SIGUSR1
 
@@ -39,7 +41,9 @@ def child_pids(parent: int, proc: str = "/proc") -> list[int]:
 def _forward_forever() -> None:
     while True:
         signal.sigwait({FORWARDED})
-        for pid in child_pids(os.getpid()):
+        while not (pids := child_pids(os.getpid())):  # before the rendezvous: keep it for the workers to come
+            time.sleep(0.2)
+        for pid in pids:  # one worker that has it is enough: every rank decides on it together
             try:
                 os.kill(pid, FORWARDED)
             except ProcessLookupError:

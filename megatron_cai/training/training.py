@@ -555,8 +555,8 @@ class Trainer:
             return False
         where = f"the checkpoint at iteration {self.state.iteration} is current" if self.state.iteration else \
             "nothing was trained"
-        print_rank_0(f" exit signal ({exit_signal.received() or 'on another rank'}) received during start-up: "
-                     f"exiting before the first iteration, nothing saved ({where})")
+        print_rank_0(f" exit signal ({exit_signal.received() or 'on another rank'}) during start-up: exiting "
+                     f"before the first iteration, nothing saved ({where})")
         return True
 
     def _loss_scale(self) -> float:

@@ -249,6 +249,14 @@ StorageLoc=slurm_acct_db
     def scontrol(self, *argv: str) -> str:
         return self._run(["scontrol", *argv], check=True).stdout
 
+    def requeue(self, job_id: str) -> None:
+        """``scontrol requeue``, then the start without Slurm's requeue delay (its begin time is 2 minutes on)."""
+        self.scontrol("requeue", job_id)
+        deadline = time.time() + 120
+        while self.scontrol_state(job_id) != "PENDING" and time.time() < deadline:
+            time.sleep(0.3)
+        self.scontrol("update", f"JobId={job_id}", "StartTime=now")
+
     def squeue_state(self, job_id: str) -> str | None:
         """The job's state as the controller knows it now (None once it has left the queue)."""
         out = self._run(["squeue", "-h", "-j", job_id, "-o", "%T"]).stdout.strip()

@@ -252,7 +252,7 @@ def test_torchrun_usr1_five_seconds_after_start(jobs, tmp_path):
     text = jobs.log("torchrun", job)
     assert end.row == "COMPLETED 0:0", text[-3000:]
     assert "User defined signal" not in text and "SignalException" not in text
-    during = "received during start-up: exiting before the first iteration, nothing saved" in text
+    during = "during start-up: exiting before the first iteration, nothing saved" in text
     assert during or exit_iteration(text) == tracker(ckpt), text[-3000:]
     if during:
         assert tracker(ckpt) is None and not ITERATION.search(text)
@@ -272,10 +272,10 @@ def test_torchrun_usr1_mid_training_then_scontrol_requeue(jobs, tmp_path):
     saved = exit_iteration(text)
     assert saved < iters and tracker(ckpt) == saved
 
-    jobs.cluster.scontrol("requeue", job)  # a finished job
+    jobs.cluster.requeue(job)  # a finished job
     resume_at = (saved // interval + 1) * interval
     jobs.wait_log("torchrun", job, rf"saved checkpoint at iteration\s+{resume_at} ", timeout=300)
-    jobs.cluster.scontrol("requeue", job)  # a running job
+    jobs.cluster.requeue(job)  # a running job: Slurm sends SIGTERM, the ranks save, then it starts again
     jobs.wait_log("torchrun", job, r"=== job \d+, start 3,", timeout=300)
     last = jobs.end("torchrun: after two scontrol requeue", "torchrun", job)
     text = jobs.log("torchrun", job)

@@ -12,6 +12,8 @@
                             newer checkpoint is published and before anything older is deleted
     FAULT_ITER_SLEEP=S      sleep S seconds per iteration (time for a signal to land mid-run)
     FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
+    FAULT_PAUSE_DATA=1      before building the datasets (start-up, after the checkpoint load), print
+                            "FAULT: building datasets" on stderr and wait until the file FAULT_PAUSE_UNTIL exists
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -118,6 +120,16 @@ def install() -> None:
         return loss, stats
 
     pretrain_gpt.loss_func = loss_func
+    real_provider = pretrain_gpt.train_valid_test_datasets_provider
+
+    def datasets_provider(*args, **kwargs):
+        if env.get("FAULT_PAUSE_DATA"):
+            print("FAULT: building datasets", file=sys.stderr, flush=True)
+            while not os.path.exists(env["FAULT_PAUSE_UNTIL"]):
+                time.sleep(0.1)
+        return real_provider(*args, **kwargs)
+
+    pretrain_gpt.train_valid_test_datasets_provider = datasets_provider
 
 
 if __name__ == "__main__":

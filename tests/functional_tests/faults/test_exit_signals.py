@@ -1,0 +1,79 @@
+"""Exit signals at DP = 2, as real processes: Ctrl-C (SIGINT) mid-training, and SIGUSR1 during start-up.
+
+- SIGINT to every rank (a terminal's Ctrl-C reaches the whole foreground group) behaves as SIGTERM: one save
+  at one iteration, every rank exits 0, no traceback (before: a KeyboardInterrupt traceback per rank and no
+  checkpoint).
+- SIGUSR1 to one rank while the job builds its datasets, after loading a checkpoint: every rank stops before
+  its first iteration and exits 0, and the loaded checkpoint is left byte for byte as it was (before: that
+  rank died of the signal).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+from .test_faults import BASE, MODEL, launch_ranks, snapshot, tracker
+
+LONG = ["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", "1000"]
+
+
+def _wait_line(stream, needle: str, seen: list[str]) -> None:
+    for line in stream:
+        seen.append(line)
+        if needle in line:
+            return
+    raise AssertionError(f"no {needle!r} before the stream closed:\n{''.join(seen)[-3000:]}")
+
+
+def test_ctrl_c_at_dp2_saves_once_and_every_rank_exits_cleanly(tmp_path):
+    save = str(tmp_path / "ckpt")
+    procs = launch_ranks([*LONG, "--save", save], 2, env={"FAULT_ITER_SLEEP": "0.05"})
+    seen: list[str] = []
+    try:
+        _wait_line(procs[1].stdout, "iteration        3/", seen)  # the last rank prints the iteration lines
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join(seen) + "".join(o + e for o, e in outs)
+    assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    exits = re.findall(r"exit signal received at iteration (\d+): saved and exiting", text)
+    assert len(exits) == 1, text[-3000:]
+    saved = int(exits[0])
+    assert saved >= 3 and tracker(save) == saved
+    assert len(re.findall(r"saved checkpoint at iteration", text)) == 1
+
+
+def test_usr1_during_start_up_on_one_rank_stops_every_rank_before_training(tmp_path):
+    ckpt, release = str(tmp_path / "ckpt"), str(tmp_path / "release")
+    first = launch_ranks([*BASE, "--train-iters", "2", "--save", ckpt], 2)
+    outs = [p.communicate(timeout=240) for p in first]
+    assert [p.returncode for p in first] == [0, 0], "".join(o + e for o, e in outs)[-3000:]
+    assert tracker(ckpt) == 2
+    before = snapshot(ckpt)
+    procs = launch_ranks([*BASE, "--train-iters", "4", "--load", ckpt, "--save", ckpt], 2,
+                         env={"FAULT_PAUSE_DATA": "1", "FAULT_PAUSE_UNTIL": release})
+    seen: list[str] = []
+    try:
+        _wait_line(procs[1].stderr, "FAULT: building datasets", seen)  # rank 1 has loaded iteration 2
+        procs[1].send_signal(signal.SIGUSR1)
+        open(release, "w").close()
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "".join(seen) + "".join(o + e for o, e in outs)
+    assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    assert "Traceback" not in text
+    assert "loaded checkpoint from" in outs[0][0] and "at iteration 2" in outs[0][0]
+    assert ("exit signal (on another rank) during start-up: exiting before the first iteration, nothing saved "
+            "(the checkpoint at iteration 2 is current)") in outs[0][0], text[-3000:]
+    assert not re.search(r"iteration\s+3/", text)
+    assert snapshot(ckpt) == before and tracker(ckpt) == 2
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000003"))
