@@ -16,5 +16,6 @@ pip install --no-deps --ignore-requires-python megatron-core==0.19.2
 TRITON_36=.ci/triton-3.6.0
 [ -d "$TRITON_36/triton" ] || pip install -q --no-deps --target "$TRITON_36" triton==3.6.0
 export MEGATRON_CAI_TRITON_36="$PWD/$TRITON_36"
-# pytest exits 5 when it collects no tests; `set -e` turns that into a failure too.
-exec python -m pytest -m "not slow" -q -p no:cacheprovider "$@"
+# pytest exits 5 when it collects no tests; `set -e` turns that into a failure too. The real-Slurm tests
+# (tests/cluster, marker `cluster`) have their own command: README.md, Tests.
+exec python -m pytest -m "not slow and not cluster" -q -p no:cacheprovider "$@"

@@ -19,12 +19,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.is_relative_to(HERE):
-            item.add_marker(pytest.mark.cluster)
-
-
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     if os.geteuid() != 0:

@@ -24,7 +24,7 @@ import torch
 
 from .slurm_cluster import JobEnd, SlurmCluster
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.cluster
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
 TINY = {
     "DATA_ARGS": "--mock-data --vocab-size 64",
@@ -157,11 +157,11 @@ def exit_iteration(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def time_limited(jobs, tmp_path_factory) -> tuple[str, str]:
-    """An srun job that would train for ever, with a 2-minute limit and SIGUSR1 30 s before it (Slurm checks time
-    limits every 30 s and may signal up to 60 s early: 30-90 s in). Submitted by the first test, so that its
+    """An srun job that would train for ever, with a 3-minute limit and SIGUSR1 60 s before it (Slurm checks time
+    limits every 30 s and may signal up to 60 s early: 60-120 s in). Submitted by the first test, so that its
     minutes overlap the others."""
     ckpt = str(tmp_path_factory.mktemp("time_limited") / "ckpt")
-    return jobs.submit("srun", ckpt, 1_000_000, 1_000_000, "--time=2", "--signal=USR1@30"), ckpt
+    return jobs.submit("srun", ckpt, 1_000_000, 1_000_000, "--time=3", "--signal=USR1@60"), ckpt
 
 
 # ------------------------------------------------------------------------------------------------ srun script
@@ -208,34 +208,48 @@ def test_srun_preempted_and_resubmitted_equals_an_uninterrupted_run(jobs, time_l
 
 
 def test_srun_time_limit_saves_before_the_limit(jobs, time_limited):
-    """--time=2 --signal=USR1@30: the job saves and ends COMPLETED 0:0 before its limit, not TIMEOUT."""
+    """--time=3 --signal=USR1@60: the job saves and ends COMPLETED 0:0 before its limit, not TIMEOUT."""
     job, ckpt = time_limited
-    end = jobs.end("srun: --time=2 --signal=USR1@30 (time limit)", "srun", job, timeout=200)
+    end = jobs.end("srun: --time=3 --signal=USR1@60 (time limit)", "srun", job, timeout=240)
     text = jobs.log("srun", job)
     assert end.row == "COMPLETED 0:0", text[-3000:]
     saved = exit_iteration(text)
     assert saved > 0 and tracker(ckpt) == saved
     assert f"saved checkpoint at iteration {saved:7d}" in text
-    assert jobs.cluster.elapsed_seconds(job) < 120
+    assert jobs.cluster.elapsed_seconds(job) < 180
+
+
+def test_an_output_directory_that_does_not_exist_fails_the_job_before_it_runs(jobs, tmp_path):
+    """Why the scripts log to the submission directory: Slurm opens --output before the script runs."""
+    missing = tmp_path / "logs"
+    job = jobs.cluster.sbatch([f"--output={missing}/%x-%j.out", "--wrap", "echo ran"], cwd=str(tmp_path))
+    end = jobs.end("--output in a directory that does not exist", "srun", job, timeout=60)
+    assert end.row == "FAILED 0:53" and not missing.exists()
 
 
 # -------------------------------------------------------------------------------------------- torchrun script
 def test_two_torchrun_jobs_on_one_node_never_meet(jobs, tmp_path):
-    """Two torchrun jobs share the node, each with its own rendezvous; cancelling one leaves the other training
+    """Two torchrun jobs share the node, each with its own rendezvous; a third job on one's checkpoint directory
+    is refused (FAILED 2:0, one error line) and the owner trains on; cancelling one leaves the other training
     to the end, COMPLETED 0:0."""
     stays, goes = str(tmp_path / "stays"), str(tmp_path / "goes")
-    kept = jobs.submit("torchrun", stays, 400, 200)
+    kept = jobs.submit("torchrun", stays, 1000, 500)
     cancelled = jobs.submit("torchrun", goes, 1_000_000, 1_000_000)
     kept_text = jobs.wait_log("torchrun", kept, r"iteration\s+3/")
     gone_text = jobs.wait_log("torchrun", cancelled, r"iteration\s+3/")
-    assert "iteration      400/" not in jobs.log("torchrun", kept), "the kept job must still train at the cancel"
+    intruder = jobs.submit("srun", goes, 1_000_000, 1_000_000)
+    refused = jobs.end("srun: a second job on a running job's CKPT", "srun", intruder)
+    errors = [line for line in jobs.log("srun", intruder).splitlines() if line.startswith("error:")]
+    assert refused.row == "FAILED 2:0" and len(errors) == 1 and goes in errors[0], jobs.log("srun", intruder)[-3000:]
+    assert jobs.cluster.scontrol_state(cancelled) == "RUNNING"
+    assert "iteration     1000/" not in jobs.log("torchrun", kept), "the kept job must still train at the cancel"
     jobs.cluster.scancel(cancelled)
     gone = jobs.end("torchrun: scancel of one of two jobs on the node", "torchrun", cancelled)
     end = jobs.end("torchrun: the other job on the node", "torchrun", kept)
     text = jobs.log("torchrun", kept)
     assert gone.state == "CANCELLED"
     assert end.row == "COMPLETED 0:0", text[-3000:]
-    assert tracker(stays) == 400 and "Broken pipe" not in text and "RendezvousConnectionError" not in text
+    assert tracker(stays) == 1000 and "Broken pipe" not in text and "RendezvousConnectionError" not in text
     ports = {re.search(r"rendezvous \S+?:(\d+);", launch_line(t)).group(1) for t in (kept_text, gone_text)}
     assert len(ports) == 2, ports
     assert os.listdir(os.path.join(stays, "tensorboard")), "--tensorboard-dir wrote its events"
