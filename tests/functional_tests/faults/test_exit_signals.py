@@ -6,14 +6,24 @@
 - SIGUSR1 to one rank while the job builds its datasets, after loading a checkpoint: every rank stops before
   its first iteration and exits 0, and the loaded checkpoint is left byte for byte as it was (before: that
   rank died of the signal).
+- SIGUSR1 to the torchrun launcher alone (``megatron_cai.training.torchrun``), before its workers exist and
+  mid-training: the launcher survives, the workers get it, the job exits 0 (plain torchrun dies of it).
 """
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
-from .test_faults import BASE, MODEL, launch_ranks, snapshot, tracker
+import pytest
+from testlib import ROOT
+
+from megatron_cai.training.torchrun import child_pids
+
+from .test_faults import BASE, MODEL, _free_port, launch_ranks, snapshot, tracker
 
 LONG = ["--mock-data", "--vocab-size", "64", *MODEL, "--train-iters", "1000"]
 
@@ -77,3 +87,40 @@ def test_usr1_during_start_up_on_one_rank_stops_every_rank_before_training(tmp_p
     assert not re.search(r"iteration\s+3/", text)
     assert snapshot(ckpt) == before and tracker(ckpt) == 2
     assert not os.path.exists(os.path.join(ckpt, "iter_0000003"))
+
+
+def _blocks_usr1(pid: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return bool(mask & (1 << (signal.SIGUSR1 - 1)))
+
+
+@pytest.mark.parametrize("when", ["before the workers exist", "mid-training"])
+def test_torchrun_launcher_survives_usr1_and_hands_it_to_the_workers(tmp_path, when):
+    save = str(tmp_path / "ckpt")
+    cmd = [sys.executable, "-m", "megatron_cai.training.torchrun", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "launcher-test", "pretrain_gpt.py", *LONG,
+           "--save", save, "--device", "cpu"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    seen: list[str] = []
+    try:
+        if when == "mid-training":
+            _wait_line(proc.stdout, "iteration        3/", seen)
+        else:
+            while not _blocks_usr1(proc.pid):
+                time.sleep(0.01)
+            assert not child_pids(proc.pid), "the launcher is still importing torch: no worker yet"
+        proc.send_signal(signal.SIGUSR1)  # the launcher alone (a proctrack/pgid Slurm reaches no more)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(seen) + out
+    assert proc.returncode == 0, text[-3000:]
+    if when == "mid-training":
+        saved = int(re.search(r"exit signal received at iteration (\d+): saved and exiting", text).group(1))
+        assert saved >= 3 and tracker(save) == saved
+    else:
+        assert "during start-up: exiting before the first iteration, nothing saved" in text, text[-3000:]
+        assert tracker(save) is None and not re.search(r"iteration\s+1/", text)
