@@ -6,6 +6,8 @@
 - SIGUSR1 to one rank while the job builds its datasets, after loading a checkpoint: every rank stops before
   its first iteration and exits 0, and the loaded checkpoint is left byte for byte as it was (before: that
   rank died of the signal).
+- SIGUSR1 to ``pretrain_gpt.py`` as soon as it handles the signal, which is before torch is loaded: a clean
+  stop before training (before: the handler came after the checkpoint load and the dataset build).
 - SIGUSR1 to the torchrun launcher alone (``megatron_cai.training.torchrun``), before its workers exist and
   mid-training: the launcher survives, the workers get it, the job exits 0 (plain torchrun dies of it).
 """
@@ -89,10 +91,32 @@ def test_usr1_during_start_up_on_one_rank_stops_every_rank_before_training(tmp_p
     assert not os.path.exists(os.path.join(ckpt, "iter_0000003"))
 
 
-def _blocks_usr1(pid: int) -> bool:
+def _usr1_in(pid: int, field: str) -> bool:
+    """Whether SIGUSR1 is in the process's ``SigBlk`` (blocked) or ``SigCgt`` (handled) mask."""
     with open(f"/proc/{pid}/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith(field + ":"))
     return bool(mask & (1 << (signal.SIGUSR1 - 1)))
+
+
+def test_the_handler_is_in_place_before_torch_is_loaded(tmp_path):
+    save = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *LONG, "--save", save], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
+    try:
+        while not _usr1_in(proc.pid, "SigCgt"):
+            assert proc.poll() is None
+            time.sleep(0.005)
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert "libtorch" not in f.read(), "the handler must come before torch's import"
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "during start-up: exiting before the first iteration, nothing saved (nothing was trained)" in out
+    assert tracker(save) is None
 
 
 @pytest.mark.parametrize("when", ["before the workers exist", "mid-training"])
@@ -108,7 +132,7 @@ def test_torchrun_launcher_survives_usr1_and_hands_it_to_the_workers(tmp_path, w
         if when == "mid-training":
             _wait_line(proc.stdout, "iteration        3/", seen)
         else:
-            while not _blocks_usr1(proc.pid):
+            while not _usr1_in(proc.pid, "SigBlk"):
                 time.sleep(0.01)
             assert not child_pids(proc.pid), "the launcher is still importing torch: no worker yet"
         proc.send_signal(signal.SIGUSR1)  # the launcher alone (a proctrack/pgid Slurm reaches no more)
