@@ -7,9 +7,9 @@ it dies of the signal (``FAILED 10:0``) while its workers save. This launcher is
 blocked from its first line: the agent never sees it, every thread and every worker inherits the block,
 and a thread here takes each SIGUSR1 (``sigwait``) and forwards it to the workers, which torchrun starts in
 sessions of their own (a ``proctrack/pgid`` Slurm would not reach them); one that arrives before the
-workers exist (imports, rendezvous) is forwarded when they appear. A worker keeps the signal pending
-until ``pretrain_gpt.py`` has installed its handler (``training.exit_signal``), so a signal during the
-workers' start-up is neither lost nor fatal. Everything else is torchrun's (``torch.distributed.run``).
+workers exist (imports, rendezvous) is forwarded when they appear. One worker that has it is enough: the
+ranks decide on it together. A worker keeps the signal pending until ``pretrain_gpt.py`` has installed its
+handler (``training.exit_signal``), so a signal during the workers' start-up is neither lost nor fatal. Everything else is torchrun's (``torch.distributed.run``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import threading
-import time
 
 FORWARDED = signal.SIGUSR1
 
@@ -38,16 +37,21 @@ def child_pids(parent: int, proc: str = "/proc") -> list[int]:
     return pids
 
 
-def _forward_forever() -> None:
+def _forward_forever(poll_s: float = 0.2) -> None:
+    """After the first SIGUSR1, every child of this launcher gets it once, also the ones that start later: the
+    workers (torchrun starts them after its imports and the rendezvous) and short-lived helpers (a helper
+    that dies of it is harmless). A further SIGUSR1 goes to every child again."""
+    signal.sigwait({FORWARDED})
+    told: set[int] = set()
     while True:
-        signal.sigwait({FORWARDED})
-        while not (pids := child_pids(os.getpid())):  # before the rendezvous: keep it for the workers to come
-            time.sleep(0.2)
-        for pid in pids:  # one worker that has it is enough: every rank decides on it together
+        for pid in set(child_pids(os.getpid())) - told:
             try:
                 os.kill(pid, FORWARDED)
             except ProcessLookupError:
                 pass
+            told.add(pid)
+        if signal.sigtimedwait({FORWARDED}, poll_s) is not None:
+            told.clear()
 
 
 def main() -> None:
