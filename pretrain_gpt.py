@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 if __name__ == "__main__":  # before torch's import (seconds): a signal from here on asks for a clean exit
-    from megatron_cai.training import exit_signal
+    from megatron_cai.training.preemption import exit_signal
 
     exit_signal.install()
 
@@ -17,11 +17,11 @@ import torch
 
 from megatron_cai.core.context_parallel import get_batch_on_this_cp_rank
 from megatron_cai.core.datasets.mock_dataset import MockGPTDataset
-from megatron_cai.training import exit_signal
 from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
 from megatron_cai.training.errors import KNOWN_ERRORS, exit_process, run_cli
 from megatron_cai.training.initialize import discover_env
+from megatron_cai.training.preemption import exit_signal
 from megatron_cai.training.training import pretrain
 
 
@@ -137,8 +137,8 @@ def main(argv=None):
     """Parse, train, shut down; a known error (bad flags, data, checkpoint, layout, divergence) prints one
     ``error:`` line (rank 0, or the rank that found it) and returns 2, without a traceback.
 
-    SIGTERM, SIGINT and SIGUSR1 are recorded from the first line on (``training.exit_signal``): during
-    start-up the run stops before training, during training it saves; either way every rank exits 0."""
+    SIGTERM, SIGINT and SIGUSR1 are recorded from the first line on (``training.preemption.exit_signal``):
+    during start-up the run stops before training, during training it saves; either way every rank exits 0."""
     exit_signal.install()
     return run_cli(functools.partial(_main, argv), KNOWN_ERRORS + (FileNotFoundError,))
 

@@ -43,7 +43,7 @@ from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import divergence, exit_signal
+from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
@@ -63,6 +63,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
+from .preemption import exit_signal
 from .step_readback import loss_means, read_step
 from .training_log import (
     IterationStats,

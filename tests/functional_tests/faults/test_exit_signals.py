@@ -8,8 +8,8 @@
   rank died of the signal).
 - SIGUSR1 to ``pretrain_gpt.py`` as soon as it handles the signal, which is before torch is loaded: a clean
   stop before training (before: the handler came after the checkpoint load and the dataset build).
-- SIGUSR1 to the torchrun launcher alone (``megatron_cai.training.torchrun``), before its workers exist and
-  mid-training: the launcher survives, the workers get it, the job exits 0 (plain torchrun dies of it).
+- SIGUSR1 to the torchrun launcher alone (``megatron_cai.training.preemption.torchrun``), before its workers
+  exist and mid-training: the launcher survives, the workers get it, the job exits 0 (plain torchrun dies of it).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import time
 import pytest
 from testlib import ROOT
 
-from megatron_cai.training.torchrun import child_pids
+from megatron_cai.training.preemption.torchrun import child_pids
 
 from .test_faults import BASE, MODEL, _free_port, launch_ranks, snapshot, tracker
 
@@ -122,9 +122,9 @@ def test_the_handler_is_in_place_before_torch_is_loaded(tmp_path):
 @pytest.mark.parametrize("when", ["before the workers exist", "mid-training"])
 def test_torchrun_launcher_survives_usr1_and_hands_it_to_the_workers(tmp_path, when):
     save = str(tmp_path / "ckpt")
-    cmd = [sys.executable, "-m", "megatron_cai.training.torchrun", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "launcher-test", "pretrain_gpt.py", *LONG,
-           "--save", save, "--device", "cpu"]
+    cmd = [sys.executable, "-m", "megatron_cai.training.preemption.torchrun", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "launcher-test",
+           "pretrain_gpt.py", *LONG, "--save", save, "--device", "cpu"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
     seen: list[str] = []

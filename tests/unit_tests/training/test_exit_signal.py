@@ -1,5 +1,5 @@
-"""training.exit_signal (in this process, with real signals), the launch line and the torchrun launcher's
-child lookup."""
+"""training.preemption.exit_signal (in this process, with real signals), the launch line and the torchrun
+launcher's child lookup."""
 from __future__ import annotations
 
 import os
@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from megatron_cai.training import exit_signal
 from megatron_cai.training.initialize import DistEnv, launch_line
-from megatron_cai.training.torchrun import child_pids
+from megatron_cai.training.preemption import exit_signal
+from megatron_cai.training.preemption.torchrun import child_pids
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def test_each_exit_signal_is_recorded_not_fatal_and_the_old_handler_comes_back(c
 
 
 def test_a_signal_left_pending_by_the_launcher_arrives_at_install(clean):
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # as megatron_cai.training.torchrun starts workers
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # as preemption.torchrun starts the workers
     signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # at this thread: pytest's others don't block it
     assert signal.SIGUSR1 in signal.sigpending()
     exit_signal.install()
@@ -57,7 +57,7 @@ def test_handling_installs_for_the_run_only_and_keeps_mains(clean):
 
 
 def test_no_exit_signal_handler_re_raises_a_signal_recorded_before_the_flags(tmp_path):
-    code = ("import os, signal\nfrom megatron_cai.training import exit_signal\nexit_signal.install()\n"
+    code = ("import os, signal\nfrom megatron_cai.training.preemption import exit_signal\nexit_signal.install()\n"
             "os.kill(os.getpid(), signal.SIGUSR1)\nwith exit_signal.handling(False):\n    print('survived')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": os.getcwd()})

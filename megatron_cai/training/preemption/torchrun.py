@@ -1,6 +1,6 @@
 """torchrun that survives SIGUSR1 and hands it to its workers (Slurm's ``--signal=USR1@N``, ``scancel --signal=USR1``).
 
-    python -m megatron_cai.training.torchrun --nnodes 2 --nproc-per-node 8 ... pretrain_gpt.py FLAGS...
+    python -m megatron_cai.training.preemption.torchrun --nnodes 2 --nproc-per-node 8 ... pretrain_gpt.py FLAGS...
 
 Slurm signals every process of a job step, torchrun's agent included, and torchrun has no SIGUSR1 handler:
 it dies of the signal (``FAILED 10:0``) while its workers save. This launcher is torchrun with SIGUSR1
@@ -9,7 +9,8 @@ and a thread here takes each SIGUSR1 (``sigwait``) and forwards it to the worker
 sessions of their own (a ``proctrack/pgid`` Slurm would not reach them); one that arrives before the
 workers exist (imports, rendezvous) is forwarded when they appear. One worker that has it is enough: the
 ranks decide on it together. A worker keeps the signal pending until ``pretrain_gpt.py`` has installed its
-handler (``training.exit_signal``), so a signal during the workers' start-up is neither lost nor fatal. Everything else is torchrun's (``torch.distributed.run``).
+handler (``training.preemption.exit_signal``), so a signal during the workers' start-up is neither lost
+nor fatal. Everything else is torchrun's (``torch.distributed.run``).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ once for every rank:
 - during training the request travels in the step's one read-back (``step_readback.read_step``): every
   rank saves at the same iteration and exits 0.
 
-A launcher that must survive SIGUSR1 (``megatron_cai.training.torchrun``) starts its workers with the
+A launcher that must survive SIGUSR1 (``megatron_cai.training.preemption.torchrun``) starts its workers with the
 signal blocked; :func:`install` unblocks it after its handler is in place, so a signal that arrived in
 between is delivered then, not lost and not fatal.
 
