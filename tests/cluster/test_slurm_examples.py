@@ -93,6 +93,18 @@ class Jobs:
         raise AssertionError(f"job {job}: no {pattern!r} in its log (state {self.cluster.scontrol_state(job)}):\n"
                              f"{self.log(kind, job)[-4000:]}\n{self.cluster.logs()}")
 
+    def usr1_mid_training(self, case: str, kind: str, job: str, ckpt: str) -> tuple[str, int]:
+        """``scancel --signal=USR1`` once the job logs iteration 5: it saves and ends COMPLETED 0:0. Its log and the
+        saved iteration."""
+        self.wait_log(kind, job, r"iteration\s+5/")
+        self.cluster.scancel("--signal=USR1", job)
+        end = self.end(case, kind, job)
+        text = self.log(kind, job)
+        assert end.row == "COMPLETED 0:0", text[-3000:]
+        saved = exit_iteration(text)
+        assert saved >= 5 and tracker(ckpt) == saved
+        return text, saved
+
     def end(self, case: str, kind: str, job: str, timeout: float = 300) -> JobEnd:
         end = self.cluster.wait_end(job, timeout)
         TABLE.append((case, end))
@@ -174,13 +186,8 @@ def test_srun_preempted_and_resubmitted_equals_an_uninterrupted_run(jobs, time_l
     ref_ckpt, cut_ckpt = str(tmp_path / "reference"), str(tmp_path / "preempted")
     ref = jobs.submit("srun", ref_ckpt, iters, interval)
     cut = jobs.submit("srun", cut_ckpt, iters, interval)
-    jobs.wait_log("srun", cut, r"iteration\s+5/")
-    jobs.cluster.scancel("--signal=USR1", cut)
-    first = jobs.end("srun: scancel --signal=USR1 mid-training", "srun", cut)
-    text = jobs.log("srun", cut)
-    assert first.row == "COMPLETED 0:0", text[-3000:]
-    saved = exit_iteration(text)
-    assert 5 <= saved < iters and tracker(cut_ckpt) == saved
+    text, saved = jobs.usr1_mid_training("srun: scancel --signal=USR1 mid-training", "srun", cut, cut_ckpt)
+    assert saved < iters
     assert launch_line(text).startswith(f" > launch: slurm, 2 rank(s) = 1 node(s) x 2 rank(s) per node, "
                                         f"rendezvous {jobs.cluster.node}:{20000 + int(cut) % 20000};")
     assert os.path.exists(jobs.log_path("srun", cut)), "the log sits in the submission directory"
@@ -278,13 +285,8 @@ def test_torchrun_usr1_mid_training_then_scontrol_requeue(jobs, tmp_path):
     it trains, after its next save; start 3 resumes from that one and trains to the end. One log holds all three."""
     ckpt, iters, interval = str(tmp_path / "ckpt"), 300, 20
     job = jobs.submit("torchrun", ckpt, iters, interval)
-    jobs.wait_log("torchrun", job, r"iteration\s+5/")
-    jobs.cluster.scancel("--signal=USR1", job)
-    first = jobs.end("torchrun: scancel --signal=USR1 mid-training", "torchrun", job)
-    text = jobs.log("torchrun", job)
-    assert first.row == "COMPLETED 0:0", text[-3000:]
-    saved = exit_iteration(text)
-    assert saved < iters and tracker(ckpt) == saved
+    _, saved = jobs.usr1_mid_training("torchrun: scancel --signal=USR1 mid-training", "torchrun", job, ckpt)
+    assert saved < iters
 
     jobs.cluster.requeue(job)  # a finished job
     resume_at = (saved // interval + 1) * interval

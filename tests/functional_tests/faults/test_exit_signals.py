@@ -38,14 +38,10 @@ def _wait_line(stream, needle: str, seen: list[str]) -> None:
     raise AssertionError(f"no {needle!r} before the stream closed:\n{''.join(seen)[-3000:]}")
 
 
-def test_ctrl_c_at_dp2_saves_once_and_every_rank_exits_cleanly(tmp_path):
-    save = str(tmp_path / "ckpt")
-    procs = launch_ranks([*LONG, "--save", save], 2, env={"FAULT_ITER_SLEEP": "0.05"})
-    seen: list[str] = []
+def _finish(procs: list[subprocess.Popen], seen: list[str], act) -> tuple[list[tuple[str, str]], str]:
+    """``act()``, then every rank's (stdout, stderr) and all the text; each rank exits 0."""
     try:
-        _wait_line(procs[1].stdout, "iteration        3/", seen)  # the last rank prints the iteration lines
-        for p in procs:
-            p.send_signal(signal.SIGINT)
+        act()
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
         for p in procs:
@@ -53,6 +49,20 @@ def test_ctrl_c_at_dp2_saves_once_and_every_rank_exits_cleanly(tmp_path):
                 p.kill()
     text = "".join(seen) + "".join(o + e for o, e in outs)
     assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    return outs, text
+
+
+def test_ctrl_c_at_dp2_saves_once_and_every_rank_exits_cleanly(tmp_path):
+    save = str(tmp_path / "ckpt")
+    procs = launch_ranks([*LONG, "--save", save], 2, env={"FAULT_ITER_SLEEP": "0.05"})
+    seen: list[str] = []
+
+    def ctrl_c():
+        _wait_line(procs[1].stdout, "iteration        3/", seen)  # the last rank prints the iteration lines
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+
+    _, text = _finish(procs, seen, ctrl_c)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     exits = re.findall(r"exit signal received at iteration (\d+): saved and exiting", text)
     assert len(exits) == 1, text[-3000:]
@@ -71,17 +81,13 @@ def test_usr1_during_start_up_on_one_rank_stops_every_rank_before_training(tmp_p
     procs = launch_ranks([*BASE, "--train-iters", "4", "--load", ckpt, "--save", ckpt], 2,
                          env={"FAULT_PAUSE_DATA": "1", "FAULT_PAUSE_UNTIL": release})
     seen: list[str] = []
-    try:
+
+    def usr1_to_rank_1():
         _wait_line(procs[1].stderr, "FAULT: building datasets", seen)  # rank 1 has loaded iteration 2
         procs[1].send_signal(signal.SIGUSR1)
         open(release, "w").close()
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    text = "".join(seen) + "".join(o + e for o, e in outs)
-    assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+
+    outs, text = _finish(procs, seen, usr1_to_rank_1)
     assert "Traceback" not in text
     assert "loaded checkpoint from" in outs[0][0] and "at iteration 2" in outs[0][0]
     assert ("exit signal (on another rank) during start-up: exiting before the first iteration, nothing saved "
