@@ -15,6 +15,11 @@ pip install --no-deps --ignore-requires-python megatron-core==0.19.2
 # shadows the venv's Triton on PYTHONPATH, built once and kept (git-ignored).
 TRITON_36=.ci/triton-3.6.0
 [ -d "$TRITON_36/triton" ] || pip install -q --no-deps --target "$TRITON_36" triton==3.6.0
+# numpy >= 2.4, as on that machine (2.5 there; 2.4 is the newest for Python 3.11): its triton 3.6.0
+# interpreter fails on it where the kernels convert a 1-element array to an int; the dry-run leg on
+# triton 3.6.0 (tests/unit_tests/gpu/test_gpu_validate_dryrun.py) checks that none does.
+python -c "import numpy, sys; sys.exit(tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4))" \
+  || pip install -q "numpy>=2.4"
 export MEGATRON_CAI_TRITON_36="$PWD/$TRITON_36"
 # pytest exits 5 when it collects no tests; `set -e` turns that into a failure too. The real-Slurm tests
 # (tests/cluster, marker `cluster`) have their own command: README.md, Tests.

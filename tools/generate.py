@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_cai.core import device as device_mod  # noqa: E402
+from megatron_cai.core.transformer.int8_kv_cache import KV_CACHE_DTYPES  # noqa: E402
 from megatron_cai.inference.branches import decode_branches  # noqa: E402
 from megatron_cai.inference.generation import (  # noqa: E402
     checkpoint_tokenizer,
@@ -46,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-model", default=None, help="override the checkpoint's tokenizer file")
     p.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; int8: int8 blocks scaled per head by dynamic clamping")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     return p
 
@@ -94,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         eos = None if args.ignore_eod else _eod(tokenizer)
         if args.branches is not None:
+            if args.kv_cache_dtype != "auto":
+                raise ValueError("--kv-cache-dtype int8 is not implemented for --branches (branch decoding)")
             _print_branches(args, model, tokenizer, ids, eos)
             return 0
         for i in range(args.num_samples):
             out = generate(model, ids, args.max_new_tokens, tokenizer=tokenizer, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p,
-                           seed=None if args.seed is None else args.seed + i, eos_id=eos)
+                           seed=None if args.seed is None else args.seed + i, eos_id=eos,
+                           kv_cache_dtype=args.kv_cache_dtype)
             if args.num_samples > 1:
                 print(f"----- sample {i + 1} -----")
             print(out.text[0], flush=True)

@@ -13,18 +13,27 @@ tree (nodes in DFS preorder, readable by any MMIDIDX reader) and ``<prefix>.tree
 structure (format: ``megatron_cai/core/datasets/tree_format.py``); ``--append-eod`` ends every leaf
 (every branch) with EOD.
 Workers (a process pool) decode, parse and tokenize chunks of lines; the parent writes the results
-in input order (single writer). A malformed line (invalid UTF-8, bad JSON, missing key, non-string
-value) stops the run with ``<file>:<line>: <reason>`` and exit code 1, and leaves no output behind;
-``--skip-bad-lines`` skips and counts them instead. Documents with no tokens are skipped and
-counted; blank lines are ignored and counted.
+in input order (single writer). A malformed line (invalid UTF-8, bad JSON, invalid Unicode such as a lone
+surrogate ``"\\ud800"``, missing key, non-string value, text the tokenizer refuses) stops the run with
+``<file>:<line>: <reason>`` and exit code 1, and leaves no output behind; ``--skip-bad-lines`` skips and counts
+them instead. Documents with no tokens are skipped and counted; blank lines are ignored and counted.
+
+Outputs are published together or not at all: every ``.bin``, ``.idx`` (and ``.tree``) is written under a
+temporary name ``<path>.tmp-<PID>`` and renamed into place only once all of them are complete (``.idx``
+last). A failure (a full disk, a bad line), SIGTERM or SIGINT removes the temporary files and stops the
+worker processes; workers also exit on their own when the parent dies (SIGKILL), and the next run for the
+same output removes the temporary files of a dead run (core/datasets/temp_files.py).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -42,6 +51,7 @@ from megatron_cai.core.datasets.indexed_dataset import (  # noqa: E402
     get_bin_path,
     get_idx_path,
 )
+from megatron_cai.core.datasets.temp_files import remove_dead_temporaries, remove_quietly, temp_path  # noqa: E402
 from megatron_cai.core.datasets.tree_format import (  # noqa: E402
     TreeFormatError,
     TreeSidecarBuilder,
@@ -62,6 +72,18 @@ class BadLine(ValueError):
 
 class PreprocessError(RuntimeError):
     """Preprocessing stopped; the message names the file and line."""
+
+
+class DiskFull(PreprocessError):
+    """The output's file system is full (ENOSPC / EDQUOT): nothing was published."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT reached the parent: clean up and stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class OutOfVocabulary(ValueError):
@@ -89,7 +111,26 @@ def _json_object(raw: bytes) -> dict | None:
         raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
     if not isinstance(obj, dict):
         raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
+    _check_unicode(obj)
     return obj
+
+
+def _check_unicode(value, where: str = "") -> None:
+    """``BadLine`` for a string (key or value, at any depth) that is not valid Unicode: JSON's ``\\ud800``
+    escapes decode to lone surrogates, which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadLine(f"invalid Unicode{where}: lone surrogate U+{ord(value[e.start]):04X} at character "
+                          f"{e.start}") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, " in a key")
+            _check_unicode(v, f" in key {k!r}" if not where else where)
+    elif isinstance(value, list):
+        for v in value:
+            _check_unicode(v, where)
 
 
 def parse_json_line(raw: bytes, keys: Sequence[str]) -> dict[str, str] | None:
@@ -223,7 +264,7 @@ class Encoder:
             pieces = [text] if self.splitter is None else split_sentences(self.splitter, text)
             try:
                 sentences = [ids for ids in (self.tokenizer.tokenize(piece) for piece in pieces) if ids]
-            except ValueError as e:
+            except (ValueError, TypeError) as e:  # the tokenizer refuses this text
                 raise BadLine(f"key {key!r}: {e}") from None
             if sentences and self.append_eod:
                 sentences[-1].append(self.eod)
@@ -252,8 +293,18 @@ class Encoder:
 _WORKER_ENCODER: Encoder | None = None
 
 
-def _init_worker(*args) -> None:
+def _init_worker(parent: int, *args) -> None:
+    """A worker of the process ``parent``: SIGINT is the parent's to handle, and the worker exits when its
+    parent is gone (also when it died while this worker was still starting)."""
     global _WORKER_ENCODER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)  # reparented: the parent died (SIGKILL) without stopping the pool
+
+    threading.Thread(target=exit_with_parent, name="exit-with-parent", daemon=True).start()
     _WORKER_ENCODER = Encoder(*args)
 
 
@@ -341,6 +392,11 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
 
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
+    for key in json_keys:
+        prefix = output_prefix_for(output_prefix, key, "sentence" if sentences else "document")
+        for path in (get_bin_path(prefix), get_idx_path(prefix), tree_path(prefix)):
+            for dead in remove_dead_temporaries(path):
+                log(f"removed {dead}: a temporary file of a run that is no longer alive")
     stats = PreprocessStats(nodes={} if tree else None)
     builders: dict[str, IndexedDatasetBuilder] = {}
     sidecars: dict[str, TreeSidecarBuilder] = {}
@@ -411,7 +467,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
         else:
             # A process pool that reports dead workers (BrokenProcessPool) instead of hanging.
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                       initializer=_init_worker, initargs=init_args)
+                                       initializer=_init_worker, initargs=(os.getpid(), *init_args))
             pending: deque = deque()
             try:
                 for chunk in iter_chunks(input_path):  # bounded window: flat memory, order preserved
@@ -422,14 +478,14 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
                     handle(pending.popleft().result())
             except BrokenProcessPool as e:
                 raise PreprocessError(f"a tokenizer worker process died ({e}); try --workers 1") from None
-        for key, builder in builders.items():
-            sidecar = tree_path(stats.outputs[key])
-            if tree:
-                sidecars[key].finalize()  # before the .idx, which is written last
-            elif os.path.exists(sidecar):
-                os.remove(sidecar)  # a stale tree sidecar would make --data-format auto read trees
-            builder.finalize(get_idx_path(stats.outputs[key]))
+        _publish_outputs(builders, sidecars, stats.outputs, tree)
         finalized = True
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFull(f"{out_dir}: no space left on device ({errno.errorcode[e.errno]}) while writing "
+                       f"{', '.join(p + '.bin/.idx' for p in stats.outputs.values())} (after {stats.lines} input "
+                       f"lines); nothing was published") from e
     finally:
         bar.close()
         if pool is not None:
@@ -437,8 +493,27 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_type: str, tokeniz
         if not finalized:
             for builder in builders.values():
                 builder.abort()
+            for sidecar in sidecars.values():
+                sidecar.abort()
     stats.seconds = time.time() - t0
     return stats
+
+
+def _publish_outputs(builders: dict[str, IndexedDatasetBuilder], sidecars: dict[str, TreeSidecarBuilder],
+                     outputs: dict[str, str], tree: bool) -> None:
+    """Every output complete under its temporary name first (a full disk fails here, publishing nothing), then
+    renamed into place, each ``.idx`` last."""
+    for key, builder in builders.items():
+        if tree:
+            sidecars[key].prepare()
+        builder.prepare(get_idx_path(outputs[key]))
+    for key, builder in builders.items():
+        sidecar = tree_path(outputs[key])
+        if tree:
+            sidecars[key].publish()
+        elif os.path.exists(sidecar):
+            os.remove(sidecar)  # a stale tree sidecar would make --data-format auto read trees
+        builder.publish()
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -519,16 +594,28 @@ def _refused_options(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _stop_on_signal(signum, frame) -> None:
+    """SIGTERM / SIGINT: raise :class:`Interrupted` once (a second signal is ignored while cleaning up)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args(argv)
     refused = _refused_options(args)
     if refused:
         print("preprocess_data.py: error: " + "; ".join(refused), file=sys.stderr)
         return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_on_signal)
     try:
         stats = _run(args)
+    except Interrupted as e:
+        print(f"preprocess_data.py: error: {e}: no output written, temporary files removed", file=sys.stderr)
+        return 128 + e.signum
     except PreprocessError as e:
-        hint = "" if "vocabulary" in str(e) else "; use --skip-bad-lines to skip such lines"
+        hint = "" if "vocabulary" in str(e) or isinstance(e, DiskFull) else "; use --skip-bad-lines to skip such lines"
         print(f"preprocess_data.py: error: {e}\n  (no output written{hint})", file=sys.stderr)
         return 1
     except (OSError, ValueError, ImportError) as e:
@@ -553,21 +640,22 @@ def _run(args: argparse.Namespace) -> PreprocessStats:
     if args.partitions == 1:
         return run(args.input)
     import glob
-    import tempfile
 
     inputs = glob.glob(args.input)  # as Megatron-LM's tool, in the file system's order
     if not inputs:
         raise FileNotFoundError(f"--input {args.input}: no file matches")
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    with tempfile.NamedTemporaryFile("wb", dir=out_dir, suffix=".partition_order.jsonl", delete=False) as f:
-        for line in partition_order(inputs, args.partitions, args.keep_sequential_samples):
-            f.write(line if line.endswith(b"\n") else line + b"\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    ordered = f"{args.output_prefix}.partition_order.jsonl"
+    remove_dead_temporaries(ordered)
+    tmp = temp_path(ordered)
     try:
+        with open(tmp, "wb") as f:
+            for line in partition_order(inputs, args.partitions, args.keep_sequential_samples):
+                f.write(line if line.endswith(b"\n") else line + b"\n")
         how = "contiguous blocks" if args.keep_sequential_samples else "round robin"
-        return run(f.name, f"{args.input} (in the order of {args.partitions} partitions, {how}; line)")
+        return run(tmp, f"{args.input} (in the order of {args.partitions} partitions, {how}; line)")
     finally:
-        os.remove(f.name)
+        remove_quietly(tmp)
 
 
 if __name__ == "__main__":

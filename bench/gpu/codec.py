@@ -86,12 +86,14 @@ def ops(n: int, device: torch.device) -> dict:
     }
 
 
+COLUMNS = ["elements", "op", "us_per_call", "spread_us", "GBps", "ratio_vs_copy", "timing"]
+
+
 def main(argv=None) -> int:
     args = parser(__doc__.split("\n\n")[0], "gpu_codec", 45).parse_args(argv)
     device = pick_device(args.dry_run)
     budget = Budget(args.budget_s)
-    cols = ["elements", "op", "us_per_call", "spread_us", "GBps", "ratio_vs_copy", "timing"]
-    res = StepResults(args.out, "Squinch codec vs copy bandwidth", cols, dry_run=args.dry_run,
+    res = StepResults(args.out, "Squinch codec vs copy bandwidth", COLUMNS, dry_run=args.dry_run,
                       environment=environment(device))
     ceil = ceilings(args.out, device, args.dry_run)
     res.set(ceilings=ceil)

@@ -13,11 +13,14 @@ itself.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -69,7 +72,12 @@ class Budget:
 
 
 class StepResults:
-    """The rows of one step, in ``path`` (JSON), rewritten after every row: a killed step keeps its rows."""
+    """The rows of one step, in ``path`` (JSON), rewritten after every row: a killed step keeps its rows.
+
+    The status says how the step ended: ``ok`` / ``failed`` (``finish``), ``killed`` (SIGTERM, as
+    ``timeout`` sends: the handler records it and exits 143) or ``crashed`` (the process exits while
+    still running, e.g. on an uncaught exception, whose last line is kept). A SIGKILL leaves ``running``
+    behind; validate.sh then settles it (summary.py ``--step``)."""
 
     def __init__(self, path: str, title: str, columns: list[str], **meta) -> None:
         self.path, self.title, self.columns = path, title, columns
@@ -77,6 +85,19 @@ class StepResults:
                         **meta}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._write()
+        self._saved_sigterm = (signal.signal(signal.SIGTERM, self._killed)
+                               if threading.current_thread() is threading.main_thread() else None)
+        atexit.register(self._exited)  # both undone by finish()
+
+    def _killed(self, signum, frame) -> None:
+        self.set(status="killed", stopped_by=signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    def _exited(self) -> None:
+        if self.payload["status"] == "running":
+            last = getattr(sys, "last_value", None)  # set by the interpreter for an uncaught exception
+            with contextlib.suppress(OSError):
+                self.set(status="crashed", **({"error": f"{type(last).__name__}: {str(last)[:300]}"} if last else {}))
 
     def add(self, row: dict) -> dict:
         self.payload["rows"].append(row)
@@ -96,6 +117,9 @@ class StepResults:
 
     def finish(self, ok: bool) -> int:
         self.set(status="ok" if ok else "failed")
+        atexit.unregister(self._exited)
+        if self._saved_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._saved_sigterm)
         return 0 if ok else 1
 
     def _write(self) -> None:

@@ -9,19 +9,19 @@
   update it replaced, alternating windows timed with device synchronisation.
 
 Each function takes the Megatron flags of a row (train.py's ``base_flags(...)``) and returns one row dict
-with train.py's ``row`` / ``model`` / ``step_ms`` columns and its own keys. ``python bench/gpu/overhead_rows.py
---dry-run`` runs them at toy sizes on the CPU.
+with train.py's ``row`` / ``model`` / ``step_ms`` columns and its own keys. As a script it is the
+``overhead`` step of ``bench/gpu/validate.sh --extra`` (the second run, if the machine has time left):
+every row into ``--out`` (gpu_overhead.json), the ``--compile`` rows beside the same rows without it
+(``vs_uncompiled``); ``--dry-run`` runs them at toy sizes on the CPU.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-for path in (ROOT, os.path.join(ROOT, "bench")):
+for path in (ROOT, os.path.join(ROOT, "bench"), HERE):
     if path not in sys.path:
         sys.path.insert(0, path)
 
@@ -63,21 +63,80 @@ def _with(argv: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU")
-    args = p.parse_args(argv)
-    import torch
+COLUMNS = ["row", "model", "step_ms", "spread_ms", "tokens_per_s", "vs_uncompiled", "unfused_ms", "speedup",
+           "max_non_logging", "max_logging", "ok", "error"]
+# Seconds a row needs left to start (GPU; the dry run: 5): the --compile rows pay Inductor's compile.
+ROW_NEED_S = {"host reads": 15.0, "optimizer": 15.0, "ours": 25.0, "compile": 60.0}
 
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    model = step_overhead.TOY if args.dry_run else step_overhead.QUICKSTART
-    base = step_overhead.flags(model, 10, device=device.type) + ([] if args.dry_run else ["--bf16"])
-    rows = [host_read_row(base, "toy" if args.dry_run else "quickstart"),
-            optimizer_row(base, "toy" if args.dry_run else "quickstart", device, rounds=2 if args.dry_run else 5,
-                          reps=2 if args.dry_run else 10)]
-    for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "per_iteration"}), flush=True)
-    return 0 if rows[0]["ok"] else 1
+
+def main(argv=None) -> int:
+    """The step of ``validate.sh --extra``: host reads, the optimizer step, and our Trainer with and
+    without ``--compile`` (train.py's rows and figures), into ``--out`` after every row."""
+    import gc
+    import shutil
+    import tempfile
+
+    import train
+    from common import Budget, StepResults, ceilings, environment, parser, pick_device
+
+    from megatron_cai.core import device as dev
+
+    args = parser(__doc__.split("\n\n")[0], "gpu_overhead", 150).parse_args(argv)
+    device = pick_device(args.dry_run)
+    budget = Budget(args.budget_s)
+    res = StepResults(args.out, "Training-step overheads: host reads, fused optimizer, --compile", COLUMNS,
+                      dry_run=args.dry_run, environment=environment(device))
+    label = "toy" if args.dry_run else "quickstart"
+    base = step_overhead.flags(step_overhead.TOY if args.dry_run else step_overhead.QUICKSTART, 10,
+                               device=device.type) + ([] if args.dry_run else ["--bf16"])
+
+    def need(kind: str) -> float:
+        return 5.0 if args.dry_run else ROW_NEED_S[kind]
+
+    ok = True
+    if budget.allows(need("host reads")):
+        ok = res.add(host_read_row(base, label))["ok"]
+    else:
+        res.skip("host reads")
+    if budget.allows(need("optimizer")):
+        res.add(optimizer_row(base, label, device, rounds=2 if args.dry_run else 5, reps=2 if args.dry_run else 10))
+    else:
+        res.skip("optimizer step")
+    seq, mbs, iters, warmup = (64, 2, 2, 1) if args.dry_run else (2048, 4, 10, 3)
+    ceil = ceilings(args.out, device, args.dry_run)
+    tmp = tempfile.mkdtemp(prefix="megatron_cai_gpu_overhead_")
+    try:
+        data = os.path.join(tmp, "corpus")
+        train.build_corpus(data, 2 * (iters + 2) * mbs * (seq + 1))
+        uncompiled: dict[tuple[str, str], float] = {}
+        rows = [("ours: plain causal (SDPA)", "350M", "ours", []),
+                ("ours: packed docs (Triton visibility kernel)", "350M", "ours", ["--reset-attention-mask"]),
+                *COMPILE_ROWS]
+        for name, model, kind, extra in rows:
+            if args.dry_run and model != "350M":
+                continue
+            if not budget.allows(need("compile" if "--compile" in extra else "ours")):
+                res.skip(f"{name} {model}")
+                continue
+            argv_row = train.base_flags("toy" if args.dry_run else model, seq, mbs, iters, data, args.dry_run) + extra
+            try:
+                (_, _, r), = train.measure(kind, name, argv_row, warmup, 1, device, args.dry_run)
+            except Exception as e:  # recorded per row (a compile failure, out of memory, ...)
+                res.add({"row": name, "model": model, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                ok = False
+                continue
+            row = {"row": name, "model": model, **train.figures(r, mbs, seq, ceil, device)}
+            plain = (model, " ".join(f for f in extra if f != "--compile"))
+            if "--compile" in extra and plain in uncompiled:
+                row["vs_uncompiled"] = row["tokens_per_s"] / uncompiled[plain]
+            else:
+                uncompiled[plain] = row["tokens_per_s"]
+            res.add(row)
+            gc.collect()
+            dev.empty_cache(device)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res.finish(ok)
 
 
 if __name__ == "__main__":

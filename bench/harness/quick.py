@@ -29,7 +29,8 @@ BENCHES = {"qat_clamp": [], "squinch_cluster_projection": [], "squinch_codec": [
            "qat_training": [], "zreg_bf16": [],
            "clamp_drift": [], "distill_seeds": [], "distill": [], "zreg_tree_training": [], "dp_comm": [],
            "fsdp_memory": [], "squinch_phases": ["--no-netns"], "squinch_convergence": [],
-           "squinch_bandwidth": ["--no-netns"]}
+           "squinch_bandwidth": ["--no-netns"], "moe": [], "diloco": ["--no-netns"],
+           "kaiju": ["--skip-agreement"]}
 # Benches whose --quick is not run here, and why.
 NOT_HERE = {"squinch_scale": "its --quick checks the whole chain (phases, timelines, 9 training configurations, "
                              "the model, the projection) over a shaped veth link: root and minutes; "

@@ -10,6 +10,18 @@ That group is further split into an intra-node group (its ranks on the same node
 CP groups) and an inter-node group (its ranks with the same position inside their node), for
 hierarchical gradient reduction. With a world size of one nothing is created and every getter answers
 for a single process.
+
+Mixture-of-Experts layers lay the same ranks out a second time, as megatron-core's expert rank generator does
+(expert TP ranks adjacent, then EP, then expert DP, then PP)::
+
+    global_rank = etp_rank + ETP * (ep_rank + EP * (edp_rank + EDP * pp_rank))
+
+Expert parameters are split over EP (and ETP) and their gradients reduce over the expert-DP group.
+
+Islands (DiLoCo, docs/diloco.md): with ``islands=N`` the world is cut into N equal runs of consecutive ranks
+(whole nodes under torchrun and Slurm); each island is laid out as above as if it were the whole job, and
+every group but ``outer`` stays inside one island. The ``outer`` group joins the ranks at the same position
+of every island (the same model shard and DP x CP slot): the outer all-reduce of the pseudo-gradients.
 """
 from __future__ import annotations
 
@@ -33,7 +45,11 @@ class _State:
     cp: int = 1
     vpp: int | None = None
     vpp_rank: int | None = None
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
     ranks_per_node: int = 1
+    islands: int = 1
     groups: dict = field(default_factory=dict)
     ranks: dict = field(default_factory=dict)
 
@@ -79,6 +95,28 @@ def check_layout(world_size: int, tp: int, pp: int, num_layers: int | None = Non
     return dp
 
 
+def check_expert_layout(world_size: int, pp: int, etp: int, ep: int) -> int:
+    """Validate the expert layout (ETP x EP x expert-DP x PP); return the expert-DP size."""
+    if etp < 1 or ep < 1 or world_size % (etp * ep * pp) != 0:
+        raise ParallelLayoutError(
+            f"world size {world_size} is not divisible by expert-tensor-parallel-size {etp} x "
+            f"expert-model-parallel-size {ep} x pipeline-model-parallel-size {pp} = {etp * ep * pp}")
+    return world_size // (etp * ep * pp)
+
+
+def expert_layouts(etp: int, ep: int, edp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The expert groups as megatron-core's expert rank generator (order tp-ep-dp-pp) makes them."""
+
+    def grank(t, e, d, p):
+        return t + etp * (e + ep * (d + edp * p))
+
+    T, E, D, P = range(etp), range(ep), range(edp), range(pp)
+    return {"etp": [[grank(t, e, d, p) for t in T] for p in P for d in D for e in E],
+            "ep": [[grank(t, e, d, p) for e in E] for p in P for d in D for t in T],
+            "tp_ep": [[grank(t, e, d, p) for e in E for t in T] for p in P for d in D],
+            "edp": [[grank(t, e, d, p) for d in D] for p in P for e in E for t in T]}
+
+
 _GROUP_TIMEOUT: datetime.timedelta | None = None  # --distributed-timeout-minutes, for every group made here
 
 
@@ -94,20 +132,26 @@ def new_group(ranks=None, **kwargs):
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: int | None = None,
                               ranks_per_node: int | None = None, context_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None, expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: int | None = None, islands: int = 1) -> None:
     """Create all process groups, each with ``timeout`` (default: torch's). Every rank must call this with
-    the same arguments."""
+    the same arguments. ``expert_tensor_parallel_size`` defaults to the tensor-parallel size, as Megatron's;
+    ``islands``: DiLoCo islands (module docstring), the expert groups stay inside one island."""
     global _STATE, _GROUP_TIMEOUT
     _GROUP_TIMEOUT = timeout
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
-    dp = check_layout(world, tp, pp, cp=cp)
+    if islands < 1 or world % islands:
+        raise ParallelLayoutError(f"world size {world} does not split into {islands} equal islands "
+                                  "(--diloco-islands)")
+    island_size = world // islands
+    dp = check_layout(island_size, tp, pp, cp=cp)
     state = _State(world_size=world, rank=rank, tp=tp, pp=pp, dp=dp, cp=cp,
                    vpp=virtual_pipeline_model_parallel_size,
-                   vpp_rank=0 if virtual_pipeline_model_parallel_size else None)
-    rpn = ranks_per_node or world
-    tcp, dcp = tp * cp, dp * cp
+                   vpp_rank=0 if virtual_pipeline_model_parallel_size else None, islands=islands)
+    rpn = ranks_per_node or island_size
+    tcp = tp * cp
     if rpn % tcp != 0 or ((tcp * dp) % rpn != 0 and rpn % (tcp * dp) != 0):
         # A node must hold whole TP x CP groups and a whole number of DP peers (or whole DP groups).
         if ranks_per_node is not None and world > 1:
@@ -115,8 +159,26 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             raise ParallelLayoutError(
                 f"ranks per node {rpn} must be a multiple of tensor-model-parallel-size {tp}{cp_text} and divide, "
                 f"or be a multiple of, TP x CP x DP = {tcp * dp}, so that each node holds whole TP (and CP) groups")
-        rpn = world
+        rpn = island_size
     state.ranks_per_node = rpn
+    state.ep, state.etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
+    state.edp = check_expert_layout(island_size, pp, state.etp, state.ep)
+    one_island = _island_layouts(tp, cp, dp, pp, rpn) | expert_layouts(state.etp, state.ep, state.edp, pp)
+    layouts = {name: [[r + i * island_size for r in ranks] for i in range(islands) for ranks in groups]
+               for name, groups in one_island.items()}
+    layouts["outer"] = [[r + i * island_size for i in range(islands)] for r in range(island_size)]
+    for name, groups in layouts.items():
+        for ranks in groups:
+            pg = new_group(ranks) if world > 1 else None
+            if rank in ranks:
+                state.groups[name] = pg
+                state.ranks[name] = ranks
+    _STATE = state
+
+
+def _island_layouts(tp: int, cp: int, dp: int, pp: int, rpn: int) -> dict[str, list[list[int]]]:
+    """Every group of one island (ranks 0 .. TP x CP x DP x PP - 1) by kind, in Megatron's order."""
+    dcp = dp * cp
 
     def grank(t, c, d, p):
         return t + tp * (c + cp * (d + dp * p))
@@ -140,14 +202,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             inter.append(group[i::per_node])
     layouts["dp_intra"] = intra
     layouts["dp_inter"] = inter
-
-    for name, groups in layouts.items():
-        for ranks in groups:
-            pg = new_group(ranks) if world > 1 else None
-            if rank in ranks:
-                state.groups[name] = pg
-                state.ranks[name] = ranks
-    _STATE = state
+    layouts["tp_cp"] = [[grank(t, c, d, p) for c in C for t in T] for p in P for d in D]
+    layouts["tp_dp_cp"] = [[grank(t, c, d, p) for d in D for c in C for t in T] for p in P]
+    return layouts
 
 
 def model_parallel_is_initialized() -> bool:
@@ -207,6 +264,61 @@ def get_data_parallel_intra_node_group():
 
 def get_data_parallel_inter_node_group():
     return _group("dp_inter")
+
+
+def get_expert_model_parallel_group():
+    return _group("ep")
+
+
+def get_expert_tensor_parallel_group():
+    return _group("etp")
+
+
+def get_expert_tensor_and_model_parallel_group():
+    """Expert TP x EP: the allgather dispatcher's group."""
+    return _group("tp_ep")
+
+
+def get_expert_data_parallel_group():
+    """The ranks holding the same experts: expert gradients reduce over it."""
+    return _group("edp")
+
+
+def get_tensor_and_context_parallel_group():
+    return _group("tp_cp")
+
+
+def get_tensor_data_context_parallel_group():
+    """TP x DP x CP: the expert-bias token counts and the global aux loss sum over it."""
+    return _group("tp_dp_cp")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _s().ep if _STATE else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _ranks("ep").index(_s().rank) if _STATE else 0
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _s().etp if _STATE else 1
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _ranks("etp").index(_s().rank) if _STATE else 0
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _s().edp if _STATE else 1
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _ranks("edp").index(_s().rank) if _STATE else 0
+
+
+def get_expert_data_parallel_global_ranks() -> list[int]:
+    return list(_ranks("edp"))
 
 
 # Sizes and ranks.
@@ -297,6 +409,32 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     if not ignore_virtual and _STATE and _s().vpp and _s().vpp_rank not in (None, _s().vpp - 1):
         return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+# Islands (DiLoCo).
+def get_num_islands() -> int:
+    return _s().islands if _STATE else 1
+
+
+def get_island_rank() -> int:
+    """Which island this rank belongs to (0 .. islands - 1)."""
+    return _s().rank // (_s().world_size // _s().islands) if _STATE else 0
+
+
+def get_outer_group():
+    """The ranks at this rank's position in every island (None with one island)."""
+    return _group("outer") if get_num_islands() > 1 else None
+
+
+def get_outer_global_ranks() -> list[int]:
+    return list(_ranks("outer"))
+
+
+def get_data_shard() -> tuple[int, int]:
+    """(shard, shards) of the training data this rank reads: its DP rank among every island's DP ranks
+    (each island trains on its own samples; CP ranks share theirs)."""
+    dp = get_data_parallel_world_size()
+    return get_island_rank() * dp + get_data_parallel_rank(), get_num_islands() * dp
 
 
 def get_world_size() -> int:

@@ -19,6 +19,7 @@ from ..core import device as device_mod
 from ..core import parallel_state as ps
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
+from ..core.transformer.int8_kv_cache import make_kv_cache
 from ..core.transformer.self_attention import KVCache
 from ..training.checkpoint import CanonicalCheckpoint, load_any_canonical
 
@@ -125,11 +126,6 @@ def _append_causal(cache: KVCache, batch: int, length: int, device) -> None:
     cache.append_visibility(start, torch.full_like(start, torch.iinfo(torch.int64).max))
 
 
-def _supports_cache(config: GPTConfig) -> bool:
-    # Sliding windows take the interval-attention path, which needs as many queries as keys.
-    return config.window_size is None
-
-
 # --------------------------------------------------------------------------------------- generate
 def generation_length(prompt_tokens: int, max_new_tokens: int, trained_context: int,
                       max_position_embeddings: int | None, learned_positions: bool) -> tuple[str | None, str | None]:
@@ -151,12 +147,13 @@ def generation_length(prompt_tokens: int, max_new_tokens: int, trained_context: 
 def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_new_tokens: int, *,
              tokenizer=None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              seed: int | None = None, generator: torch.Generator | None = None, eos_id: int | None = None,
-             use_cache: bool = True, return_logits: bool = False) -> GenerationOutput:
+             use_cache: bool = True, return_logits: bool = False, kv_cache_dtype: str = "auto") -> GenerationOutput:
     """Sample ``max_new_tokens`` tokens after ``prompt`` (text with ``tokenizer``, ids, or ids [batch, seq]).
 
     ``temperature=0`` is greedy; ``top_k``/``top_p`` restrict sampling (0 / 1.0: off); ``seed`` or
     ``generator`` makes sampling reproducible. Generation stops early once every row has produced
-    ``eos_id``. ``use_cache=False`` recomputes the whole sequence at every step (reference path).
+    ``eos_id``. ``use_cache=False`` recomputes the whole sequence at every step (reference path);
+    ``kv_cache_dtype="int8"`` stores the cache as int8 blocks (``core.transformer.int8_kv_cache``).
     """
     ensure_single_process()
     if isinstance(prompt, str):
@@ -180,8 +177,7 @@ def generate(model: GPTModel, prompt: str | Sequence[int] | torch.Tensor, max_ne
     model.eval()
     prompt_length = tokens.shape[1]
     step_logits = []
-    use_cache = use_cache and _supports_cache(cfg)
-    cache = KVCache() if use_cache else None
+    cache = make_kv_cache(kv_cache_dtype) if use_cache else None
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
     try:
         logits = prefill(model, tokens, cache) if use_cache else full_logits(model, tokens)[:, -1]

@@ -73,6 +73,9 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} rotates whole heads (the model has --rotary-percent {c.rotary_percent})")
     if c.qk_layernorm:
         why.append(f"{arch} has no query/key layernorm (the model has --qk-layernorm)")
+    if c.window_attn_skip_freq is not None or c.kv_share_pattern is not None:  # one window for all layers there
+        why.append(f"{arch} has no per-layer windows or cross-layer KV sharing (the model has "
+                   f"--window-attn-skip-freq / --kv-share-pattern)")
     if c.add_qkv_bias and not c.add_bias_linear:
         why.append(f"{arch} has no query/key/value-only biases (the model has --add-qkv-bias)")
     if c.rope_scaling and arch != "llama":

@@ -159,6 +159,8 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
                               "the tanh GeLU only in its bias-GeLU fusion")
     if c.window_size is not None:
         raise ConversionError(f"sliding-window attention (window_size={c.window_size}) is not written to Megatron-LM")
+    if c.kv_share_pattern is not None:
+        raise ConversionError("cross-layer KV sharing (--kv-share-pattern) has no Megatron-LM equivalent")
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
@@ -27,6 +28,8 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
+from .flags import kaiju
+from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
     add_megatron_features,
@@ -36,6 +39,7 @@ from .flags.megatron_features import (
     loss_scale_config,
     step_schedule_global_batch,
 )
+from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
 from .flags.rules import check_flags, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
@@ -221,6 +225,9 @@ def _data(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-data-path", nargs="*", default=None, help="prefixes for test")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true", help="synthetic tokens, no files")
+    g.add_argument("--allow-data-change", action="store_true",
+                   help="resume although a data file's content fingerprint differs from the one the checkpoint "
+                        "recorded (by default an error naming the file; each changed file is then a warning)")
     g.add_argument("--tokenizer-type", default=None,
                    help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given (as Megatron-LM's GPT "
                         "example scripts), else SentencePieceTokenizer (what tools/train_tokenizer.py makes)",
@@ -343,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
-                add_megatron_features, divergence.add_arguments):
+                add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
+                kaiju.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -479,7 +487,14 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
+        moe=moe_config(args),
+        **kaiju.model_fields(args),
     )
+
+
+def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
+    ep, etp = expert_sizes(args, world_size)
+    return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
 def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
@@ -496,6 +511,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         distributed_timeout_minutes=args.distributed_timeout_minutes,
         ranks_per_node=args.ranks_per_node,
         device=args.device,
+        **_expert_sizes(args, layout.world_size),
     )
 
 
@@ -595,6 +611,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         split=args.split,
         data_cache_path=args.data_cache_path,
         mock_data=args.mock_data,
+        allow_data_change=args.allow_data_change,
         num_workers=args.num_workers,
         eod_mask_loss=args.eod_mask_loss,
         reset_position_ids=args.reset_position_ids,
@@ -712,6 +729,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
         layout = _Layout(args, world_size)
     except ArgumentError as e:
         problems.record(e)
+    diloco: DilocoConfig = diloco_config(args, world_size, problems)
     problems.raise_if_any()  # every problem found so far, in one report
     try:
         config = TrainConfig(
@@ -726,6 +744,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
             checkpoint=_checkpoint_config(args),
             logging=_logging_config(args),
             distill=_distill_config(args),
+            diloco=diloco,
             flags=dict(vars(flags)),
         )
     except ArgumentError:

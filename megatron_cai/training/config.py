@@ -14,6 +14,7 @@
       checkpoint  CheckpointConfig
       logging     LoggingConfig    logging and evaluation
       distill     DistillConfig
+      diloco      DilocoConfig     (core/diloco/config.py) DiLoCo across islands
       flags       the parsed command line it was built from (a record: nothing reads options from it)
 
 It is built once by the pure function :func:`megatron_cai.training.arguments.build_config` from the
@@ -30,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.num_microbatches_calculator import BatchRampup
@@ -62,6 +64,8 @@ class ParallelConfig:
     distributed_timeout_minutes: float = 10
     ranks_per_node: int | None = None         # None: LOCAL_WORLD_SIZE
     device: str | None = None                 # None: cuda when available
+    expert_model_parallel_size: int = 1       # MoE: experts split over EP ranks
+    expert_tensor_parallel_size: int | None = None  # None: the TP size
 
 
 @dataclass
@@ -101,6 +105,7 @@ class DataConfig:
     split: str | None = "969,30,1"            # normalised ("99,1,0"); None with the per-split paths
     data_cache_path: str | None = None
     mock_data: bool = False
+    allow_data_change: bool = False           # resume on corpus files whose content fingerprint differs
     num_workers: int = 2
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
@@ -222,6 +227,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     flags: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,6 +314,9 @@ _FRACTION, _DROPOUT = Range(0, 1), Range(0, 1, hi_open=True)
 
 # Every numeric flag of the parser (a test checks that none is missing), by its argparse ``dest``.
 FLAG_RANGES: dict[str, Range] = {
+    # multi-latent attention (training/flags/kaiju.py)
+    **dict.fromkeys(["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"], _AT_LEAST_1),
+    **dict.fromkeys(["rotary_scaling_factor", "mscale"], _POSITIVE), "mscale_all_dim": _AT_LEAST_0,
     **dict.fromkeys(["num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                      "kv_channels", "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
                      "window_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -335,6 +344,9 @@ FLAG_RANGES: dict[str, Range] = {
                      "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
     **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
+    **dict.fromkeys(["diloco_islands", "diloco_fragments", "diloco_outer_bits"], _AT_LEAST_1),
+    **dict.fromkeys(["diloco_inner_steps", "diloco_overlap_steps"], _AT_LEAST_0),
+    "diloco_outer_lr": _POSITIVE, "diloco_outer_momentum": _DROPOUT, "diloco_local_weight": _FRACTION,
     "rotary_percent": Range(0, 1, lo_open=True),
     "spiky_loss_factor": Range(1, lo_open=True),
 }

@@ -10,6 +10,7 @@ import datetime
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
 from . import errors
 from .config import ParallelConfig
-from .errors import safe_print
+from .errors import RankLocalError, safe_print
 
 DEFAULT_INTERVAL_S = 30.0
 _HEARTBEAT_KEY = "megatron_cai/heartbeat/"
@@ -119,6 +120,41 @@ def log_while_waiting(rank: int, world_size: int, interval_s: float | None = Non
         thread.join()
 
 
+class LaunchEnvError(RankLocalError):
+    """A launcher variable (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) that cannot be used as given.
+
+    Found before the ranks have met, so each process reports it itself (``[rank R]`` where the rank is known)."""
+
+
+def _env_int(env, name: str, low: int, high: int | None = None) -> int:
+    """``env[name]`` as an integer in ``[low, high)``, else one LaunchEnvError naming the variable."""
+    text = env[name]
+    value = int(text) if re.fullmatch(r"\s*\d+\s*", text) else None
+    if value is None or value < low or (high is not None and value >= high):
+        bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high})"
+        raise LaunchEnvError(f"environment variable {name}={text!r} is not {bound} (set by torchrun / srun, "
+                             f"or by hand)")
+    return value
+
+
+def check_rendezvous_env(environ=None) -> tuple[str, int]:
+    """MASTER_ADDR (a name that resolves) and MASTER_PORT (1..65535) of a multi-rank job, or one
+    LaunchEnvError naming the variable."""
+    env = os.environ if environ is None else environ
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name, "").strip():
+            raise LaunchEnvError(f"environment variable {name} is not set: a job of several ranks needs the "
+                                 f"address and port of rank 0 (torchrun and srun set them)")
+    port = _env_int(env, "MASTER_PORT", 1, 65536)
+    addr = env["MASTER_ADDR"].strip()
+    try:
+        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise LaunchEnvError(f"environment variable MASTER_ADDR={addr!r} does not resolve to an address "
+                             f"({e}); set it to rank 0's host name or IP address") from None
+    return addr, port
+
+
 @dataclass
 class DistEnv:
     rank: int
@@ -167,19 +203,20 @@ def discover_env(environ: dict | None = None) -> DistEnv:
     world of one. Inconsistent settings are an error.
     """
     env = os.environ if environ is None else environ
-    ntasks = int(env.get("SLURM_NTASKS", "1"))
+    ntasks = _env_int(env, "SLURM_NTASKS", 1) if "SLURM_NTASKS" in env else 1
     if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
+        world = _env_int(env, "WORLD_SIZE", 1)
+        rank = _env_int(env, "RANK", 0, world)
         if world == 1 and ntasks > 1 and int(env.get("SLURM_STEP_NUM_TASKS", ntasks)) > 1:
-            raise RuntimeError(f"Slurm started {ntasks} tasks but WORLD_SIZE=1: each task would train alone. "
+            raise LaunchEnvError(f"Slurm started {ntasks} tasks but WORLD_SIZE=1: each task would train alone. "
                                "Unset RANK/WORLD_SIZE to take ranks from Slurm, or launch one torchrun per node")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), local_world,
-                       "torchrun" if world > 1 else "single")
+        local_world = _env_int(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else world
+        local_rank = _env_int(env, "LOCAL_RANK", 0) if "LOCAL_RANK" in env else 0
+        return DistEnv(rank, world, local_rank, local_world, "torchrun" if world > 1 else "single")
     if ntasks > 1:
         if "SLURM_PROCID" not in env:
-            raise RuntimeError("SLURM_NTASKS > 1 but SLURM_PROCID is not set: launch with srun")
-        rank = int(env["SLURM_PROCID"])
+            raise LaunchEnvError("SLURM_NTASKS > 1 but SLURM_PROCID is not set: launch with srun")
+        rank = _env_int(env, "SLURM_PROCID", 0, ntasks)
         local_rank = int(env.get("SLURM_LOCALID", 0))
         node_id = int(env.get("SLURM_NODEID", 0))
         local_world = (_tasks_on_this_node(env["SLURM_TASKS_PER_NODE"], node_id)
@@ -192,7 +229,7 @@ def discover_env(environ: dict | None = None) -> DistEnv:
     return DistEnv(0, 1, 0, 1, "single")
 
 
-def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None
+def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | None = None, islands: int = 1
                            ) -> tuple[DistEnv, torch.device]:
     """Start torch.distributed (gloo on CPU, NCCL on CUDA), create TP/CP/DP/PP groups, seed RNGs.
 
@@ -204,6 +241,7 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
                            f"{env.world_size} ({env.source}); rebuild it for the job's world size")
     device = device_mod.resolve_device(parallel.device, env.local_rank)
     if env.world_size > 1 and not dist.is_initialized():
+        check_rendezvous_env()
         backend = parallel.distributed_backend or device_mod.backend_for(device)
         with log_while_waiting(env.rank, env.world_size):  # a rank waiting for its peers says so
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
@@ -220,13 +258,16 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         rpn = env.local_world_size
     timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
     cp = parallel.context_parallel_size
+    experts = dict(expert_model_parallel_size=parallel.expert_model_parallel_size,
+                   expert_tensor_parallel_size=parallel.expert_tensor_parallel_size)
     try:
-        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, ranks_per_node=rpn, context_parallel_size=cp, timeout=timeout,
+                                     islands=islands, **experts)
     except ps.ParallelLayoutError:
         if parallel.ranks_per_node is not None:
             raise
         # The launcher's node size does not fit the layout: treat the job as one node.
-        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout)
+        ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, islands=islands, **experts)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
     if env.rank == 0:
         safe_print(launch_line(env, ps.get_data_parallel_intra_node_world_size(),

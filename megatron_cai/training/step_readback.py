@@ -4,18 +4,25 @@ Each read of a device value (``.item()``, ``bool(t)``, ``.tolist()``) stalls the
 accelerator has finished everything queued before it, so kernels stop overlapping Python. A training
 iteration that does not log reads once, after the gradient-norm reduction::
 
-    [sum of squared gradients, non-finite micro-batch losses, exit requested]   all-reduced (sum) over the world
+    [sum of squared gradients, non-finite micro-batch losses, exit requested, time is up]   all-reduced (sum)
+                                                                                             over the world
     [loss means ...]                                                             averaged over DP x CP (last stage)
 
 Everything the loop needs follows from it: the global grad norm (non-finite when any gradient is, including
 Squinch's non-finite flag, which fills the reduced bucket with NaN on the device), the fp16 overflow, the
 divergence check over every rank's losses (accumulated on the device per micro-batch), the loss values
-for the log window, the spike check and the history, and whether any rank received an exit signal.
+for the log window, the spike check and the history, whether any rank received an exit signal, and whether
+the run's time is up (``--exit-duration-in-mins``).
+
+Time is one clock: only rank 0 reads its monotonic clock against the deadline (:class:`Deadline`), every
+other rank contributes 0, so a stepped or skewed clock on any other host cannot make one rank save and
+leave while the rest train on; every rank sees the same sum and stops at the same iteration.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,6 +36,22 @@ class StepReadback:
     losses: dict[str, float]  # each statistic's mean over micro-batches and DP x CP ranks (last stage; {} elsewhere)
     nonfinite_loss: bool      # some rank's micro-batch statistic was NaN or Inf
     exit_requested: bool      # some rank received SIGTERM / SIGUSR1
+    time_up: bool = False     # rank 0's monotonic clock passed the run's deadline
+
+
+@dataclass
+class Deadline:
+    """``--exit-duration-in-mins`` measured on rank 0's monotonic clock from ``start`` (None: no limit).
+
+    :meth:`passed` is rank 0's vote; on every other rank it is False without reading a clock."""
+
+    minutes: float | None
+    start: float = field(default_factory=lambda: time.monotonic())
+
+    def passed(self) -> bool:
+        if not self.minutes or ps.get_rank() != 0:
+            return False
+        return (time.monotonic() - self.start) / 60 > self.minutes
 
 
 def loss_means(stats: list[dict], dp_group, dp_size: int) -> tuple[list[str], torch.Tensor | None]:
@@ -55,15 +78,18 @@ def nonfinite_count(stats: list[dict], device: torch.device) -> torch.Tensor:
     return count
 
 
-def read_step(norm_sq: torch.Tensor, stats: list[dict], exit_signal: bool, device: torch.device) -> StepReadback:
-    """The step's one read-back (collective over the world; over DP x CP for the losses)."""
+def read_step(norm_sq: torch.Tensor, stats: list[dict], exit_signal: bool, device: torch.device,
+              time_up: bool = False) -> StepReadback:
+    """The step's one read-back (collective over the world; over DP x CP for the losses). ``time_up`` is this
+    rank's vote (only rank 0 votes, see :class:`Deadline`)."""
     keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
                              ps.get_data_parallel_world_size(with_context_parallel=True))
-    flags = torch.stack([norm_sq.to(torch.float64), nonfinite_count(stats, device),
-                         torch.full((), float(exit_signal), dtype=torch.float64, device=device)])
+    votes = [torch.full((), float(v), dtype=torch.float64, device=device) for v in (exit_signal, time_up)]
+    flags = torch.stack([norm_sq.to(torch.float64), nonfinite_count(stats, device), *votes])
     if ps.get_world_size() > 1:
         dist.all_reduce(flags)
     vec = flags if means is None else torch.cat([flags, means.to(torch.float64)])
-    total, nonfinite, exits, *losses = vec.tolist()  # the one host read
+    total, nonfinite, exits, time_votes, *losses = vec.tolist()  # the one host read
     return StepReadback(grad_norm=math.sqrt(total) if math.isfinite(total) else float("nan"),
-                        losses=dict(zip(keys, losses)), nonfinite_loss=nonfinite > 0, exit_requested=exits > 0)
+                        losses=dict(zip(keys, losses)), nonfinite_loss=nonfinite > 0, exit_requested=exits > 0,
+                        time_up=time_votes > 0)

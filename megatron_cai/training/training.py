@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,6 +46,7 @@ from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
+from .diloco import DilocoCheckpoint, DilocoSeam
 from .distill import setup_distillation
 from .errors import DataError
 from .flags.megatron_compat import no_op_message
@@ -63,8 +63,9 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
+from .moe_metrics import MoEMetrics
 from .preemption import exit_signal
-from .step_readback import loss_means, read_step
+from .step_readback import Deadline, loss_means, read_step
 from .training_log import (
     IterationStats,
     log_line_timers,
@@ -95,6 +96,7 @@ class StepResult:
     grad_norm: float          # nan when some gradient was not finite
     finite: bool              # the optimizer stepped (False: skipped on every rank)
     exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
+    time_up: bool = False     # --exit-duration-in-mins passed on rank 0's clock (read back with the step)
 
 
 def empty_device_cache(device: torch.device) -> None:
@@ -170,7 +172,8 @@ class Trainer:
             raise ArgumentError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model configuration "
                                 f"{config.model.vocab_size}: build the config with vocab_size=tokenizer.vocab_size")
         self.config = config
-        self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env)
+        self.env, self.device = initialize_distributed(config.parallel, config.training.seed, env,
+                                                       islands=config.diloco.islands)
         print_rank_0(format_config(config))
         self.run_lock = open_run_dirs(config.checkpoint)  # collective: paths, the run lock, no overwrite
         model_cfg, run = config.model, config.training
@@ -189,6 +192,7 @@ class Trainer:
         param_layout = tp_layout(chunks)
         for m in chunks:
             m.to(self.device)
+        self.moe = MoEMetrics(chunks, model_cfg.moe, model_cfg.num_layers, self.device)
         self.timelines: list[StepTimeline] = []  # --timing-log-level 2: the backward timeline per DDP chunk
         if config.ddp.use_torch_fsdp2:  # FSDP2 over the DP (x CP) mesh (core/distributed/fsdp.py)
             self.model = build_fsdp2(chunks, self.device, config.ddp, bf16=run.bf16, seed=run.seed + ps.get_rank())
@@ -199,11 +203,15 @@ class Trainer:
             self.model = [DistributedDataParallel(m, build_reducer(config.ddp, dp_group, dp,
                                                                    seed=run.seed + ps.get_rank(),
                                                                    timing_level=config.logging.timing_log_level),
-                                                  config.ddp, device=self.device, timeline=t)
+                                                  config.ddp, device=self.device, timeline=t,
+                                                  expert_reducer=self._expert_reducer(run.seed))
                           for m, t in zip(chunks, self.timelines)]
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.grad_scaler = build_grad_scaler(run.loss_scale) if run.fp16 else None  # --fp16 loss scaling
         self.optimizer.grad_scaler = self.grad_scaler  # saved with the optimizer state, as in Megatron
+        diloco_state = DilocoCheckpoint.for_config(config.diloco)  # None unless --diloco-inner-steps
+        # per-rank state saved beside the model: Squinch error feedback, DiLoCo's outer state
+        self.rank_states = [m.reducer for m in self.model] + ([diloco_state] if diloco_state else [])
         self.scheduler = OptimizerParamScheduler(config.scheduler)
         self.microbatches = NumMicroBatchesCalculator(  # --rampup-batch-size
             run.global_batch_size, run.micro_batch_size, config.parallel.data_parallel_size, run.rampup_batch_size,
@@ -212,6 +220,7 @@ class Trainer:
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
+        self.deadline = Deadline(None)  # --exit-duration-in-mins: set when train() starts
         ckpt = config.checkpoint
         local = sum(p.numel() for m in chunks for p in m.parameters())
         tp_pp = config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size
@@ -221,7 +230,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config, self.model, self.optimizer, self.scheduler, param_layout,
                                          self.device)  # collective (--async-save with torch_dist)
         if ckpt.load:
-            counters = self.checkpointer.load([m.reducer for m in self.model])  # either format
+            counters = self.checkpointer.load(self.rank_states)  # either format
             if counters:
                 self.state.iteration = counters["iteration"]
                 self.state.consumed_train_samples = counters.get("consumed_train_samples", 0)
@@ -235,6 +244,7 @@ class Trainer:
                     self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
                 print_rank_0(f" no checkpoint found in {ckpt.load}: starting from scratch")
+        self.diloco = DilocoSeam.build(config.diloco, self.model, self.optimizer, diloco_state)  # on the loaded weights
         num_samples = self._num_samples()
         train_ds, valid_ds, test_ds = datasets_provider(config, self.tokenizer, num_samples)
         _check_train_split(train_ds, run.train_iters, config.data.data_path, config.data.split)
@@ -259,6 +269,14 @@ class Trainer:
         self.num_zeros_in_grad: float | None = None
 
     # --------------------------------------------------------------------------------------- setup
+    def _expert_reducer(self, seed: int):
+        """MoE: the reducer of expert gradients, over the expert-data-parallel group (None without MoE)."""
+        if self.config.model.moe is None:
+            return None
+        return build_reducer(self.config.ddp, ps.get_expert_data_parallel_group(),
+                             ps.get_expert_data_parallel_world_size(), seed=seed + ps.get_rank(),
+                             timing_level=self.config.logging.timing_log_level)
+
     def _log_memory(self, when: str) -> dict:
         """Log the memory report (max over ranks, collective); return this rank's figures."""
         mine = memory_report(self.model, self.optimizer, self.device)
@@ -280,7 +298,7 @@ class Trainer:
         if dataset is None:
             return None
         loader = build_pretraining_data_loader(dataset, consumed, self.config.training.micro_batch_size,
-                                               ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                                               *ps.get_data_shard(),  # DP rank among every island's
                                                num_workers=self.config.data.num_workers,
                                                pin_memory=self.device.type == "cuda")
         return DevicePrefetcher(iter(loader), self.device, lookahead=lookahead)
@@ -340,7 +358,8 @@ class Trainer:
         self.microbatches.update(self.state.consumed_train_samples)
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
-        stats = self._run_schedule(batches, forward_only=False)
+        self.moe.before_schedule(self._loss_scale(), self.num_microbatches)
+        stats = self.moe.add_to_stats(self._run_schedule(batches, forward_only=False), self.num_microbatches)
         self._mark_timelines("backward end")
         for m in self.model:
             m.finish_grad_sync()
@@ -350,8 +369,8 @@ class Trainer:
             empty_device_cache(self.device)
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        read = read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None,
-                         self.device)
+        read = read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None, self.device,
+                         time_up=self.deadline.passed())
         finite = math.isfinite(read.grad_norm)
         if finite:
             self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
@@ -372,10 +391,11 @@ class Trainer:
         else:
             for m in self.model:
                 m.reducer.step_skipped()
+        self.moe.after_step()
         if level >= 1:
             empty_device_cache(self.device)
         self._mark_timelines("step end")
-        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested)
+        return StepResult(read.losses, read.grad_norm, finite, read.exit_requested, read.time_up)
 
     def _mark_timelines(self, name: str) -> None:
         for t in self.timelines:
@@ -431,7 +451,7 @@ class Trainer:
                          f"last good checkpoint stays current: {self.divergence.last_good_checkpoint or 'none'}")
             return
         counters = {**self.state.to_dict(), **self.divergence.state_dict()}
-        path = self.checkpointer.save(counters, [m.reducer.state_dict() for m in self.model], non_persistent)
+        path = self.checkpointer.save(counters, [r.state_dict() for r in self.rank_states], non_persistent)
         if non_persistent:
             self._np_saved_iteration = self.state.iteration
         else:
@@ -462,7 +482,7 @@ class Trainer:
         run, log, st = self.config.training, self.config.logging, self.state
         save_interval = self.config.checkpoint.save_interval
         np_interval = self.config.checkpoint.non_persistent_save_interval
-        start_time = time.time()
+        self.deadline = Deadline(run.exit_duration_in_mins)  # rank 0's monotonic clock decides for every rank
         window = LogWindow()
         history = []
         if run.manual_gc:  # Megatron-LM's --manual-gc: no automatic collection; collect at fixed steps
@@ -476,6 +496,8 @@ class Trainer:
             step = self.train_step()
             losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
+            if self.diloco is not None:  # the outer steps due after this inner step (docs/diloco.md)
+                self.diloco.after_step(st.iteration)
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
             self.profiler.after_step(st.iteration)
@@ -502,10 +524,15 @@ class Trainer:
             stats = self._iteration_stats(losses, grad_norm, finite, batch)
             if st.iteration % log.tensorboard_log_interval == 0:  # Megatron's tags, this iteration's values
                 self.tb.add(megatron_scalars(stats, log, self.config.parallel.world_size))
+                if self.config.model.moe is not None and self.config.model.moe.per_layer_logging:
+                    self.tb.scalars(self.moe.per_layer_scalars(), st.iteration)
                 self.wandb.log(megatron_wandb(stats, log, self.config.parallel.world_size), st.iteration)
             first = len(history) == 1  # Megatron prints the run's first iteration too, without resetting
             if prints_log_line(st.iteration, log.log_interval, first):
                 self._log(window, stats, comm_bytes, first)
+                outer_line = self.diloco.log_line(st.iteration) if self.diloco is not None else None
+                if outer_line:
+                    print_rank_last(outer_line)
                 if not first:
                     window = LogWindow()
             if log.eval_interval and st.iteration % log.eval_interval == 0 and self.valid_iter is not None:
@@ -526,9 +553,10 @@ class Trainer:
                 self.save()
                 print_rank_0(f" exiting at iteration {st.iteration} (--exit-interval)")
                 break
-            if run.exit_duration_in_mins and (time.time() - start_time) / 60 > run.exit_duration_in_mins:
+            if step.time_up:  # decided by rank 0's clock in the step's read-back: the same iteration everywhere
                 self.save()
-                print_rank_0(f" exiting after {run.exit_duration_in_mins} minutes (--exit-duration-in-mins)")
+                print_rank_0(f" exiting at iteration {st.iteration} after {run.exit_duration_in_mins} minutes "
+                             f"(--exit-duration-in-mins, rank 0's clock)")
                 break
         else:
             at_interval = save_interval and st.iteration % save_interval == 0
@@ -542,6 +570,9 @@ class Trainer:
         if run.manual_gc:
             gc.enable()
         st.extra["history"] = history
+        if self.diloco is not None:
+            self.diloco.close()
+            st.extra["diloco"] = dict(vars(self.diloco.outer.stats))
         self.tb.close()
         self.wandb.close()
         return st

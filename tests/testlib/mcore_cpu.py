@@ -68,6 +68,28 @@ def shim_cpu() -> None:
             sys.path.insert(0, p)
 
 
+def clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assertion: the same scaling."""
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(clip_coeff)
+
+
+def shim_cpu_optimizer() -> None:
+    """megatron-core's optimizer, gradient clipping and schedules on CPU: the scalars they make on 'cuda'
+    (loss scale, norms, token count) made on the CPU, and clipping without its CUDA type assertion."""
+    import megatron.core.optimizer.clip_grads as mclip
+    import megatron.core.optimizer.optimizer as moptim
+    import megatron.core.utils as mutils
+    from megatron.core.pipeline_parallel import schedules
+
+    cpu_torch = CpuTorch()
+    moptim.torch = mclip.torch = schedules.torch = mutils.torch = cpu_torch
+    moptim.clip_grad_by_total_norm_fp32 = clip_by_total_norm
+
+
 def megatron_args(argv: list[str], world: int, padded_vocab: tuple[int, int, int] | None = None,
                   before_validation=None):
     """Megatron-LM's args for ``pretrain_gpt.py argv`` through its own parser and validate_args.

@@ -15,9 +15,9 @@ Megatron-LM (same RNG stream, so the same seed gives the same sample order):
 * ``shuffle_index``: a permutation of the samples (two ranges with the separate final epoch).
 
 The arrays are cached as ``.npy`` under ``path_to_cache`` (default ``<prefix dir>/cache/
-GPTDataset_indices/``), keyed by the MD5 of a description of their inputs (dataset path, size and
-mtime of the ``.idx``/``.bin``, split range, num_samples, seed, sequence length); stale entries are
-never read because any input change changes the key.
+GPTDataset_indices/``), keyed by the MD5 of a description of their inputs (dataset path, the content
+fingerprints of the ``.idx``/``.bin`` (core/datasets/fingerprint.py), split range, num_samples, seed,
+sequence length); stale entries are never read because any input change changes the key.
 
 ``dataset[i]`` is a dict of tensors (the batch contract)::
 
@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron_cai.core.datasets.fingerprint import prefix_fingerprint
+from megatron_cai.core.datasets.indexed_dataset import IndexedDataset
 from megatron_cai.core.datasets.utils import (
     description_hash,
-    file_signature,
     load_or_build_indices,
     parse_and_normalize_split,
     to_json,
@@ -207,8 +207,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_description = to_json({
             "class": type(self).__name__,
             "dataset_path": os.path.abspath(dataset_path),
-            "idx": file_signature(get_idx_path(dataset_path)),
-            "bin": file_signature(get_bin_path(dataset_path)),
+            **prefix_fingerprint(dataset_path),  # "idx", "bin": content, never size + mtime
             "index_split": index_split,
             "documents": self._doc_range(),
             "num_samples": num_samples,

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_cai.core.datasets.temp_files import remove_quietly, temp_path
+
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER_SIZE = 9 + 8 + 1 + 8 + 8  # = 34 bytes
@@ -303,8 +305,11 @@ class IndexedDataset:
 
 
 def write_index(idx_path: str, dtype: Any, sequence_lengths: Sequence[int] | np.ndarray,
-                document_indices: Sequence[int] | np.ndarray) -> None:
-    """Write an ``.idx`` atomically (temporary file + rename); pointers follow from the lengths."""
+                document_indices: Sequence[int] | np.ndarray, publish: bool = True) -> str:
+    """Write an ``.idx`` atomically (temporary file + rename); pointers follow from the lengths.
+
+    Returns the path written: ``idx_path``, or with ``publish=False`` the temporary file, for the caller to
+    rename. A failed write (a full disk) leaves no temporary file."""
     lengths = np.asarray(sequence_lengths, dtype=np.int64)
     if len(lengths) and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
         raise ValueError("sequence lengths must fit in int32")
@@ -313,33 +318,44 @@ def write_index(idx_path: str, dtype: Any, sequence_lengths: Sequence[int] | np.
     if len(lengths) > 1:
         np.cumsum(lengths[:-1] * itemsize, out=pointers[1:])
     docs = np.asarray(document_indices, dtype=np.int64)
-    tmp = f"{idx_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(_INDEX_HEADER)
-        f.write(struct.pack("<Q", _VERSION))
-        f.write(struct.pack("<B", DType.code_from_dtype(dtype)))
-        f.write(struct.pack("<Q", len(lengths)))
-        f.write(struct.pack("<Q", len(docs)))
-        f.write(lengths.astype("<i4").tobytes(order="C"))
-        f.write(pointers.astype("<i8").tobytes(order="C"))
-        f.write(docs.astype("<i8").tobytes(order="C"))
+    tmp = temp_path(idx_path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_INDEX_HEADER)
+            f.write(struct.pack("<Q", _VERSION))
+            f.write(struct.pack("<B", DType.code_from_dtype(dtype)))
+            f.write(struct.pack("<Q", len(lengths)))
+            f.write(struct.pack("<Q", len(docs)))
+            f.write(lengths.astype("<i4").tobytes(order="C"))
+            f.write(pointers.astype("<i8").tobytes(order="C"))
+            f.write(docs.astype("<i8").tobytes(order="C"))
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    if not publish:
+        return tmp
     os.replace(tmp, idx_path)
+    return idx_path
 
 
 class IndexedDatasetBuilder:
     """Writes a ``.bin`` incrementally and its ``.idx`` in :meth:`finalize`.
 
-    The ``.bin`` is written to a temporary file next to ``bin_path`` and moved into place by
-    ``finalize`` (after any stale ``.idx`` at the target is removed, and before the new ``.idx`` is
-    renamed in), so an interrupted build never leaves a pair that looks valid. Call :meth:`abort`
-    (or use the builder as a context manager) to discard a failed build.
+    The ``.bin`` is written to a temporary file next to ``bin_path``. :meth:`prepare` closes it and writes
+    the ``.idx`` to a temporary file too; :meth:`publish` then renames the ``.bin`` and, last, the ``.idx``
+    into place (after removing a stale ``.idx``), so the pair is published together or not at all: a full
+    disk or a kill before :meth:`publish` leaves neither, and a reader (which needs both) never sees a new
+    ``.bin`` with an old ``.idx``. :meth:`finalize` is both. Call :meth:`abort` (or use the builder as a
+    context manager) to discard a failed build: no temporary file is left.
     """
 
     def __init__(self, bin_path: str, dtype: Any = np.int32) -> None:
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype).type
         DType.code_from_dtype(self.dtype)  # unknown dtypes fail early
-        self._tmp_bin = f"{bin_path}.tmp-{os.getpid()}"
+        self._tmp_bin = temp_path(bin_path)
+        self._tmp_idx: str | None = None
+        self._idx_path: str | None = None
         self._file = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in finalize/abort
         self.sequence_lengths: list[int] = []
         self.document_indices: list[int] = [0]
@@ -398,19 +414,38 @@ class IndexedDatasetBuilder:
         with open(get_bin_path(path_prefix), "rb") as f:
             shutil.copyfileobj(f, self._file, length=1 << 24)
 
-    def finalize(self, idx_path: str) -> None:
-        """Close the ``.bin``, move it into place and write the ``.idx`` (last)."""
+    def prepare(self, idx_path: str) -> None:
+        """Close the ``.bin`` and write the ``.idx``, both under temporary names: nothing is published yet."""
         self._file.close()
         if self.document_indices[-1] != len(self.sequence_lengths):
             self.end_document()  # sequences added without end_document form a final document
-        if os.path.exists(idx_path):
-            os.remove(idx_path)
+        self._idx_path = idx_path
+        self._tmp_idx = write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices,
+                                    publish=False)
+
+    def publish(self) -> None:
+        """Move the prepared pair into place: the ``.bin``, then the ``.idx`` (a reader needs both)."""
+        if self._tmp_idx is None or self._idx_path is None:
+            raise RuntimeError("IndexedDatasetBuilder.publish() before prepare()")
+        if os.path.exists(self._idx_path):
+            os.remove(self._idx_path)
         os.replace(self._tmp_bin, self.bin_path)
-        write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices)
+        os.replace(self._tmp_idx, self._idx_path)
+        self._tmp_idx = None
+
+    def finalize(self, idx_path: str) -> None:
+        """:meth:`prepare` and :meth:`publish`."""
+        self.prepare(idx_path)
+        self.publish()
 
     def abort(self) -> None:
-        """Discard the partial ``.bin``; nothing is left at the target paths."""
+        """Discard the partial ``.bin`` (and a prepared ``.idx``); nothing is left at the target paths."""
         if not self._file.closed:
-            self._file.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+            try:
+                self._file.close()
+            except OSError:  # the buffered tail cannot be written (a full disk): the file goes anyway
+                pass
+        remove_quietly(self._tmp_bin)
+        if self._tmp_idx is not None:
+            remove_quietly(self._tmp_idx)
+            self._tmp_idx = None

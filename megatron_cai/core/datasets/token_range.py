@@ -2,8 +2,9 @@
 
 The smallest and largest token id of a ``.bin`` (and where the largest sits) are computed in one
 chunked pass the first time a dataset is opened, and stored as
-``<cache dir>/<md5>-token_range.json`` keyed by the size and mtime of the ``.idx``/``.bin``. Later
-starts read that small file: O(1) in the corpus size. An id outside ``[0, vocab_size)`` is one
+``<cache dir>/<md5>-token_range.json`` keyed by the content fingerprints of the ``.idx``/``.bin``
+(core/datasets/fingerprint.py: the whole ``.idx``, a sampled ``.bin``). Later starts read that small file
+and the fingerprint's bytes (the ``.idx`` and at most 4 MiB of the ``.bin``). An id outside ``[0, vocab_size)`` is one
 ``IndexedDatasetError`` naming the file, the document and the id; without it, ids between the
 vocabulary and its padded size train with an infinite loss, and larger ids crash inside the embedding
 (a device-side assert on CUDA).
@@ -17,8 +18,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetError, get_bin_path, get_idx_path
-from megatron_cai.core.datasets.utils import _file_lock, description_hash, file_signature, to_json, write_text_atomic
+from megatron_cai.core.datasets.fingerprint import prefix_fingerprint
+from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetError, get_bin_path
+from megatron_cai.core.datasets.utils import _file_lock, description_hash, to_json, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,7 @@ def token_range(ds: IndexedDataset, cache_dir: str | None = None) -> TokenRange 
     """The cached ``TokenRange`` of ``ds`` (computed and cached on the first call for these files)."""
     prefix = ds.path_prefix
     description = to_json({"class": "TokenRange", "dataset_path": os.path.abspath(prefix),
-                           "idx": file_signature(get_idx_path(prefix)), "bin": file_signature(get_bin_path(prefix)),
-                           "format": 1})
+                           **prefix_fingerprint(prefix), "format": 2})
     cache_dir = cache_dir or default_cache_dir(prefix)
     path = os.path.join(cache_dir, f"{description_hash(description)}-token_range.json")
     cached = _read(path, description)

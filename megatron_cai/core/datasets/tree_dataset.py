@@ -48,10 +48,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from megatron_cai.core.datasets.fingerprint import cached_file_fingerprint, prefix_fingerprint
 from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
-from megatron_cai.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from megatron_cai.core.datasets.indexed_dataset import IndexedDataset
 from megatron_cai.core.datasets.tree_format import TreeNodes, TreeSidecar, tree_path
-from megatron_cai.core.datasets.utils import description_hash, file_signature, load_or_build_indices, to_json
+from megatron_cai.core.datasets.utils import description_hash, load_or_build_indices, to_json
 from megatron_cai.core.transformer import visibility_layouts as V
 
 logger = logging.getLogger(__name__)
@@ -259,8 +260,8 @@ class TreeDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         description = to_json({
             "class": type(self).__name__, "dataset_path": os.path.abspath(dataset_path),
-            "idx": file_signature(get_idx_path(dataset_path)), "bin": file_signature(get_bin_path(dataset_path)),
-            "tree": file_signature(tree_path(dataset_path)), "index_split": index_split,
+            **prefix_fingerprint(dataset_path),  # "idx", "bin": content, never size + mtime
+            "tree": cached_file_fingerprint(tree_path(dataset_path), sampled=True).digest, "index_split": index_split,
             "documents": [int(indexed_indices[0]), int(indexed_indices[-1]) + 1] if len(indexed_indices) else [0, 0],
             "num_documents": len(indexed_indices), "num_samples": num_samples,
             "random_seed": int(config.random_seed), "sequence_length": seq, "format": 1,

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_cai.core.datasets.temp_files import remove_quietly, temp_path
+
 MAGIC = b"MCAITREE"
 VERSION = 1
 HEADER_SIZE = 40
@@ -160,17 +162,31 @@ class TreeSidecarBuilder:
 
     def finalize(self) -> None:
         """Write the sidecar atomically (temporary file + rename)."""
+        self.prepare()
+        self.publish()
+
+    def prepare(self) -> None:
+        """Write the sidecar under its temporary name (:meth:`publish` renames it; :meth:`abort` removes it)."""
         def cat(xs: list[np.ndarray], dt) -> np.ndarray:
             return np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt)
 
         parents, lengths, flags = cat(self._parents, "<i4"), cat(self._lengths, "<i4"), cat(self._flags, np.uint8)
         offsets = np.asarray(self._offsets, dtype="<i8")
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<QQQQ", VERSION, len(offsets) - 1, len(parents), self.tokens))
-            for arr in (offsets, parents, lengths, flags):
-                f.write(arr.tobytes(order="C"))
-        os.replace(tmp, self.path)
+        tmp = temp_path(self.path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<QQQQ", VERSION, len(offsets) - 1, len(parents), self.tokens))
+                for arr in (offsets, parents, lengths, flags):
+                    f.write(arr.tobytes(order="C"))
+        except BaseException:
+            remove_quietly(tmp)
+            raise
+
+    def publish(self) -> None:
+        os.replace(temp_path(self.path), self.path)
+
+    def abort(self) -> None:
+        remove_quietly(temp_path(self.path))
 
 
 class TreeSidecar:

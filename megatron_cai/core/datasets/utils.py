@@ -85,12 +85,6 @@ def description_hash(description: str) -> str:
     return hashlib.md5(description.encode("utf-8")).hexdigest()
 
 
-def file_signature(path: str) -> dict:
-    """Size and mtime of a file: a change in either invalidates caches built from it."""
-    st = os.stat(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-
-
 def to_json(obj: dict) -> str:
     """Stable JSON for hashing."""
     return json.dumps(obj, sort_keys=True, indent=2)

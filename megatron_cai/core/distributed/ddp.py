@@ -9,6 +9,9 @@ Gradients that are partial per rank in another dimension are summed there too: t
 embeddings of the first and last pipeline stage over the embedding group (before their own, deferred,
 bucket is reduced, because the two stages lay out their buffers differently), and TP-partial gradients
 (sequence-parallel norms/biases, replicated KV projections) over the TP group.
+
+MoE expert parameters (``is_expert``) sit in buckets of their own; given an ``expert_reducer`` (over the
+expert-data-parallel group), ``reducer`` becomes ``expert_reducer.DenseAndExpertReducer`` of the two.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from .. import parallel_state as ps
 from .comm_timing import StepTimeline
 from .config import DDPConfig
 from .contracts import BucketReducer
+from .expert_reducer import DenseAndExpertReducer
 from .grad_buffer import ParamAndGradBuffer
 
 
@@ -30,16 +34,14 @@ class DistributedDataParallel(nn.Module):
     data_parallel_kind = "ddp"
 
     def __init__(self, module: nn.Module, reducer: BucketReducer, config: DDPConfig, *, device: torch.device,
-                 timeline: StepTimeline | None = None) -> None:
+                 timeline: StepTimeline | None = None, expert_reducer: BucketReducer | None = None) -> None:
         super().__init__()
         self.module = module
-        self.reducer = reducer
         self.timeline = timeline  # --timing-log-level 2: when buckets are handed over (comm_timing)
         self.config = config
         self.overlap_grad_reduce = overlap_grad_reduce = config.overlap_grad_reduce
         dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)  # gradients reduce over DP x CP
         bucket_size = config.bucket_elements(dp_size, nodes=ps.get_data_parallel_inter_node_world_size())
-        reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         params = [p for p in module.parameters() if p.requires_grad]
         shared = {id(p) for p in params if getattr(p, "shared_embedding", False)}
         self.shared_params = [p for p in params if id(p) in shared]
@@ -47,7 +49,12 @@ class DistributedDataParallel(nn.Module):
         self.buffer = ParamAndGradBuffer(
             params, grad_dtype=config.grad_dtype, bucket_size=bucket_size if overlap_grad_reduce else None,
             dp_size=dp_size, dp_rank=ps.get_data_parallel_rank(with_context_parallel=True), device=device,
-            separate=shared)
+            separate=shared, expert={id(p) for p in params if getattr(p, "is_expert", False)},
+            expert_dp=(ps.get_expert_data_parallel_world_size(), ps.get_expert_data_parallel_rank()))
+        if expert_reducer is not None:
+            reducer = DenseAndExpertReducer(reducer, expert_reducer, ps.get_expert_data_parallel_world_size() / dp_size)
+        self.reducer = reducer
+        reducer.attach(device)  # reducer state (e.g. Squinch residuals) lives on the buckets' device
         self.is_last_microbatch = True
         self._handles: dict[int, object] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]

@@ -26,6 +26,7 @@ class Bucket:
     dp_size: int
     dp_rank: int
     deferred: bool = False        # reduced only in finish_grad_sync (e.g. tied embeddings)
+    expert: bool = False          # MoE expert parameters only: reduced over the expert-data-parallel group
     pending: set = field(default_factory=set)
 
     @property
@@ -54,11 +55,14 @@ def bucket_padding(dp_size: int) -> int:
 class ParamAndGradBuffer:
     def __init__(self, params: list[nn.Parameter], *, grad_dtype: torch.dtype, bucket_size: int | None,
                  dp_size: int, dp_rank: int, device: torch.device,
-                 separate: set[int] | None = None) -> None:
+                 separate: set[int] | None = None, expert: set[int] | None = None,
+                 expert_dp: tuple[int, int] = (1, 0)) -> None:
+        """``expert``: the MoE expert parameters, bucketed apart and split over the expert-DP group
+        (``expert_dp``: its size and this rank's place in it) instead of DP."""
         self.params = params
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        pad = bucket_padding(dp_size)
-        separate = separate or set()
+        pads = {False: bucket_padding(dp_size), True: bucket_padding(expert_dp[0])}
+        separate, expert = separate or set(), expert or set()
         self.offsets: dict[int, tuple[int, int]] = {}
         layout: list[tuple[int, int, list[nn.Parameter], bool]] = []  # (start, end, params, deferred)
         cur_start, cur, cur_params = 0, 0, []
@@ -66,6 +70,7 @@ class ParamAndGradBuffer:
         def close(deferred: bool = False) -> None:
             nonlocal cur_start, cur, cur_params
             if cur_params:
+                pad = pads[id(cur_params[0]) in expert]
                 end = cur_start + math.ceil((cur - cur_start) / pad) * pad
                 layout.append((cur_start, end, cur_params, deferred))
                 cur_start = cur = end
@@ -73,8 +78,8 @@ class ParamAndGradBuffer:
 
         for p in reversed(params):
             alone = id(p) in separate
-            if alone:
-                close()
+            if alone or (cur_params and (id(p) in expert) != (id(cur_params[0]) in expert)):
+                close()  # a bucket holds expert parameters only, or none
             self.offsets[id(p)] = (cur, cur + p.numel())
             cur += p.numel()
             cur_params.append(p)
@@ -92,7 +97,9 @@ class ParamAndGradBuffer:
             view.copy_(p.data)
             p.data = view
             p.main_grad = self.grad_data[s:e].view_as(p)
-        self.buckets = [Bucket(i, s, e, ps, self.grad_data[s:e], self.param_data[s:e], dp_size, dp_rank, deferred)
+        self.buckets = [Bucket(i, s, e, ps, self.grad_data[s:e], self.param_data[s:e],
+                               *(expert_dp if id(ps[0]) in expert else (dp_size, dp_rank)), deferred,
+                               expert=id(ps[0]) in expert)
                         for i, (s, e, ps, deferred) in enumerate(layout)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
 

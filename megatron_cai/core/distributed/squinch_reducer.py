@@ -148,11 +148,13 @@ class SquinchReducer(FeedbackReducer):
     # ------------------------------------------------------------------------------- scheduling
     def _second_group(self, group):
         """A duplicate of `group` for the operations that progress() may start early (the all-gathers):
-        each group then sees its operations in the same order on every rank."""
+        each group then sees its operations in the same order on every rank. Keyed by the group itself, not
+        its ranks: two reducers over different groups of the same ranks (MoE's dense and expert-DP groups)
+        must not share a duplicate, whose operations they would start in an order that differs by rank."""
         if group is None or not dist.is_initialized():
             return group
         ranks = tuple(dist.get_process_group_ranks(group))
-        key = (id(dist.group.WORLD), ranks)
+        key = (id(dist.group.WORLD), ranks, group.group_name)
         if key not in _SECOND_GROUPS:
             _SECOND_GROUPS[key] = ps.new_group(list(ranks), use_local_synchronization=True)
         return _SECOND_GROUPS[key]

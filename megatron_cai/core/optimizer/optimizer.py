@@ -100,6 +100,7 @@ class DistributedAdamW(GlobalNormClipping):
         self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         tp_rank = ps.get_tensor_model_parallel_rank()
         dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        edp_rank = ps.get_expert_data_parallel_rank()
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
@@ -118,12 +119,15 @@ class DistributedAdamW(GlobalNormClipping):
                 # rank 0 only, the last stage's copy of tied embeddings not at all, DP replicas on DP rank 0.
                 if getattr(p, "shared_embedding", False) and not ddp.module.pre_process:
                     return False
+                if getattr(p, "is_expert", False):  # distinct over EP x ETP, replicated (or sharded) over EDP
+                    return self.distributed or edp_rank == 0
                 replicated = getattr(p, "tp_dim", None) is None
                 return not (replicated and tp_rank != 0)
 
-            norm = buf.segments(counts)
-            if not self.distributed and dp_rank != 0:
-                norm = []
+            def expert_counts(p, counts=counts) -> bool:
+                return getattr(p, "is_expert", False) and counts(p)
+
+            norm = buf.segments(counts if self.distributed or dp_rank == 0 else expert_counts)
             self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all)
                                 for lo, hi in buf.owned_ranges(self.distributed)])
         self.groups: dict[tuple[bool, bool], _Group] = {}
@@ -180,12 +184,19 @@ class DistributedAdamW(GlobalNormClipping):
         torch._fused_sgd_(g.params, g.fp32_grads(), bufs, weight_decay=wd, momentum=self.sgd_momentum, lr=lr,
                           dampening=0.0, nesterov=False, maximize=False, is_first_step=self.step_count == 1)
 
+    @staticmethod
+    def _bucket_group(bucket):
+        """The ranks that share a bucket's shards: expert DP for MoE expert buckets, DP x CP otherwise."""
+        if bucket.expert:
+            return ps.get_expert_data_parallel_group()
+        return ps.get_data_parallel_group(with_context_parallel=True)
+
     def _all_gather_params(self) -> None:
-        group = ps.get_data_parallel_group(with_context_parallel=True)
         for ci, ddp in enumerate(self.model_chunks):
             for bi, bucket in enumerate(ddp.buffer.buckets):
                 local = bucket.shard(bucket.param_data).clone()
-                work = device_mod.all_gather_into_tensor(bucket.param_data, local, group=group, async_op=True)
+                work = device_mod.all_gather_into_tensor(bucket.param_data, local, group=self._bucket_group(bucket),
+                                                         async_op=True)
                 self._pending[(ci, bi)] = (work, local)
         if not self.overlap_param_gather:
             self.finish_param_sync()
@@ -225,11 +236,10 @@ class DistributedAdamW(GlobalNormClipping):
                 full[c.lo:c.hi] = getattr(c, which)
             if self.distributed:
                 gathered = torch.zeros_like(full)
-                group = ps.get_data_parallel_group(with_context_parallel=True)
                 for bucket in ddp.buffer.buckets:
                     device_mod.all_gather_into_tensor(gathered[bucket.start:bucket.end],
                                                       bucket.shard(full[bucket.start:bucket.end]).clone(),
-                                                      group=group)
+                                                      group=self._bucket_group(bucket))
                 full = gathered
             out.append(full)
         return out

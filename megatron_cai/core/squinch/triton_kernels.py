@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_configs import squinch_launch
+from ..triton_loops import loop_bound
 from . import format as fmt
 
 MAX_TAIL = 16  # bytes after a wire row's payload: the flag byte, then zero padding (see encode_rows_into)
@@ -140,7 +141,7 @@ def _encode_kernel(g_ptr, r_ptr, out_ptr, flag_ptr, nonfinite_ptr, scratch_ptr, 
             t = tl.arange(0, 16)
             tail_bytes = tl.where(t == 0, flag, 0).to(tl.uint8)
             row_ptr = flag_ptr
-            for _ in range(0, rows):  # a pointer walk: 64-bit addresses whatever rows x stride
+            for _ in range(0, loop_bound(rows)):  # a pointer walk: 64-bit addresses whatever rows x stride
                 tl.store(row_ptr + t, tail_bytes, mask=t < tail)
                 row_ptr += flag_stride
 
@@ -155,7 +156,7 @@ def _decode_tile(p_ptr, o_ptr, S_ptr, L_ptr, n, nb, W, stride_w, blk0, bad, ACC:
     bmask = blk < nb
     # s starts at -0.0, the exact additive identity: s = ((d_0 + d_1) + ...) + d_{W-1}
     s = tl.full([BLOCKS, 8], -2147483648, tl.int32).to(tl.float32, bitcast=True)
-    for w in range(W):
+    for w in range(loop_bound(W)):
         base = p_ptr + w * stride_w + blk * 6
         if MASKED:
             qm = tl.load(base, mask=bmask, other=0).to(tl.int32)
@@ -190,7 +191,7 @@ def _decode_kernel(p_ptr, out_ptr, flag_ptr, S_ptr, L_ptr, n, nb, W, stride_w, s
     bad = tl.full([], 0, tl.int32)
     if HAS_FLAGS:  # NaN everywhere when any sender flagged non-finite gradients
         f = tl.arange(0, 64)
-        for f0 in range(0, n_flags, 64):
+        for f0 in range(0, loop_bound(n_flags), 64):
             idx = (f0 + f).to(tl.int64)
             fl = tl.load(flag_ptr + idx * flag_stride, mask=idx < n_flags, other=0).to(tl.int32)
             bad = tl.maximum(bad, tl.max(fl, axis=0))

@@ -12,7 +12,9 @@ Contract of a backend's two functions::
              tile_q, tile_k) -> (dq, dk, dv)
 
 ``out_c``/``lse_c`` are in the backend's compute precision (what its backward needs); the caller gets
-``out_c`` cast to q's dtype and ``lse_c`` as fp32. ``coeff`` is the Attention Z-Reg weight, used only in
+``out_c`` cast to q's dtype and ``lse_c`` as fp32. Every output of both ops is contiguous, whatever the
+strides of the inputs (a backend may compute on contiguous copies): the fake implementations say so,
+and Inductor checks the real strides against them. ``coeff`` is the Attention Z-Reg weight, used only in
 backward; ``tile_q``/``tile_k`` are the backend's tile sizes (0: its default).
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ class IntervalAttentionOp:
         @bwd_op.register_fake
         def _(grad_out, grad_lse, q, k, v, out_c, lse_c, start, limit, position_ids, window, coeff, tile_q,
               tile_k):
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
         def setup_context(ctx, inputs, output) -> None:
             q, k, v, start, limit, position_ids, window, coeff, tile_q, tile_k = inputs
@@ -75,7 +77,8 @@ def _fwd_signature(forward: Callable) -> Callable:
 
     def fwd(q: Tensor, k: Tensor, v: Tensor, start: Tensor, limit: Tensor, position_ids: Tensor | None,
             window: int | None, coeff: float, tile_q: int, tile_k: int) -> tuple[Tensor, Tensor]:
-        return forward(q, k, v, start, limit, position_ids, window, tile_q, tile_k)
+        out_c, lse_c = forward(q, k, v, start, limit, position_ids, window, tile_q, tile_k)
+        return out_c.contiguous(), lse_c.contiguous()
 
     return fwd
 
@@ -84,7 +87,8 @@ def _bwd_signature(backward: Callable) -> Callable:
     def bwd(grad_out: Tensor, grad_lse: Tensor, q: Tensor, k: Tensor, v: Tensor, out_c: Tensor, lse_c: Tensor,
             start: Tensor, limit: Tensor, position_ids: Tensor | None, window: int | None, coeff: float,
             tile_q: int, tile_k: int) -> tuple[Tensor, Tensor, Tensor]:
-        return backward(grad_out, grad_lse, q, k, v, out_c, lse_c, start, limit, position_ids, window, coeff,
-                        tile_q, tile_k)
+        grads = backward(grad_out, grad_lse, q, k, v, out_c, lse_c, start, limit, position_ids, window, coeff,
+                         tile_q, tile_k)
+        return tuple(g.contiguous() for g in grads)
 
     return bwd

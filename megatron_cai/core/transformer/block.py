@@ -17,10 +17,13 @@ from torch import nn
 from ..quantization.dynamic_clamp import NormOutputRMS
 from ..tensor_parallel.layers import normal_init
 from ..tensor_parallel.random import get_rng_tracker
+from .layer_pattern import check_stage_kv_sources
 from .lse_stats import LseStatsCollector
+from .mla import MLASelfAttention
 from .mlp import MLP
+from .moe.moe_layer import DenseShape, MoELayer
 from .norms import build_norm
-from .self_attention import KVCache, SelfAttention
+from .self_attention import KVCache, SelfAttention, SharedKV
 
 
 class TransformerLayer(nn.Module):
@@ -32,10 +35,14 @@ class TransformerLayer(nn.Module):
         sp = config.sequence_parallel
         eps, one_p = config.layernorm_epsilon, config.apply_layernorm_1p
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
-        self.self_attention = SelfAttention(config, layer_number, init, out_init, lse_stats)
+        attention = MLASelfAttention if config.multi_latent_attention else SelfAttention
+        self.self_attention = attention(config, layer_number, init, out_init, lse_stats)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)
-        self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
-                       init, out_init, sp)
+        if config.moe is not None and config.moe.is_moe_layer(layer_number + 1):
+            self.mlp = MoELayer(config.moe, DenseShape.of(config), layer_number)
+        else:
+            self.mlp = MLP(config.hidden_size, config.ffn_hidden_size, config.activation, config.add_bias_linear,
+                           init, out_init, sp)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.hidden_dropout if self.training else 0.0
@@ -47,16 +54,19 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, p, True)
 
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
-                kv_cache: KVCache | None = None) -> torch.Tensor:
+                kv_cache: KVCache | None = None, shared_kv: SharedKV | None = None) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x), rotary, visibility, position_ids,
-                                                  kv_cache, input_rms=NormOutputRMS(self.input_layernorm)))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm)))
+                                                  kv_cache, input_rms=NormOutputRMS(self.input_layernorm),
+                                                  shared_kv=shared_kv))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x), input_rms=NormOutputRMS(self.pre_mlp_layernorm),
+                                          visibility=visibility))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, config, layer_numbers: list[int], post_process: bool,
                  lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
+        check_stage_kv_sources(config, layer_numbers)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i, lse_stats) for i in layer_numbers})
         self.final_layernorm = (build_norm(config.normalization, config.hidden_size, config.layernorm_epsilon,
                                            config.sequence_parallel, config.apply_layernorm_1p)
@@ -79,10 +89,14 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         layers = list(self.layers.values())
+        shared_kv: SharedKV | None = {} if self.config.kv_share_pattern else None  # this forward's source K/V
+        new_positions = position_ids
+        if kv_cache is not None and position_ids is not None:  # windows measure on every key's position
+            position_ids = kv_cache.key_positions(position_ids)
 
         def run(x, idx):
             for i in idx:
-                x = layers[i](x, rotary, visibility, position_ids, kv_cache)
+                x = layers[i](x, rotary, visibility, position_ids, kv_cache, shared_kv)
             return x
 
         for idx, recompute in self.recompute_groups():
@@ -90,6 +104,8 @@ class TransformerBlock(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(run, x, idx, use_reentrant=False)
             else:
                 x = run(x, idx)
+        if kv_cache is not None and new_positions is not None:
+            kv_cache.append_positions(new_positions)
         if self.final_layernorm is not None:
             x = self.final_layernorm(x)
         return x

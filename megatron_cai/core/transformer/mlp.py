@@ -36,7 +36,8 @@ class MLP(nn.Module):
         self.linear_fc2 = RowParallelLinear(ffn_hidden_size, hidden_size, bias=bias,
                                             init_method=output_init_method, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor, input_rms=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_rms=None, visibility=None) -> torch.Tensor:
+        """``visibility`` is the MLP slot's (an MoE layer's documents); a dense MLP is per token and ignores it."""
         h = self.linear_fc1(x, predicted_input_rms=input_rms)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)

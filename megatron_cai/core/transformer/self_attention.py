@@ -23,9 +23,12 @@ from .. import parallel_state as ps
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
 from ..tensor_parallel.random import get_rng_tracker
 from ..tensor_parallel.utils import divide
+from .layer_pattern import kv_source, layer_window
 from .lse_stats import LseStatsCollector
 from .norms import build_norm
 from .rope import apply_rotary
+
+SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # K/V of one forward's source layers, by layer number
 
 
 class KVCache:
@@ -39,6 +42,21 @@ class KVCache:
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.visibility_start: torch.Tensor | None = None
         self.visibility_limit: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None  # [batch, cached] logical positions (sliding windows)
+
+    def key_positions(self, new: torch.Tensor) -> torch.Tensor:
+        """Positions of every key of a forward: the cached tokens' then ``new`` ([batch, new tokens])."""
+        if self.position_ids is None:
+            return new
+        return torch.cat([self.position_ids.expand(new.shape[0], -1), new], dim=1)
+
+    def layer_tensors(self) -> list[torch.Tensor]:
+        """The tensors that hold the cached K/V (for counting bytes)."""
+        return [t for pair in self.layers.values() for t in pair]
+
+    def append_positions(self, new: torch.Tensor) -> None:
+        """Record the positions of a forward's new tokens (the model does, after its layers ran)."""
+        self.position_ids = self.key_positions(new)
 
     @property
     def length(self) -> int:
@@ -59,7 +77,70 @@ class KVCache:
         return k, v
 
 
-class SelfAttention(nn.Module):
+class CoreAttention(nn.Module):
+    """Softmax attention over ``[b, heads, s, d]`` queries and keys for an attention layer: the SDPA fast path
+    for plain causal attention, else the visibility-interval backends (windows, Z-Reg, context parallelism).
+    A subclass sets ``config``, ``window`` (None: global) and ``lse_slot``."""
+
+    config: object
+    window: int | None
+    lse_slot: object
+
+    def attend(self, q, k, v, visibility, position_ids, recomputable: bool) -> torch.Tensor:
+        """The attention output ``[b, heads, s_q, d]``; the core attention is recomputed in backward under
+        ``--recompute-granularity selective`` (training, no cache)."""
+        if self.config.recompute_granularity == "selective" and self.training and recomputable:
+            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
+                                                         use_reentrant=False)
+        else:
+            out, lse = self._core_attention(q, k, v, visibility, position_ids)
+        if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
+            self.lse_slot.record(lse)
+        return out
+
+    def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
+        cfg = self.config
+        dropout = cfg.attention_dropout if self.training else 0.0
+        # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
+        with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
+            if visibility is None and not cfg.attention_zreg_coeff and self.window is None:
+                # Plain causal attention (or decoding one step past a causal prefix).
+                causal = q.shape[2] == k.shape[2]
+                mask = None
+                if not causal:
+                    offset = k.shape[2] - q.shape[2]
+                    mask = (torch.arange(k.shape[2], device=q.device)[None, :]
+                            <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=causal,
+                                                      enable_gqa=q.shape[1] != k.shape[1]), None
+            return self._interval_attention(q, k, v, visibility, position_ids, dropout)
+
+    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
+        from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
+
+        cfg = self.config
+        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
+        if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
+            backend = cfg.attention_backend or default_backend(q.device)
+            out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
+                                         window=self.window)
+            return out, lse
+        if visibility is None:
+            t = k.shape[2]
+            idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
+            visibility = (idx, torch.full_like(idx, t))
+        start, limit = visibility
+        # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
+        window_pos = position_ids if self.window is not None else None  # positions matter only for windows
+        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=self.window,
+                          position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
+                          dropout_p=dropout)
+        return out, lse
+
+
+class SelfAttention(CoreAttention):
     def __init__(self, config, layer_number: int, init_method: InitMethod, output_init_method: InitMethod,
                  lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
@@ -81,87 +162,63 @@ class SelfAttention(nn.Module):
         q_size, kv_size = config.num_attention_heads * self.head_dim, groups * self.head_dim
         self.linear_q = ColumnParallelLinear(config.hidden_size, q_size, bias=config.qkv_bias,
                                              init_method=init_method, sequence_parallel=sp)
-        self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
-                                              init_method=init_method, sections=[kv_size, kv_size],
-                                              sequence_parallel=sp, replicated=self.kv_replicated)
+        self.window = layer_window(config, layer_number)  # None: global attention
+        self.kv_source = kv_source(config, layer_number)  # this layer's number unless it shares another's K/V
+        self.linear_kv = None
+        if self.kv_source == layer_number:
+            self.linear_kv = ColumnParallelLinear(config.hidden_size, 2 * kv_size, bias=config.qkv_bias,
+                                                  init_method=init_method, sections=[kv_size, kv_size],
+                                                  sequence_parallel=sp, replicated=self.kv_replicated)
         self.linear_proj = RowParallelLinear(q_size, config.hidden_size, bias=config.add_bias_linear,
                                              init_method=output_init_method, sequence_parallel=sp)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:  # one norm over head_dim shared by all heads: weights summed over TP ranks
             self.q_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
                                           config.apply_layernorm_1p)
-            self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
-                                          config.apply_layernorm_1p)
+            if self.linear_kv is not None:
+                self.k_layernorm = build_norm(config.normalization, self.head_dim, config.layernorm_epsilon, True,
+                                              config.apply_layernorm_1p)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                 visibility: tuple[torch.Tensor, torch.Tensor] | None = None,
                 position_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                input_rms=None) -> torch.Tensor:
+                input_rms=None, shared_kv: SharedKV | None = None) -> torch.Tensor:
+        """``shared_kv``: the K/V of this forward's source layers by layer number (``[b, kv_heads, s, d]``, after
+        RoPE and the cache); a source layer adds its own, a sharing layer (``kv_source`` another layer) reads its
+        source's instead of computing any."""
         q = self.linear_q(x, predicted_input_rms=input_rms)
-        kv = self.linear_kv(x, predicted_input_rms=input_rms)
         b, s = q.shape[0], q.shape[1]
         q = q.view(b, s, self.num_heads, self.head_dim)
+        if self.q_layernorm is not None:
+            q = self.q_layernorm(q)
+        if rotary is not None:
+            q = apply_rotary(q, *rotary)
+        q = q.transpose(1, 2)  # [b, heads, s, d]
+        if self.linear_kv is None:
+            k, v = shared_kv[self.kv_source]
+        else:
+            k, v = self._own_kv(x, rotary, kv_cache, input_rms)
+            if shared_kv is not None:
+                shared_kv[self.layer_number] = (k, v)
+        out = self.attend(q, k, v, visibility, position_ids, recomputable=kv_cache is None)
+        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return self.linear_proj(out)
+
+    def _own_kv(self, x, rotary, kv_cache: KVCache | None, input_rms) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values ``[b, kv_heads, s, d]`` (after RoPE; with a cache, all tokens so far)."""
+        kv = self.linear_kv(x, predicted_input_rms=input_rms)
+        b, s = kv.shape[0], kv.shape[1]
         k, v = kv.chunk(2, dim=-1)
         k = k.reshape(b, s, self.num_groups, self.head_dim)
         v = v.reshape(b, s, self.num_groups, self.head_dim)
         if self.kv_replicated:
             k = k[:, :, self.kv_group_index:self.kv_group_index + 1]
             v = v[:, :, self.kv_group_index:self.kv_group_index + 1]
-        if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.k_layernorm is not None:
+            k = self.k_layernorm(k)
         if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+            k = apply_rotary(k, *rotary)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        if self.config.recompute_granularity == "selective" and self.training and kv_cache is None:
-            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
-                                                         use_reentrant=False)
-        else:
-            out, lse = self._core_attention(q, k, v, visibility, position_ids)
-        if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
-            self.lse_slot.record(lse)
-        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.linear_proj(out)
-
-    def _core_attention(self, q, k, v, visibility, position_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(out, lse)``; lse only on the interval path (None on the SDPA fast path)."""
-        cfg = self.config
-        dropout = cfg.attention_dropout if self.training else 0.0
-        # the TP-split stream only where dropout draws from it (a compiled layer traces no RNG-state swap)
-        with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            if visibility is None and not cfg.attention_zreg_coeff and cfg.window_size is None:
-                # Plain causal attention (or decoding one step past a causal prefix).
-                causal = q.shape[2] == k.shape[2]
-                mask = None
-                if not causal:
-                    offset = k.shape[2] - q.shape[2]
-                    mask = (torch.arange(k.shape[2], device=q.device)[None, :]
-                            <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                      is_causal=causal,
-                                                      enable_gqa=q.shape[1] != k.shape[1]), None
-            return self._interval_attention(q, k, v, visibility, position_ids, dropout)
-
-    def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
-        from .attention import ALIASES, SplitSequenceAttention, attend, default_backend  # the interval backends
-
-        cfg = self.config
-        zreg = cfg.attention_zreg_coeff * cfg.attention_zreg_scale
-        if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
-            backend = cfg.attention_backend or default_backend(q.device)
-            out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
-                                         window=cfg.window_size)
-            return out, lse
-        if visibility is None:
-            t = k.shape[2]
-            idx = torch.arange(t, device=q.device).expand(q.shape[0], t)
-            visibility = (idx, torch.full_like(idx, t))
-        start, limit = visibility
-        # Attention dropout takes attend's dense-mask path (O(T^2) memory); Z-Reg composes with it.
-        window_pos = position_ids if cfg.window_size is not None else None  # positions matter only for windows
-        out, lse = attend(q, k, v, start, limit, zreg_coeff=zreg, window=cfg.window_size,
-                          position_ids=window_pos, backend=cfg.attention_backend, return_lse=True,
-                          dropout_p=dropout)
-        return out, lse
+        return k, v

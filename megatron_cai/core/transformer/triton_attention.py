@@ -26,6 +26,7 @@ from megatron_cai.core import kernel_configs
 from megatron_cai.core.transformer import attention_tiling
 from megatron_cai.core.transformer.attention_ops import IntervalAttentionOp
 from megatron_cai.core.transformer.zreg import zreg_lse_grad
+from megatron_cai.core.triton_loops import loop_bound
 
 __all__ = ["triton_attention", "triton_backward", "triton_forward", "triton_prepare"]
 
@@ -106,7 +107,7 @@ def _fwd_kernel(Q, K, V, O, LSE, START, LIMIT, POS, KV_NUM, KV_IDX,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tile_row = b * n_qb + qb
     num = tl.load(KV_NUM + tile_row)
-    for t in range(0, num):
+    for t in range(0, loop_bound(num)):
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, _k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
@@ -168,7 +169,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, START, LIMIT, POS, KV_NUM, KV_ID
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tile_row = b * n_qb + qb
     num = tl.load(KV_NUM + tile_row)
-    for t in range(0, num):
+    for t in range(0, loop_bound(num)):
         kb = tl.load(KV_IDX + tile_row * n_kb + t)
         offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
         s, k = _tile_scores(q, k_base + offs_n[:, None] * skt + offs_d[None, :], start_ptr, limit_ptr,
@@ -214,9 +215,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, START, LIMIT, POS, Q_NUM, 
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     tile_row = b * n_kb + kb
     num = tl.load(Q_NUM + tile_row)
-    for g in range(0, group):
+    for g in range(0, loop_bound(group)):
         h = hk * group + g
-        for t in range(0, num):
+        for t in range(0, loop_bound(num)):
             qb = tl.load(Q_IDX + tile_row * n_qb + t)
             offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
             abs_m = offs_m + (seq_k - seq_q)

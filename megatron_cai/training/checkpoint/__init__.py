@@ -55,7 +55,7 @@ from .run_dirs import (
     same_path,
 )
 from .run_lock import RunLock
-from .torch_format import load_torch_checkpoint, rank_dir_name
+from .torch_format import load_torch_checkpoint, param_names, rank_dir_name
 
 __all__ = [
     "OUTPUT_WEIGHT", "TORCH", "TORCH_DIST", "TRACKER", "AsyncCheckpointSaver", "AsyncSave", "CanonicalCheckpoint",
@@ -65,5 +65,5 @@ __all__ = [
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",
-    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM",
+    "last_verifying_iteration", "list_iterations", "same_path", "ALGORITHMS", "DEFAULT_ALGORITHM", "param_names",
 ]

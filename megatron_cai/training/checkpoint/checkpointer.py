@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ...core import parallel_state as ps
 from ..config import CheckpointConfig, TrainConfig
 from ..errors import safe_print
-from . import dist_format, torch_format
+from . import data_record, dist_format, torch_format
 from .async_save import AsyncCheckpointSaver, AsyncSave
 from .dcp_pieces import DCP_METADATA
 from .file_io import ALGORITHMS, CheckpointError
@@ -162,6 +162,9 @@ class Checkpointer:
         verify_checkpoint(root, iteration)  # collective: every file against its content hash
         check_tokenizer(read_metadata(root, iteration), self.config.tokenizer, iteration_dir(root, iteration),
                         allowed=ckpt.finetune or ckpt.allow_tokenizer_change)
+        if not ckpt.finetune:  # the data's fingerprints against the checkpoint's record (fine-tuning: other data)
+            data_record.check_data(read_metadata(root, iteration), self.config.data, iteration_dir(root, iteration),
+                                   allowed=self.config.data.allow_data_change)
         self.loaded_root = root
         if not ckpt.finetune and (same_path(root, ckpt.save) or same_path(root, self.retention.np_root)):
             self.retention.resumed_in_place()

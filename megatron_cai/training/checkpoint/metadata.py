@@ -19,6 +19,7 @@ from ...core import parallel_state as ps
 from ...core.models.gpt.config import GPTConfig
 from ..config import TokenizerConfig, TrainConfig, config_diff
 from ..errors import safe_print
+from .data_record import RECORD_KEY, data_fingerprints
 from .dcp_pieces import DCP_METADATA
 from .file_io import DEFAULT_ALGORITHM, CheckpointError, FileHash, copy_hashed, hash_file, new_hasher, read_json
 from .run_dirs import iteration_dir
@@ -39,7 +40,8 @@ def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
             "model_config": train_config.model.to_dict(),
             "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
             "args": train_config.flags,
-            "tokenizer_hash": tokenizer_content_hash(train_config.tokenizer)}
+            "tokenizer_hash": tokenizer_content_hash(train_config.tokenizer),
+            RECORD_KEY: data_fingerprints(train_config.data)}  # compared on resume (data_record.check_data)
 
 
 def tokenizer_content_hash(tokenizer: TokenizerConfig) -> str | None:

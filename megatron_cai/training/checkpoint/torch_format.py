@@ -99,7 +99,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
     rng = {**device_mod.get_rng_state(), "tracker": get_rng_tracker().get_states()}
     all_rng = _gather_over_dp(rng)
     staged = StagedCheckpoint(root, iteration, {})
-    if dp_rank == 0:
+    if dp_rank == 0 and ps.get_island_rank() == 0:  # DiLoCo: island 0's; the others' in their rank state
         payload = {
             "checkpoint_version": FORMAT_VERSION,
             "iteration": iteration,
@@ -113,7 +113,7 @@ def stage_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedul
         }
         staged.files[os.path.join(rdir, "model_optim_rng.pt")] = payload
     if reducer_states and any(reducer_states):
-        staged.files[os.path.join(rdir, f"reducer_dp_{dp_rank:03d}.pt")] = reducer_states
+        staged.files[os.path.join(rdir, reducer_file_name(dp_rank))] = reducer_states
     if ps.get_rank() == 0:
         staged.meta = run_metadata(iteration, train_config)
         staged.tokenizer_files = list(tokenizer_files or [])
@@ -222,7 +222,7 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
         device_mod.set_rng_state(rng)
         get_rng_tracker().set_states(rng["tracker"])
     if reducers:
-        rpath = os.path.join(rdir, f"reducer_dp_{ps.get_data_parallel_rank(with_context_parallel=True):03d}.pt")
+        rpath = os.path.join(rdir, reducer_file_name(ps.get_data_parallel_rank(with_context_parallel=True)))
         same_dp = (meta.get("data_parallel_size") == ps.get_data_parallel_world_size()
                    and meta.get("context_parallel_size", 1) == ps.get_context_parallel_world_size())
         dropped = reducer_state_dropped(rpath, same_dp, reducers, meta)
@@ -236,6 +236,12 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
     counters = {k: v for k, v in payload.items()
                 if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state", "tp_layout", "model_config")}
     return counters
+
+
+def reducer_file_name(dp_rank: int) -> str:
+    """A DP rank's reducer state file; with DiLoCo islands each island's rank has its own."""
+    island = f"_island_{ps.get_island_rank():03d}" if ps.get_num_islands() > 1 else ""
+    return f"reducer_dp_{dp_rank:03d}{island}.pt"
 
 
 def reducer_state_dropped(rpath: str, same_dp: bool, reducers, meta: dict) -> str | None:

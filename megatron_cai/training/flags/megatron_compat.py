@@ -91,13 +91,9 @@ NO_OP_FLAGS: list[CompatFlag] = [
                "code is ever run"),
 ]
 
-_MOE = "no Mixture-of-Experts layers here (dense GPT only)"
 _NOT_YET = "not implemented here"
 
 REFUSED_FLAGS: list[CompatFlag] = [
-    CompatFlag("--num-experts", _MOE, None, int, None),
-    CompatFlag("--moe-router-topk", _MOE, None, int, 2),
-    CompatFlag("--expert-model-parallel-size", _MOE, None, int, 1, allowed=(1,)),
     CompatFlag("--use-checkpoint-args", "pass the model flags explicitly; they are checked against the checkpoint"),
     CompatFlag("--spec", "custom layer specs are not supported", "*", str, None),
     CompatFlag("--yaml-cfg", "YAML configuration is not supported; pass flags", None, str, None),

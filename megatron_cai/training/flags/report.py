@@ -19,7 +19,7 @@ from ..config import ArgumentError
 CATEGORIES = ("unknown", "invalid", "refused", "conflict", "missing")
 MAX_LINES = 40  # one screen
 # Megatron-LM flag families that belong to features this codebase does not have (refused, not "unknown")
-_FAMILIES = {"--moe-": "Mixture-of-Experts is not implemented here (dense GPT only)",
+_FAMILIES = {"--moe-": "this Mixture-of-Experts option is not implemented here (docs/moe.md lists those that are)",
              "--mamba-": "hybrid Mamba models are not implemented here (dense GPT only)",
              "--hybrid-": "hybrid Mamba models are not implemented here (dense GPT only)",
              "--grpo-": "reinforcement learning (GRPO) is not implemented here",

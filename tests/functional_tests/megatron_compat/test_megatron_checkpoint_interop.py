@@ -225,32 +225,15 @@ def test_logit_parity_both_ways(layout, tp, tmp_path):
 STEPS = 5
 
 
-_CpuTorch = mcore_cpu.CpuTorch
-
-
-def _clip_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """megatron-core's clip_grad_by_total_norm_fp32 without its CUDA type assertion: the same scaling."""
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0:
-        for p in parameters:
-            if p.grad is not None:
-                p.grad.mul_(clip_coeff)
-
-
 def _megatron_train(model, args, batches: list[dict]) -> list[tuple[float, float]]:
     """Megatron-LM's train step on megatron-core: its DistributedDataParallel (fp32 grad buffer), its
     optimizer (get_megatron_optimizer: AdamW, grad clipping with its TP-aware norm), its LR/weight-decay
     scheduler (weight decay off for biases and norms) and its no-pipelining forward/backward schedule."""
-    import megatron.core.optimizer.clip_grads as mclip
-    import megatron.core.optimizer.optimizer as moptim
-    import megatron.core.utils as mutils
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import schedules
 
-    cpu_torch = _CpuTorch()  # scalars (loss scale, norms, token count) are made on 'cuda' there
-    moptim.torch = mclip.torch = schedules.torch = mutils.torch = cpu_torch
-    moptim.clip_grad_by_total_norm_fp32 = _clip_by_total_norm  # its own asserts torch.cuda.FloatTensor grads
+    mcore_cpu.shim_cpu_optimizer()
 
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr,

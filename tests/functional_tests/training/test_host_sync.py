@@ -1,6 +1,7 @@
 """At most one host synchronisation per training iteration (issue 27): a DP=2 CPU run with Squinch, --fp16
 (dynamic loss scaling), the divergence and spike checks, the exit-signal handler, --calculate-per-token-loss,
-the distributed optimizer with overlapped reduction and gather, and --log-interval 10 counts
+the distributed optimizer with overlapped reduction and gather, --exit-duration-in-mins (rank 0's deadline vote),
+and --log-interval 10 counts
 ``Tensor.item``, ``__bool__``, ``tolist``, ``cpu`` and ``numpy`` calls (patched) in every iteration:
 at most 1 on iterations that do not log, at most 2 on those that do (the first and every 10th)."""
 from testlib.distributed import run_distributed
@@ -13,7 +14,9 @@ ARGS = TINY_MODEL + ["--mock-data", "--micro-batch-size", "2", "--global-batch-s
                      "0", "--seed", "7", "--squinch", "--fp16", "--check-for-spiky-loss",
                      # and the paths that used to read per micro-batch or per bucket
                      "--calculate-per-token-loss", "--use-distributed-optimizer", "--overlap-grad-reduce",
-                     "--overlap-param-gather"]
+                     "--overlap-param-gather",
+                     # rank 0's deadline vote travels in the same read-back (far away: no exit)
+                     "--exit-duration-in-mins", "10000"]
 
 
 def _worker(rank, world_size, argv):

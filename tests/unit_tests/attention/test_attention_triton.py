@@ -15,7 +15,7 @@ import traceback
 import pytest
 
 CHECKS = ["tree_branches", "packed_docs", "gqa_mqa", "window", "zreg", "zero_coeff", "masked_rows",
-          "odd_head_dim", "decode"]
+          "odd_head_dim", "decode", "strided_inputs_opcheck"]
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +199,27 @@ def _worker() -> dict[str, str]:
                 for a, b in zip(got, exp):
                     close(a, b, 1e-4)
 
+    def strided_inputs_opcheck():
+        """The custom ops with q, k, v as [b, h, t, d] views of [b, t, h, d] (as the layers pass them):
+        torch.library.opcheck compares the fake outputs' strides with the real ones (the kernels work on
+        contiguous copies: a fake that copied the views' strides failed --compile's backward)."""
+        from megatron_cai.core.transformer.triton_attention import _OP
+
+        gen = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(1, 12, 2, 16, generator=gen).transpose(1, 2) for _ in range(3))
+        start = torch.tensor([[0] * 5 + [5] * 7])
+        limit = torch.tensor([[5] * 5 + [12] * 7])
+        args = (q, k, v, start, limit, None, None, 0.0, 0, 0)
+        torch.library.opcheck(_OP.forward_op, args, test_utils=("test_schema", "test_faketensor"))
+        out, lse = _OP.forward_op(*args)
+        grads = (torch.randn(out.shape, generator=gen).transpose(2, 3).contiguous().transpose(2, 3),
+                 torch.randn(lse.shape, generator=gen))
+        torch.library.opcheck(_OP.backward_op, (*grads, q, k, v, out, lse, start, limit, None, None, 0.0, 0, 0),
+                              test_utils=("test_schema", "test_faketensor"))
+
     fns = dict(tree_branches=tree_branches, packed_docs=packed_docs, gqa_mqa=gqa_mqa, window=window,
                zreg=zreg, zero_coeff=zero_coeff, masked_rows=masked_rows, odd_head_dim=odd_head_dim,
-               decode=decode)
+               decode=decode, strided_inputs_opcheck=strided_inputs_opcheck)
     out = {}
     for name in CHECKS:
         try:

@@ -30,7 +30,7 @@ import harness as H  # noqa: E402
 from harness import quick  # noqa: E402
 
 PLOTS = {"squinch_codec", "fp16_training", "qat_training", "zreg_bf16", "clamp_drift", "distill_seeds", "distill",
-         "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection"}
+         "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection", "moe", "diloco"}
 
 
 def _digest(folder: str) -> dict[str, str]:
@@ -118,6 +118,20 @@ def test_collectives_alone_and_the_projection(run):
     for c in cells:  # a step is never shorter than its compute, and hiding communication never adds time
         for k, step in c["step_s"].items():
             assert step >= c["setup"]["compute_s"] and 0 <= c["exposed_s"][k] <= step, (c["model"], k)
+
+
+def test_diloco_rows_and_projection(run):
+    res = load(run, "diloco")
+    rows = {r["name"]: r for r in res["measured"]}
+    assert set(rows) == {"dp bf16", "diloco 6"}
+    dp, dl = rows["dp bf16"], rows["diloco 6"]
+    assert dl["tokens"] == dp["tokens"] and dl["val_loss"] is not None and dp["val_loss"] is not None
+    # H = 2, Squinch against bf16 every step: fewer bytes per token by about 2 x 16 / 6
+    assert dl["crossing_bytes"] < dp["crossing_bytes"] / 4
+    assert 0 <= dl["wait_s"] <= dl["wall_s"] and dl["predicted_s"] > 0
+    for r in res["projection"]:  # fewer bits never need a larger H nor a faster link
+        assert r["6"]["min_h_k4"] <= r["16"]["min_h_k4"] <= r["32"]["min_h_k4"]
+        assert r["6"]["min_gbit_h20_k4"] < r["16"]["min_gbit_h20_k4"] < r["32"]["min_gbit_h20_k4"]
 
 
 def test_sharded_state_is_the_full_state_over_dp(run):
@@ -262,7 +276,7 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
                  "attention": lambda p: "repeats" not in p["config"]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "distill", "distill_seeds",
+@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "diloco", "distill", "distill_seeds",
                                   "dp_comm", "fp16_training", "step_overhead",
                                   "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
                                   "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
@@ -386,3 +400,14 @@ def test_statistics_helpers():
     assert H.count_spikes([5.0, 4.9, 4.8, 4.7, 5.5, 4.6, float("nan")]) == 2
     assert H.count_spikes([5.0, 4.0, 3.0, 2.0]) == 0
     assert H.count_spikes([4.0, 5.0, 5.0, 5.0, 5.2]) == 0  # against the median: one low loss makes no spikes
+
+
+def test_kaiju_cache_is_at_most_a_twentieth_of_the_baseline(run):
+    """Bytes counted from the cache tensors: the ratio is at least 20 and equals its factors (MQA and sharing
+    account for the bf16 Kaiju cache exactly; int8 for the rest)."""
+    c = load(run, "kaiju")["cache"]
+    assert c["ratio"] >= 20, c
+    assert c["ratio_from_factors"] == pytest.approx(c["ratio"], rel=1e-12)
+    assert c["bytes_per_token"]["llama_bf16"] == c["factors"]["mqa"] * c["factors"]["sharing"] * \
+        c["bytes_per_token"]["kaiju_bf16"]
+    assert abs(c["params"]["kaiju"] / c["params"]["llama"] - 1) < 0.01  # equal parameters (within 1%)

@@ -1,5 +1,6 @@
 """Megatron-LM's own flag sets (tests/fixtures/megatron_scripts: launch scripts, per-model flag files, release
-configurations) parse here with no refusal but Mixture-of-Experts, build a configuration for their own layout,
+configurations, Mixtral's MoE script and Qwen3-MoE's flags) parse here with no refusal, build a configuration for
+their own layout,
 and give every flag the value megatron-core 0.19.2's parser gives it; every flag problem of a command line is
 reported together, in one screen, with "did you mean" and without argparse's usage dump."""
 from __future__ import annotations
@@ -47,20 +48,13 @@ def _problems(argv: list[str]) -> FlagProblems:
     return problems
 
 
-def test_every_flag_set_parses_with_no_refusal_but_moe(flag_sets):
-    """Acceptance 1 (parsing): the only problems are the Mixtral script's MoE flags, and, where the CPU tests
-    lack the package, W&B's."""
-    assert len(flag_sets) >= 14
+def test_every_flag_set_parses_with_no_refusal(flag_sets):
+    """Acceptance 1 (parsing), MoE included (issue 43): the only problems are W&B's, where the CPU tests lack the
+    package."""
+    assert len(flag_sets) >= 15
     for name, argv in flag_sets.items():
         found = [p for p in _problems(argv).problems if not p.text.startswith(ENVIRONMENT)]
-        if name == ms.MIXTRAL:
-            assert {p.category for p in found} == {"refused"}, found
-            assert all("Mixture-of-Experts" in p.text for p in found), found
-            flags = {p.text.split()[0].rstrip(":") for p in found}
-            assert flags >= {"--num-experts", "--expert-model-parallel-size", "--moe-grouped-gemm",
-                             "--moe-token-dispatcher-type"}
-        else:
-            assert not found, f"{name}: {found}"
+        assert not found, f"{name}: {found}"
 
 
 def _layout_world(argv: list[str]) -> int:
@@ -104,8 +98,6 @@ def test_every_flag_parses_to_megatrons_value(flag_sets):
     ours_parser, theirs = build_parser(), _actions(theirs_parser)
     ours = _actions(ours_parser)
     for name, argv in flag_sets.items():
-        if name == ms.MIXTRAL:
-            continue
         if name == ms.GPT3_STEP:
             i = argv.index("--step-batch-size-schedule")
             argv = argv[:i + 1] + [" ".join(argv[i + 1:i + 7])] + argv[i + 7:]
@@ -146,7 +138,7 @@ SEVERAL = ["--mock-data", "--vocab-size", "64", "--train-iters", "2", "--num-lay
            "--totally-unknown-flag", "x",                           # unknown, no close flag
            "--hidden-dropout", "high",                              # not a float
            "--ckpt-format", "torch_dcp",                            # a refused value
-           "--num-experts", "4", "--moe-grouped-gemm",              # refused (MoE)
+           "--moe-enable-deepep", "--moe-use-upcycling",            # refused (MoE options not here)
            "--swiglu", "--squared-relu",                            # conflicting activations
            "--overlap-param-gather",                                # needs --use-distributed-optimizer
            "--micro_batch_size", "2"]                               # underscore spelling: accepted
@@ -167,7 +159,8 @@ def test_several_problems_are_reported_in_one_run_on_one_screen(capsys):
     text = "\n".join(err)
     for needle in ("--num-exprts 8 (did you mean --num-experts?)", "--totally-unknown-flag x",
                    "--hidden-dropout: invalid float value: 'high'", "--ckpt-format torch_dcp: the formats here",
-                   "--num-experts 4: no Mixture-of-Experts", "--moe-grouped-gemm: Mixture-of-Experts",
+                   "--moe-enable-deepep: this Mixture-of-Experts option is not implemented",
+                   "--moe-use-upcycling: this Mixture-of-Experts option",
                    "--swiglu and --squared-relu: choose one", "--overlap-param-gather needs --use-distributed"):
         assert needle in text, needle
     assert len(err) <= MAX_LINES + 2

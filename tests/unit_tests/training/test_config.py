@@ -184,7 +184,7 @@ def test_an_incompatible_old_checkpoint_is_refused_naming_the_difference(tmp_pat
 def test_component_configs_are_dataclasses_composed_into_train_config():
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     assert list(fields) == ["model", "parallel", "training", "ddp", "optimizer", "scheduler", "data", "tokenizer",
-                            "checkpoint", "logging", "distill", "flags"]
+                            "checkpoint", "logging", "distill", "diloco", "flags"]
     cfg = parse_config(FLAGS, world_size=1)
     for name in fields:
         if name != "flags":

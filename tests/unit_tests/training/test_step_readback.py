@@ -8,7 +8,8 @@ import torch
 from testlib.host_sync import HostSyncCounter
 
 from megatron_cai.core import parallel_state as ps
-from megatron_cai.training.step_readback import read_step
+from megatron_cai.training import step_readback
+from megatron_cai.training.step_readback import Deadline, read_step
 from megatron_cai.training.training import _fp32
 
 
@@ -19,13 +20,14 @@ def _single_process():
     ps.destroy_model_parallel()
 
 
-def _read(norm_sq: float, losses: list[float], exit_signal: bool = False, counter: HostSyncCounter | None = None):
+def _read(norm_sq: float, losses: list[float], exit_signal: bool = False, counter: HostSyncCounter | None = None,
+          time_up: bool = False):
     stats = [{"lm loss": torch.tensor(v), "z": torch.tensor(2 * v)} for v in losses]
     norm = torch.tensor(norm_sq, dtype=torch.float64)
     if counter is not None:
         counter.install()
     try:
-        return read_step(norm, stats, exit_signal, torch.device("cpu"))
+        return read_step(norm, stats, exit_signal, torch.device("cpu"), time_up=time_up)
     finally:
         if counter is not None:
             counter.uninstall()
@@ -46,6 +48,28 @@ def test_non_finite_values_and_the_exit_signal_are_reported(losses, norm_sq, exi
     assert r.nonfinite_loss == (not all(math.isfinite(v) for v in losses))
     assert math.isnan(r.grad_norm) == (not math.isfinite(norm_sq))
     assert r.exit_requested == exit_signal
+
+
+@pytest.mark.parametrize("time_up", [False, True])
+def test_the_deadline_vote_comes_back_in_the_same_read(time_up):
+    counter = HostSyncCounter()
+    r = _read(4.0, [1.0], counter=counter, time_up=time_up)
+    assert counter.total() == 1 and r.time_up == time_up and not r.exit_requested and r.grad_norm == 2.0
+
+
+def test_deadline_is_rank_zeros_monotonic_clock(monkeypatch):
+    now = {"t": 1000.0}
+    monkeypatch.setattr(step_readback.time, "monotonic", lambda: now["t"])
+    monkeypatch.setattr(step_readback.time, "time", lambda: 1e12)  # the wall clock is never read
+    d = Deadline(2.0)
+    now["t"] += 120.0
+    assert not d.passed()  # exactly 2 minutes: not past
+    now["t"] += 0.5
+    assert d.passed()
+    assert not Deadline(None).passed() and not Deadline(0).passed()
+    monkeypatch.setattr(step_readback.ps, "get_rank", lambda: 1)
+    monkeypatch.setattr(step_readback.time, "monotonic", lambda: pytest.fail("rank 1 read a clock"))
+    assert not d.passed()  # any other rank never votes
 
 
 def test_fp32_rounding_matches_torch():

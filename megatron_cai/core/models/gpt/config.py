@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...quantization.qat_config import QATConfig
+from ...transformer.layer_pattern import validate_patterns
+from ...transformer.moe.config import MoEConfig
 
 ACTIVATIONS = ("relu2", "swiglu", "gelu_erf", "gelu_tanh")
 # saved configs (checkpoints, Hugging Face exports) before erf GeLU existed called the tanh GeLU "gelu"
@@ -58,7 +60,20 @@ class GPTConfig:
     attention_zreg_scale: float = 1.0
     output_zreg_coeff: float = 0.0
     window_size: int | None = None
+    # per-layer attention patterns (core.transformer.layer_pattern): Megatron's int or 0/1 list, and ours
+    window_attn_skip_freq: int | list[int] | None = None
+    # multi-latent attention (core.transformer.mla; Megatron-LM's flags and defaults)
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rotary_scaling_factor: float = 1.0
+    mscale_all_dim: float = 0.0
+    kv_share_pattern: int | list[int] | None = None  # K/V source of each layer (int N: groups of N); list after init
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
+    moe: MoEConfig | None = None           # Mixture of Experts in the MLP slot (None: dense)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -77,6 +92,12 @@ class GPTConfig:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"num-attention-heads {self.num_attention_heads} is not divisible by "
                              f"num-query-groups {self.num_query_groups}")
+        if isinstance(self.moe, dict):
+            self.moe = MoEConfig.from_dict(self.moe)
+        self.kv_share_pattern = validate_patterns(self.num_layers, self.window_size, self.window_attn_skip_freq,
+                                                  self.kv_share_pattern)
+        if self.multi_latent_attention and (self.kv_share_pattern or self.position_embedding_type != "rope"):
+            raise ValueError("--multi-latent-attention needs --position-embedding-type rope and no --kv-share-pattern")
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
         if self.activation == "gelu":
@@ -95,7 +116,9 @@ class GPTConfig:
                            "num_query_groups", "kv_channels", "position_embedding_type", "normalization",
                            "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
                            "max_position_embeddings", "qk_layernorm", "apply_layernorm_1p", "rotary_percent",
-                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor")
+                           "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "kv_share_pattern",
+                           "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                           "qk_pos_emb_head_dim", "v_head_dim")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

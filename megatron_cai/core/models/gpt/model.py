@@ -148,7 +148,10 @@ class GPTModel(nn.Module):
 
 
 def rotary_dim(config: GPTConfig) -> int:
-    """Dims of each head that RoPE rotates: int(kv_channels * rotary_percent), as Megatron computes it."""
+    """Dims of each head that RoPE rotates: int(kv_channels * rotary_percent), as Megatron computes it
+    (multi-latent attention: the positional part of its heads, int(qk_pos_emb_head_dim * rotary_percent))."""
+    if config.multi_latent_attention:
+        return int(config.qk_pos_emb_head_dim * config.rotary_percent)
     return int(config.kv_channels * config.rotary_percent)
 
 

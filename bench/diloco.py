@@ -1,0 +1,301 @@
+"""DiLoCo across islands against synchronous data parallelism over a slow link (docs/diloco.md).
+
+Part 1, measured: 2 islands x 2 ranks, each island in its own network namespace, joined by a veth link shaped
+to --rates Mbit/s both ways (unshaped inside an island; "unshaped" is the compute reference). Per link rate and
+seed, the same small GPT on the demo corpus, the same tokens:
+
+    dp fp32 | dp bf16 (--grad-reduce-in-bf16) | dp squinch (hierarchical: uncompressed inside an island)
+    diloco 6 | diloco 16   (--diloco-islands 2, H = --inner-steps, K = --fragments, tau = --overlap)
+
+Figures: the final validation loss (the last island's model, fixed held-out batches) at equal tokens, the
+wall time of training, the bytes that crossed the slow link per token (the veth counters under namespaces,
+else counted from the ranks' byte counts), the compute utilisation (DiLoCo: 1 - the inner loop's waits / wall;
+DP: the unshaped run's wall / this one's) and the loss curves against tokens and wall time (the PNG).
+
+Part 2, the model: every measured row predicted from its inner step time (DiLoCo: (wall - waits) / steps of
+the same run; DP: the unshaped run) and its bytes over the link rate (core/diloco/outer_model.py); the
+report states each row's error and whether all are within ERROR_BOUND.
+
+Part 3, projection (arithmetic, no run): islands of 64 H100 (the inner step of
+squinch_cluster_projection.py's model: 4M tokens per island per inner step, bf16 all-reduce inside at
+3,200 Gbit/s per node), 2 and 8 islands joined at 100 and 10 Gbit/s per island: for fp32, bf16 and Squinch
+pseudo-gradients, the least H that keeps compute utilisation >= 90% (K = 1 and K = 4 fragments, overlap up to
+the next fragment's send), utilisation at H = 20 and 100, and synchronous DP's across the same link.
+
+    python bench/diloco.py                  # needs root (namespaces, tc); long: run it on a quiet machine
+    python bench/diloco.py --projection-only  # part 3 only: seconds
+    python bench/diloco.py --quick --no-netns  # every part at toy size on the loopback, one rate (CI)
+"""
+from __future__ import annotations
+
+import os
+import re
+import statistics
+
+import harness as H
+from harness import shaped_link as link
+from harness.data import QUICK, demo_corpus
+from squinch_cluster_projection import COLUMNS, HBM, MODELS, Model, step
+
+from megatron_cai.core.diloco.outer_model import (
+    OuterLink,
+    allreduce_s,
+    min_inner_steps,
+    utilisation,
+    window_s,
+    wire_bytes,
+)
+
+ERROR_BOUND = 0.20  # the model's stated error on measured rows (part 2)
+ISLAND_GPUS = 64
+WAN_ALPHA_S = 0.025  # one message's latency between islands
+PROJECTION_H = (20, 100)
+MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+         "--max-position-embeddings", "128", "--micro-batch-size", "4", "--global-batch-size", "16"]
+QUICK_MODEL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8"]
+LOSS_RE = re.compile(r"iteration +(\d+)/ *\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) .*?lm loss: ([0-9.E+-]+)")
+VAL_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+OUTER_RE = re.compile(r"diloco outer .*?bytes sent (\d+) .*?inner loop waited ([0-9.]+) s")
+
+
+# ------------------------------------------------------------------------------------------ part 1
+def configurations(opts) -> dict[str, list[str]]:
+    diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
+              str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
+              str(opts.outer_lr), "--diloco-outer-momentum", "0.9"]
+    return {"dp fp32": [], "dp bf16": ["--grad-reduce-in-bf16"],
+            "dp squinch": ["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
+            "diloco 6": diloco + ["--diloco-outer-bits", "6"], "diloco 16": diloco + ["--diloco-outer-bits", "16"]}
+
+
+def _veth_bytes() -> int | None:
+    if not link.NETNS[0]:
+        return None
+    total = 0
+    for ns, dev, _ in link.NS:
+        out = os.popen(f"ip netns exec {ns} cat /sys/class/net/{dev}/statistics/tx_bytes").read().strip()
+        total += int(out)
+    return total
+
+
+def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str]) -> dict:
+    """One training run of ``name`` over a link of ``rate`` Mbit/s (None: unshaped): its figures."""
+    prefix, tokenizer = data
+    link.setup_link(rate)
+    argv = ["pretrain_gpt.py", *(QUICK_MODEL if opts.quick else MODEL), *flags, "--data-path", prefix,
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--split", "949,50,1",
+            "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10), "--lr-decay-style", "cosine", "--seed", str(seed),
+            "--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval", str(opts.iters),
+            "--eval-iters", str(opts.eval_iters), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--position-embedding-type", "rope", "--num-workers", "0"]
+    before = _veth_bytes()
+    log = link.spawn_ranks(argv, per_ns=2)[-1]
+    after = _veth_bytes()
+    its = [(int(i), float(ms) / 1000, float(loss)) for i, ms, loss in LOSS_RE.findall(log)]
+    outer = [(int(b), float(w)) for b, w in OUTER_RE.findall(log)]
+    comm = [int(b) for b in link.BYTES_RE.findall(log)]
+    val = VAL_RE.findall(log)
+    tokens = opts.iters * (8 if opts.quick else 16) * (32 if opts.quick else 128)
+    if outer:  # every outer byte of every rank crosses the link (the outer group pairs the islands' ranks)
+        counted = 4 * sum(b for b, _ in outer)
+    else:  # a ring over 4 ranks on 2 hosts: 2 of its 4 edges cross, each carrying one rank's bytes
+        counted = 2 * sum(comm)
+    return {"name": name, "rate": link.rate_key(rate), "seed": seed, "wall_s": sum(t for _, t, _ in its),
+            "wait_s": sum(w for _, w in outer), "losses": [loss for _, _, loss in its],
+            "times_s": [t for _, t, _ in its], "val_loss": float(val[-1][1]) if val else None,
+            "crossing_bytes": (after - before) if before is not None else counted, "counted_bytes": counted,
+            "measured_on": "veth counters" if before is not None else "rank byte counts", "tokens": tokens,
+            "outer_bytes_per_rank": [b for b, _ in outer]}
+
+
+def measure(opts, results: H.Results) -> list[dict]:
+    data = demo_corpus(opts.cache_dir, **({"vocab": QUICK["vocab"], "max_mb": QUICK["corpus_mb"]} if opts.quick
+                                          else {"vocab": 2048, "max_mb": 4.0}))
+    rows = []
+    configs = configurations(opts)
+    names = opts.configs or list(configs)
+    try:
+        for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
+            for seed in opts.seeds:
+                for name in names:
+                    key = f"{name}|{link.rate_key(rate)}|{seed}"
+                    rows.append(results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data)))
+    finally:
+        link.teardown_link()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ part 2
+def predict(row: dict, rows: list[dict], opts) -> float | None:
+    """The model's wall time for a measured row (None for the unshaped reference runs)."""
+    if row["rate"] == "unshaped":
+        return None
+    steps = len(row["times_s"])
+    per_direction = row["counted_bytes"] / 2  # each island sends its half over its own direction
+    bytes_per_s = float(row["rate"]) * 1e6 / 8
+    if row["name"].startswith("diloco"):
+        inner_s = (row["wall_s"] - row["wait_s"]) / steps
+        windows = steps / opts.inner_steps
+        fragment_s = per_direction / max(windows * opts.fragments, 1) / bytes_per_s
+        return windows * window_s(inner_s, opts.inner_steps, opts.fragments, opts.overlap, fragment_s)
+    ref = [r for r in rows if r["name"] == row["name"] and r["seed"] == row["seed"] and r["rate"] == "unshaped"]
+    if not ref:
+        return None
+    return ref[0]["wall_s"] + per_direction / bytes_per_s
+
+
+# ------------------------------------------------------------------------------------------ part 3
+def island_inner_s(model: Model) -> float:
+    """An island's inner step (4M tokens on 64 H100, bf16 all-reduce inside at 3,200 Gbit/s per node)."""
+    return step(model, ISLAND_GPUS, 3200, COLUMNS["bf16"]).step_s
+
+
+def min_gbit(params: float, islands: int, bits: int, inner_s: float, h: int, k: int = 4) -> float:
+    """The slowest link (Gbit/s per island) at which H = ``h``, K = ``k`` keeps utilisation >= 90%."""
+    def ok(gbit: float) -> bool:
+        full_s = allreduce_s(params, islands, bits, OuterLink(gbit * 1e9 / 8, WAN_ALPHA_S))
+        return utilisation(inner_s, h, k, h // k - 1, full_s / k) >= 0.9
+
+    lo, hi = 1e-4, 1e4
+    for _ in range(60):  # bisection in log(rate): utilisation grows with the rate
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def projection(models=MODELS, islands=(2, 8), gbits=(100, 10)) -> list[dict]:
+    out = []
+    for m in models:
+        inner_s = island_inner_s(m)
+        codec_s = m.params / ISLAND_GPUS * 24 / HBM  # each rank's slice: encode + decode passes, memory-bound
+        for n in islands:
+            for gbit in gbits:
+                wan = OuterLink(bytes_per_s=gbit * 1e9 / 8, alpha_s=WAN_ALPHA_S)
+                row = {"model": m.name, "params": m.params, "islands": n, "gbit": gbit, "inner_s": inner_s}
+                for bits in (32, 16, 6):
+                    full_s = allreduce_s(m.params, n, bits, wan, codec_s if bits == 6 else 0.0)
+                    row[f"{bits}"] = {
+                        "model_allreduce_s": full_s, "island_bytes": wire_bytes(m.params, n, bits),
+                        "min_h_k1": min_inner_steps(inner_s, 1, full_s),
+                        "min_h_k4": min_inner_steps(inner_s, 4, full_s),
+                        **{f"util_h{h}_k4": utilisation(inner_s, h, 4, h // 4 - 1, full_s / 4) for h in PROJECTION_H},
+                        **{f"min_gbit_h{h}_k4": min_gbit(m.params, n, bits, inner_s, h) for h in PROJECTION_H},
+                        "dp_util": inner_s / max(inner_s, full_s)}  # synchronous DP, overlapped at best
+                out.append(row)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ report
+def _mean_sd(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "-"
+    return f"{statistics.mean(xs):.4g} +- {statistics.stdev(xs):.2g}" if len(xs) > 1 else f"{xs[0]:.4g}"
+
+
+def render(res: dict) -> str:
+    lines = ["# DiLoCo across islands vs synchronous DP over a slow link", ""]
+    rows = res.get("measured", [])
+    if rows:
+        o = res["options"]
+        lines += [f"2 islands x 2 ranks; {o['iters']} iterations; DiLoCo H = {o['inner_steps']}, K = {o['fragments']}, "
+                  f"tau = {o['overlap']}, outer lr {o['outer_lr']}, Nesterov 0.9; seeds {o['seeds']}; bytes measured "
+                  f"on: {rows[0]['measured_on']}. Model error bound {ERROR_BOUND:.0%}.", "",
+                  "| link | configuration | val loss (mean +- sd) | wall s | slow-link bytes / token | utilisation | "
+                  "model wall s (error) |", "|---|---|---|---|---|---|---|"]
+        for rate in dict.fromkeys(r["rate"] for r in rows):
+            for name in dict.fromkeys(r["name"] for r in rows):
+                group = [r for r in rows if r["rate"] == rate and r["name"] == name]
+                ref = [r for r in rows if r["rate"] == "unshaped" and r["name"] == name]
+                util = [1 - r["wait_s"] / r["wall_s"] if name.startswith("diloco") else
+                        (ref[0]["wall_s"] / r["wall_s"] if ref else None) for r in group]
+                preds = [(p, r["wall_s"]) for r in group if (p := r.get("predicted_s")) is not None]
+                err = f"{statistics.mean(p for p, _ in preds):.1f} ({max(abs(p / w - 1) for p, w in preds):.0%})" \
+                    if preds else "-"
+                lines.append(f"| {rate} | {name} | {_mean_sd([r['val_loss'] for r in group])} | "
+                             f"{_mean_sd([r['wall_s'] for r in group])} | "
+                             f"{_mean_sd([r['crossing_bytes'] / r['tokens'] for r in group])} | "
+                             f"{_mean_sd(util)} | {err} |")
+        errors = [abs(r["predicted_s"] / r["wall_s"] - 1) for r in rows if r.get("predicted_s")]
+        if errors:
+            lines += ["", f"Model error over {len(errors)} measured rows: median {statistics.median(errors):.1%}, "
+                      f"max {max(errors):.1%}: {'within' if max(errors) <= ERROR_BOUND else 'NOT within'} the stated "
+                      f"{ERROR_BOUND:.0%}."]
+        lines.append("")
+    lines += ["## Projection: islands of 64 H100 (arithmetic, core/diloco/outer_model.py)", "",
+              f"Inner step: squinch_cluster_projection's model (4M tokens per island, 40% MFU). WAN latency "
+              f"{WAN_ALPHA_S * 1000:g} ms per message. H90: least H with compute utilisation >= 90% (K fragments, "
+              f"overlap up to the next send). DP: synchronous data parallelism across the link, fully overlapped.",
+              "Slowest link: the least Gbit/s per island at which H (K = 4) keeps >= 90%.",
+              "", "| model | islands | Gbit/s | inner s | bits | model all-reduce s | H90 K=1 | H90 K=4 | "
+              + " | ".join(f"util H={h} K=4" for h in PROJECTION_H) + " | "
+              + " | ".join(f"slowest link H={h}" for h in PROJECTION_H) + " | DP util |",
+              "|---|---|---|---|---|---|---|---|" + "---|" * 2 * len(PROJECTION_H) + "---|"]
+    for r in res["projection"]:
+        for bits in ("32", "16", "6"):
+            c = r[bits]
+            lines.append(f"| {r['model']} | {r['islands']} | {r['gbit']} | {r['inner_s']:.2f} | {bits} | "
+                         f"{c['model_allreduce_s']:.2f} | {c['min_h_k1']} | {c['min_h_k4']} | "
+                         + " | ".join(f"{c[f'util_h{h}_k4']:.1%}" for h in PROJECTION_H) + " | "
+                         + " | ".join(f"{c[f'min_gbit_h{h}_k4']:.3g}" for h in PROJECTION_H)
+                         + f" | {c['dp_util']:.1%} |")
+    six = [r for r in res["projection"] if (r["6"]["min_h_k4"] or 10**9) <= 20]
+    fail = [r for r in res["projection"] if r not in six]
+    lines += ["", "Squinch-DiLoCo (6 bits, K = 4) keeps utilisation >= 90% at some H <= 20 for "
+              f"{len(six)} of {len(res['projection'])} (model, islands, link) rows"
+              + (": not for " + ", ".join(f"{r['model']} x {r['islands']} at {r['gbit']} Gbit/s" for r in fail)
+                 if fail else "") + ". Below the 'slowest link' column it does not at that H."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res.get("measured", []) if r["seed"] == res["options"]["seeds"][0]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for r in rows:
+        if r["rate"] == "unshaped" and len({x["rate"] for x in rows}) > 1:
+            continue
+        label = f"{r['name']} @ {r['rate']}"
+        tokens = [r["tokens"] * (i + 1) / len(r["losses"]) for i in range(len(r["losses"]))]
+        wall = [sum(r["times_s"][:i + 1]) for i in range(len(r["times_s"]))]
+        axes[0].plot(tokens, r["losses"], lw=0.8, label=label)
+        axes[1].plot(wall, r["losses"], lw=0.8, label=label)
+    axes[0].set(xlabel="tokens", ylabel="training loss (last island)", title="loss vs tokens")
+    axes[1].set(xlabel="wall s", xscale="log", title="loss vs wall time")
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = H.parser(__doc__, "diloco")
+    H.add(p, iters=400, lr=2e-3, seeds=[1, 2, 3], eval_iters=8)
+    p.add_argument("--rates", type=float, nargs="+", default=[10, 30, 100], help="slow-link rates, Mbit/s")
+    p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--fragments", type=int, default=5)
+    p.add_argument("--overlap", type=int, default=4)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--no-netns", action="store_true", help="every rank on the loopback, unshaped")
+    p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
+    opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
+                                       overlap=1, configs=["dp bf16", "diloco 6"]))
+    link.use_namespaces(not opts.no_netns)
+    results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ("out", "from_json")})
+    if opts.from_json:
+        results.rewrite(render, plot)
+        return
+    measured = [] if opts.projection_only else measure(opts, results)
+    for r in measured:
+        r["predicted_s"] = predict(r, measured, opts)
+    payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
+                                                         "outer_lr", "seeds", "rates", "quick")},
+               "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
+    results.write(payload, render, plot if measured else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Mixture of Experts (Megatron's layout): router, token dispatcher, experts and shared experts, one file each."""

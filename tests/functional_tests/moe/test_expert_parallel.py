@@ -1,0 +1,265 @@
+"""Expert parallelism equals one process holding every expert: the losses (lm, load balancing, z), the grad
+norm and every parameter's gradient (experts gathered from their EP ranks) over 5 iterations, to 1e-6, for EP 2
+and EP 4 with both token dispatchers (the ranks are DP ranks too: each sees its share of the global batch),
+and composed: EP 2 x expert-DP 2 (DDP and the distributed optimizer), EP 2 x TP 2 with sequence parallelism
+(expert TP 2 with allgather, expert TP 1 with alltoall), EP 2 x PP 2 interleaved, EP 2 x CP 2 on packed
+documents, seq_aux_loss per packed document under TP 2 x EP 2. Squinch compresses the expert gradients over
+the expert-DP group, and the logged bytes count them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from testlib.distributed import run_distributed
+from testlib.train import TINY_MODEL, train
+
+from megatron_cai.core import parallel_state as ps
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3",
+       "--moe-ffn-hidden-size", "24", "--moe-layer-freq", "([0]+[1]*3)", "--disable-bias-linear",
+       "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
+BASE = TINY_MODEL + MOE + ["--train-iters", "5", "--micro-batch-size", "1", "--global-batch-size", "4",
+                           "--lr", "3e-3", "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7"]
+RUN = BASE + ["--mock-data"]
+
+
+def _argv(extra) -> list[str]:
+    """The run's flags with ``extra``; mock data unless ``extra`` names a dataset."""
+    return (BASE if "--data-path" in extra else RUN) + list(extra)
+
+
+def _capture_grads(trainer):
+    """Each parameter's reduced gradient before the last optimizer step, with where it sits in the full tensor:
+    (first expert or None, split dim or None, sections, rank along the split)."""
+    captured = {}
+    step = trainer.optimizer.step
+    tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
+
+    def recording_step(*a, **k):
+        captured.clear()
+        for chunk in trainer.model:
+            for name, p in chunk.module.named_parameters():
+                if getattr(p, "is_expert", False):
+                    where = (p.first_expert, p.etp_dim, p.etp_sections, etp_rank)
+                else:
+                    tp_split = p.tp_dim if ps.get_tensor_model_parallel_world_size() > 1 else None
+                    where = (None, tp_split, len(p.tp_sections or [0]), tp_rank)
+                captured[name] = (where, _owned(chunk, p, trainer.optimizer.distributed))
+        return step(*a, **k)
+
+    trainer.optimizer.step = recording_step
+    trainer.captured = captured
+
+
+def _owned(ddp, p, distributed: bool) -> torch.Tensor:
+    """``p``'s reduced gradient; with the distributed optimizer only this rank's shards, zero elsewhere."""
+    g = p.main_grad.detach().clone()
+    if not distributed:
+        return g
+    s, e = ddp.buffer.offsets[id(p)]
+    keep = torch.zeros(e - s, dtype=torch.bool)
+    for lo, hi in ddp.buffer.owned_ranges(True):
+        keep[max(lo, s) - s:max(min(hi, e) - s, 0)] = True
+    return (g.reshape(-1) * keep).view_as(g)
+
+
+def _worker(rank, world, argv):
+    holder = {}
+
+    def hook(trainer):
+        _capture_grads(trainer)
+        holder["t"] = trainer
+
+    out = train(argv, world_size=world, trainer_hook=hook)
+    out["grads"] = holder["t"].captured
+    out["ep_rank"] = ps.get_expert_model_parallel_rank()
+    out["sharded"] = holder["t"].optimizer.distributed
+    return out
+
+
+def _unsplit(parts: dict[int, torch.Tensor], dim: int | None, sections: int) -> torch.Tensor:
+    if dim is None:
+        return parts[0]
+    blocks = [[t.chunk(sections, dim=dim)[s] for _, t in sorted(parts.items())] for s in range(sections)]
+    return torch.cat([torch.cat(b, dim=dim) for b in blocks], dim=dim)
+
+
+def _full_grads(results):
+    """Parameter name -> gradient, TP / expert-TP shards joined and experts stacked in global order."""
+    pieces: dict[str, dict] = {}
+    for r in results:
+        for name, ((first, dim, sections, split_rank), g) in r["grads"].items():
+            parts = pieces.setdefault(name, {}).setdefault(first, (dim, sections, {}))[2]
+            parts[split_rank] = parts[split_rank] + g if r["sharded"] and split_rank in parts else \
+                parts.get(split_rank, g)  # distributed optimizer: the replicas' shards add up
+    out = {}
+    for name, by_first in pieces.items():
+        joined = {first: _unsplit(parts, dim, sections) for first, (dim, sections, parts) in by_first.items()}
+        out[name] = joined[None] if None in joined else torch.cat([joined[k] for k in sorted(joined)])
+    return out
+
+
+_REFERENCES: dict[tuple, tuple] = {}
+
+
+def _reference(extra: list[str]):
+    if tuple(extra) not in _REFERENCES:
+        results = run_distributed(_worker, 1, args=(_argv(extra),))
+        _REFERENCES[tuple(extra)] = results[0]["history"], _full_grads(results)
+    return _REFERENCES[tuple(extra)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference([])
+
+
+def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = ()):
+    ref_hist, ref_grads = reference
+    argv = _argv(extra) + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
+    results = run_distributed(_worker, world, args=(argv,))
+    hist = [r for r in results if r["last_stage"]][0]["history"]
+    for a, b in zip(ref_hist, hist):
+        assert a.keys() == b.keys()
+        for key in a.keys() - {"lr", "skipped", "grad comm bytes", "global batch size"}:
+            assert abs(a[key] - b[key]) < 1e-6, (key, a, b)
+    assert len(hist) == 5
+    grads = _full_grads(results)
+    assert set(ref_grads) <= set(grads)  # PP adds the last stage's copy of the tied embedding
+    grads = {n: g for n, g in grads.items() if n in ref_grads}
+    for n, g in grads.items():  # TP pads the vocabulary further: those rows have no gradient
+        if g.shape != ref_grads[n].shape:
+            assert g[ref_grads[n].shape[0]:].abs().max() == 0, n
+            grads[n] = g[:ref_grads[n].shape[0]]
+    worst = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
+    assert worst < 1e-6, worst
+    assert {r["ep_rank"] for r in results} == set(range(ep))
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_ep2_equals_one_process(reference, dispatcher):
+    _compare(reference, 2, 2, dispatcher)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_ep4_equals_one_process(reference, dispatcher):
+    _compare(reference, 4, 4, dispatcher)
+
+
+def test_ep2_with_expert_data_parallel_2_equals_one_process(reference):
+    """World 4: each expert lives on two ranks (expert DP 2): their gradients reduce over that group."""
+    _compare(reference, 2, 4, "allgather")
+
+
+def _packed_docs(tmp) -> list[str]:
+    import json
+    import os
+    import random
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools"))
+    from preprocess_data import preprocess
+
+    rng = random.Random(0)
+    path = tmp / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(str(rng.randrange(90)) for _ in range(rng.randint(3, 12)))})
+                            + "\n" for _ in range(80)))
+    preprocess(str(path), str(tmp / "docs"), "NullTokenizer", vocab_size=100, append_eod=True, progress=False,
+               log=lambda m: None)
+    return ["--data-path", str(tmp / "docs_text_document"), "--tokenizer-type", "NullTokenizer", "--split", "1",
+            "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss", "--seq-length", "32",
+            "--max-position-embeddings", "32"]
+
+
+COMPOSITIONS = {
+    "tp2_sp_allgather": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "allgather"),
+    "tp2_sp_etp1_alltoall": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-tensor-parallel-size", "1"], "alltoall"),
+    "pp2_interleaved": (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                        "alltoall"),
+    "dp2_distributed_optimizer": (["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                   "--overlap-param-gather"], "alltoall"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPOSITIONS))
+def test_ep2_composed_equals_one_process(reference, name):
+    extra, dispatcher = COMPOSITIONS[name]
+    _compare(reference, 2, 4, dispatcher, tuple(extra))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_ep2_cp2_packed_documents_equals_one_process(tmp_path_factory, dispatcher):
+    data = _packed_docs(tmp_path_factory.mktemp("docs"))
+    _compare(_reference(data), 2, 4, dispatcher, ("--context-parallel-size", "2", *data))
+
+
+def _squinch_worker(rank, world, argv):
+    holder = {}
+    out = train(argv, world_size=world, trainer_hook=lambda t: holder.setdefault("t", t))
+    ddp = holder["t"].model[0]
+    out.update(expert_bytes=ddp.reducer.expert.bytes_sent, dense_bytes=ddp.reducer.dense.bytes_sent,
+               buckets={kind: [b.numel for b in ddp.buffer.buckets if b.expert == kind] for kind in (False, True)},
+               squinch=type(ddp.reducer.expert).__name__, edp=ps.get_expert_data_parallel_world_size(),
+               dp=ps.get_data_parallel_world_size())
+    return out
+
+
+def test_squinch_expert_gradients_over_expert_dp():
+    """World 4, EP 2: experts reduce over expert-DP groups of 2 in Squinch's 6-bit format, dense gradients over
+    DP 4. Per bucket, a compressed all-reduce over n ranks sends 2 (n - 1) wire rows of N / n elements: 0.375 of
+    bf16's 2 (n - 1) / n x 2 bytes x N, plus each row's non-finite flag byte padded to the row alignment. The
+    logged grad comm bytes are exactly that, dense and expert together, every iteration."""
+    from megatron_cai.core.distributed.squinch_collectives import row_nbytes
+
+    argv = RUN + ["--expert-model-parallel-size", "2", "--squinch", "--train-iters", "2"]
+    results = run_distributed(_squinch_worker, 4, args=(argv,))
+    r = results[0]
+    assert r["squinch"] == "SquinchReducer" and r["edp"] == 2 and r["dp"] == 4
+
+    def squinch(n, buckets):
+        return sum(2 * (n - 1) * row_nbytes(numel // n) for numel in buckets)
+
+    def bf16(n, buckets):  # a ring all-reduce: 2 (n - 1) / n of the buffer, 2 bytes an element
+        return sum(2 * (n - 1) * 2 * numel // n for numel in buckets)
+
+    expert, dense = squinch(2, r["buckets"][True]), squinch(4, r["buckets"][False])
+    iterations = len(r["history"])
+    assert r["expert_bytes"] == expert * iterations > 0 and r["dense_bytes"] == dense * iterations
+    assert 0.375 < expert / bf16(2, r["buckets"][True]) < 0.381  # the flag rows: 0.375 as buckets grow
+    assert [h["grad comm bytes"] for h in last_stage(results)] == [expert + dense] * iterations
+
+
+def last_stage(results):
+    return [r for r in results if r["last_stage"]][0]["history"]
+
+
+@pytest.mark.slow
+def test_seq_aux_loss_per_document_under_tp2_sp_and_ep2_equals_one_process(tmp_path_factory):
+    """seq_aux_loss on packed documents (each document its own sequence): TP 2 with sequence parallelism (a
+    document's tokens on both TP ranks) x EP 2 equals one process."""
+    data = _packed_docs(tmp_path_factory.mktemp("docs_seq_aux")) + ["--moe-router-load-balancing-type",
+                                                                       "seq_aux_loss"]
+    ref = _reference(data)
+    _compare(ref, 2, 4, "allgather", ("--tensor-model-parallel-size", "2", "--sequence-parallel", *data))
+
+
+def _resume_worker(rank, world, argv, save):
+    """Iterations 1-2 saved, then 3-4 resumed from the checkpoint (Squinch's error feedback included)."""
+    first = train(argv + ["--train-iters", "4", "--save", save, "--exit-interval", "2"], world_size=world)
+    second = train(argv + ["--train-iters", "4", "--save", save, "--load", save], world_size=world)
+    return first["history"] + second["history"]
+
+
+def test_squinch_expert_feedback_resumes_exactly(tmp_path):
+    """DP 2 (expert DP 2): the expert reducer's error feedback is saved with the dense one's and restored: the
+    resumed run's losses and grad norms are the uninterrupted run's, bit for bit."""
+    argv = RUN + ["--squinch", "--ckpt-format", "torch"]
+    whole = last_stage(run_distributed(_worker, 2, args=(argv + ["--train-iters", "4"],)))
+    resumed = run_distributed(_resume_worker, 2, args=(argv, str(tmp_path / "ckpt")))[0]
+    assert len(resumed) == 4
+    for a, b in zip(whole, resumed):
+        assert (a["lm loss"], a["load_balancing_loss"], a["grad norm"]) == \
+            (b["lm loss"], b["load_balancing_loss"], b["grad norm"])
