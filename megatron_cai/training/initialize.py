@@ -269,4 +269,18 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         # The launcher's node size does not fit the layout: treat the job as one node.
         ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, islands=islands, **experts)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
+    if env.rank == 0:
+        safe_print(launch_line(env, ps.get_data_parallel_intra_node_world_size(),
+                               ps.get_data_parallel_inter_node_world_size()))
     return env, device
+
+
+def launch_line(env: DistEnv, dp_intra: int, dp_inter: int, environ=None) -> str:
+    """The start-up facts as discovered: launcher, ranks, nodes x ranks per node, the rendezvous address, and
+    the data-parallel split that ``--squinch-hierarchical`` uses (uncompressed within a node, Squinch across)."""
+    e = os.environ if environ is None else environ
+    nodes = max(env.world_size // max(env.local_world_size, 1), 1)
+    rendezvous = f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}" if "MASTER_ADDR" in e and "MASTER_PORT" in e else "none"
+    return (f" > launch: {env.source}, {env.world_size} rank(s) = {nodes} node(s) x {env.local_world_size} "
+            f"rank(s) per node, rendezvous {rendezvous}; data-parallel groups of {dp_intra} rank(s) within a node "
+            f"x {dp_inter} across nodes (--squinch-hierarchical reduces uncompressed within, Squinch across)")
