@@ -51,7 +51,7 @@ def get_batch(data_iterator) -> tuple[dict, object]:
 def forward_step(data_iterator, model, distiller=None):
     """One micro-batch through one model chunk: returns its output and the loss function to apply.
 
-    ``distiller``: the run's :class:`~megatron_cai.training.distill.Distiller`, bound by the Trainer when
+    ``distiller``: the run's :class:`~megatron_cai.training.features.distill.Distiller`, bound by the Trainer when
     distillation is on (None: plain LM training)."""
     batch, visibility = get_batch(data_iterator)
     if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage

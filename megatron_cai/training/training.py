@@ -46,9 +46,10 @@ from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
-from .diloco import DilocoCheckpoint, DilocoSeam
-from .distill import setup_distillation
 from .errors import DataError
+from .features.diloco import DilocoCheckpoint, DilocoSeam
+from .features.distill import setup_distillation
+from .features.moe import MoEMetrics
 from .flags.megatron_compat import no_op_message
 from .initialize import discover_env, initialize_distributed
 from .logging import (
@@ -63,7 +64,6 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .moe_metrics import MoEMetrics
 from .preemption import exit_signal
 from .step_readback import Deadline, loss_means, read_step
 from .training_log import (
