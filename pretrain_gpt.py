@@ -6,6 +6,11 @@
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import (seconds): a signal from here on asks for a clean exit
+    from megatron_cai.training.preemption import exit_signal
+
+    exit_signal.install()
+
 import functools
 
 import torch
@@ -16,6 +21,7 @@ from megatron_cai.training.arguments import build_config, parse_args
 from megatron_cai.training.config import ArgumentError, TrainConfig
 from megatron_cai.training.errors import KNOWN_ERRORS, exit_process, run_cli
 from megatron_cai.training.initialize import discover_env
+from megatron_cai.training.preemption import exit_signal
 from megatron_cai.training.training import pretrain
 
 
@@ -45,7 +51,7 @@ def get_batch(data_iterator) -> tuple[dict, object]:
 def forward_step(data_iterator, model, distiller=None):
     """One micro-batch through one model chunk: returns its output and the loss function to apply.
 
-    ``distiller``: the run's :class:`~megatron_cai.training.distill.Distiller`, bound by the Trainer when
+    ``distiller``: the run's :class:`~megatron_cai.training.features.distill.Distiller`, bound by the Trainer when
     distillation is on (None: plain LM training)."""
     batch, visibility = get_batch(data_iterator)
     if distiller is not None and distiller.applies(model, batch):  # (1 - alpha) CE + alpha KD, last stage
@@ -129,7 +135,11 @@ def _eod_or_none(tokenizer):
 
 def main(argv=None):
     """Parse, train, shut down; a known error (bad flags, data, checkpoint, layout, divergence) prints one
-    ``error:`` line (rank 0, or the rank that found it) and returns 2, without a traceback."""
+    ``error:`` line (rank 0, or the rank that found it) and returns 2, without a traceback.
+
+    SIGTERM, SIGINT and SIGUSR1 are recorded from the first line on (``training.preemption.exit_signal``):
+    during start-up the run stops before training, during training it saves; either way every rank exits 0."""
+    exit_signal.install()
     return run_cli(functools.partial(_main, argv), KNOWN_ERRORS + (FileNotFoundError,))
 
 

@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.5", "numpy", "sentencepiece", "tqdm"],
     extras_require={
+        "tensorboard": ["tensorboard"],  # --tensorboard-dir (examples/slurm/pretrain_gpt_torchrun.sbatch)
         "test": [
             "pytest",
             "pytest-timeout",

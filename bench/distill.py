@@ -36,7 +36,7 @@ from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
 from megatron_cai.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron_cai.training.checkpoint import load_canonical
-from megatron_cai.training.distill import build_teacher
+from megatron_cai.training.features.distill import build_teacher
 
 RUNS = ("no KD", "full KD (online)", "top-k KD", "Gumbel-k KD")
 LOG_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)(?:.*?distill loss: ([0-9.E+-]+))?"

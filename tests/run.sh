@@ -21,5 +21,6 @@ TRITON_36=.ci/triton-3.6.0
 python -c "import numpy, sys; sys.exit(tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4))" \
   || pip install -q "numpy>=2.4"
 export MEGATRON_CAI_TRITON_36="$PWD/$TRITON_36"
-# pytest exits 5 when it collects no tests; `set -e` turns that into a failure too.
-exec python -m pytest -m "not slow" -q -p no:cacheprovider "$@"
+# pytest exits 5 when it collects no tests; `set -e` turns that into a failure too. The real-Slurm tests
+# (tests/cluster, marker `cluster`) have their own command: README.md, Tests.
+exec python -m pytest -m "not slow and not cluster" -q -p no:cacheprovider "$@"

@@ -60,7 +60,7 @@ from megatron_cai.training.checkpoint import (  # noqa: E402
     load_canonical,
     trust_from_flags,
 )
-from megatron_cai.training.distill import build_teacher  # noqa: E402
+from megatron_cai.training.features.distill import build_teacher  # noqa: E402
 from megatron_cai.training.tokenizer import build_tokenizer  # noqa: E402
 
 

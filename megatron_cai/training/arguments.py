@@ -155,7 +155,7 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="the same losses and weights run to run (CPU: always): Megatron-LM's NCCL_ALGO=Ring, "
                         "CUBLAS_WORKSPACE_CONFIG=:4096:8, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 where unset, and "
-                        "torch.use_deterministic_algorithms (megatron_cai/training/determinism.py)")
+                        "torch.use_deterministic_algorithms (megatron_cai/training/features/determinism.py)")
     s = p.add_argument_group("squinch gradient compression")
     s.add_argument("--squinch", action="store_true", help="6-bit Squinch compression of DP gradients")
     s.add_argument("--squinch-error-feedback", dest="squinch_error_feedback", action="store_true", default=True)

@@ -26,8 +26,8 @@ from ..core import parallel_state as ps
 from ..core.tensor_parallel.random import model_parallel_manual_seed
 from . import errors
 from .config import ParallelConfig
-from .determinism import apply_deterministic_mode
 from .errors import RankLocalError, safe_print
+from .features.determinism import apply_deterministic_mode
 
 DEFAULT_INTERVAL_S = 30.0
 _HEARTBEAT_KEY = "megatron_cai/heartbeat/"
@@ -274,4 +274,18 @@ def initialize_distributed(parallel: ParallelConfig, seed: int, env: DistEnv | N
         ps.initialize_model_parallel(tp, pp, vpp, context_parallel_size=cp, timeout=timeout, islands=islands,
                                      order=order, **experts)
     model_parallel_manual_seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), device)
+    if env.rank == 0:
+        safe_print(launch_line(env, ps.get_data_parallel_intra_node_world_size(),
+                               ps.get_data_parallel_inter_node_world_size()))
     return env, device
+
+
+def launch_line(env: DistEnv, dp_intra: int, dp_inter: int, environ=None) -> str:
+    """The start-up facts as discovered: launcher, ranks, nodes x ranks per node, the rendezvous address, and
+    the data-parallel split that ``--squinch-hierarchical`` uses (uncompressed within a node, Squinch across)."""
+    e = os.environ if environ is None else environ
+    nodes = max(env.world_size // max(env.local_world_size, 1), 1)
+    rendezvous = f"{e['MASTER_ADDR']}:{e['MASTER_PORT']}" if "MASTER_ADDR" in e and "MASTER_PORT" in e else "none"
+    return (f" > launch: {env.source}, {env.world_size} rank(s) = {nodes} node(s) x {env.local_world_size} "
+            f"rank(s) per node, rendezvous {rendezvous}; data-parallel groups of {dp_intra} rank(s) within a node "
+            f"x {dp_inter} across nodes (--squinch-hierarchical reduces uncompressed within, Squinch across)")

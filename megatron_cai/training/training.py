@@ -19,7 +19,6 @@ import inspect
 import logging
 import math
 import os
-import signal
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,9 +46,11 @@ from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
-from .diloco import DilocoCheckpoint, DilocoSeam
-from .distill import setup_distillation
 from .errors import DataError
+from .features.diloco import DilocoCheckpoint, DilocoSeam
+from .features.distill import setup_distillation
+from .features.moe import MoEMetrics
+from .features.weight_hash import check_weight_replicas
 from .flags.megatron_compat import no_op_message
 from .initialize import discover_env, initialize_distributed
 from .logging import (
@@ -64,7 +65,7 @@ from .logging import (
     training_log_line,
     validation_log_lines,
 )
-from .moe_metrics import MoEMetrics
+from .preemption import exit_signal
 from .step_readback import Deadline, loss_means, read_step
 from .training_log import (
     IterationStats,
@@ -74,7 +75,6 @@ from .training_log import (
     prints_log_line,
     validation_scalars,
 )
-from .weight_hash import check_weight_replicas
 
 
 @dataclass
@@ -89,22 +89,6 @@ class TrainState:
         return {"iteration": self.iteration, "consumed_train_samples": self.consumed_train_samples,
                 "consumed_valid_samples": self.consumed_valid_samples,
                 "skipped_iterations": self.skipped_iterations}
-
-
-class _ExitSignal:
-    """SIGTERM / SIGUSR1 (Slurm preemption) request a checkpoint and a clean exit."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        if enabled:
-            for sig in (signal.SIGTERM, signal.SIGUSR1):
-                try:
-                    signal.signal(sig, self._handler)
-                except (ValueError, OSError):  # not the main thread
-                    pass
-
-    def _handler(self, signum, frame) -> None:
-        self.received = True
 
 
 @dataclass(frozen=True)
@@ -277,7 +261,6 @@ class Trainer:
         self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
-        self.exit_signal = _ExitSignal(run.exit_signal_handler)
         self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
         tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
         seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
@@ -387,7 +370,7 @@ class Trainer:
             empty_device_cache(self.device)
         if self.grad_scaler is not None:
             self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        read = read_step(self.optimizer.local_norm_sq(), stats, self.exit_signal.received, self.device,
+        read = read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None, self.device,
                          time_up=self.deadline.passed())
         finite = math.isfinite(read.grad_norm)
         if finite:
@@ -513,7 +496,8 @@ class Trainer:
         exited = False  # an exit (signal, --exit-interval, --exit-duration-in-mins): no final evaluation
         if run.skip_train:
             print_rank_0("skipping training (--skip-train is on) ...")
-        while st.iteration < run.train_iters and not run.skip_train:
+        stopped = self._signalled_during_start_up()
+        while not stopped and st.iteration < run.train_iters and not run.skip_train:
             self.profiler.before_step(st.iteration)
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
@@ -590,10 +574,10 @@ class Trainer:
                 exited = True
                 break
         else:
-            if (self.config.checkpoint.save and not run.skip_train
-                    and not (save_interval and st.iteration % save_interval == 0)):
+            at_interval = save_interval and st.iteration % save_interval == 0
+            if not stopped and self.config.checkpoint.save and not run.skip_train and not at_interval:
                 self.save()
-        if not exited:
+        if not exited and not stopped:
             self._final_evaluation(write_to_tensorboard=not run.skip_train)
         if "memory" not in st.extra:  # no iteration logged
             st.extra["memory"] = self._log_memory("at the end of training")
@@ -628,6 +612,20 @@ class Trainer:
                 self.tb.add(validation_scalars(val, st.iteration, st.consumed_train_samples,
                                                self.config.logging.log_validation_ppl_to_tensorboard))
                 self.wandb.log({f"{k} validation": v for k, v in val.items()}, st.iteration)
+
+    def _signalled_during_start_up(self) -> bool:
+        """Whether some rank received an exit signal before the first iteration (collective, read once): the
+        run then stops without training and without saving, so a loaded checkpoint stays as it was."""
+        flag = torch.tensor(float(exit_signal.received() is not None), device=self.device)
+        if ps.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return False
+        where = f"the checkpoint at iteration {self.state.iteration} is current" if self.state.iteration else \
+            "nothing was trained"
+        print_rank_0(f" exit signal ({exit_signal.received() or 'on another rank'}) during start-up: exiting "
+                     f"before the first iteration, nothing saved ({where})")
+        return True
 
     def _loss_scale(self) -> float:
         """The fp16 loss scale (1.0 without a loss scaler, as Megatron-LM logs it for bf16 / fp32)."""
@@ -747,6 +745,11 @@ def pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenize
         print_rank_0(line)
     if config.logging.logging_level is not None:  # --logging-level, as Megatron-LM's setup_logging
         logging.getLogger().setLevel(config.logging.logging_level)
+    with exit_signal.handling(config.training.exit_signal_handler):  # SIGTERM / SIGINT / SIGUSR1: save, exit
+        return _pretrain(config, datasets_provider, forward_step_func, tokenizer)
+
+
+def _pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokenizer) -> TrainState:
     trainer = Trainer(config, datasets_provider, forward_step_func, tokenizer)
     if ps.get_data_parallel_rank(with_context_parallel=True) == 0:
         print(parameter_count_line(sum(p.numel() for m in trainer.model for p in m.module.parameters()),

@@ -4,7 +4,7 @@ Nesterov outer optimizer, fragment by fragment (Streaming DiLoCo), overlapped wi
 
 ``DilocoConfig`` (config.py) from the flags; ``DilocoOuter`` (outer.py) over a rank's flat weights;
 ``OuterReduce`` (outer_reduce.py) the compressed outer all-reduce; outer_model.py its step-time model.
-The training loop's seam is ``megatron_cai/training/diloco.py``.
+The training loop's seam is ``megatron_cai/training/features/diloco.py``.
 """
 from .config import OUTER_BITS, DilocoConfig
 from .outer import DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats, fragment_bounds

@@ -8,8 +8,8 @@ import math
 import re
 
 from ..config import ArgumentError
-from ..determinism import check_deterministic_flags
 from ..divergence import rerun_mode_note
+from ..features.determinism import check_deterministic_flags
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .report import FlagProblems
@@ -247,16 +247,16 @@ def check_machine(args: argparse.Namespace, problems: FlagProblems) -> None:
     (dataset prefixes, GPT-2 BPE files); recorded in ``problems`` beside the flag problems (one report)."""
     import os
 
-    import torch
     import torch.distributed as dist
 
-    from ..determinism import check_deterministic_environment
+    from ...core.device import cuda_available
+    from ..features.determinism import check_deterministic_environment
 
     if args.distributed_backend == "nccl" and not (dist.is_available() and dist.is_nccl_available()):
         problems.missing("--distributed-backend nccl: this PyTorch has no NCCL (\"Distributed package doesn't have "
                          "NCCL built in\"); use --distributed-backend gloo, or leave it unset")
     check_deterministic_environment(args, os.environ, problems)
-    if args.device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not cuda_available():
         problems.missing("--device cuda: no CUDA device is available here; use --device cpu, or leave it unset")
     for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
         for prefix in vars(args)[flag[2:].replace("-", "_")] or []:

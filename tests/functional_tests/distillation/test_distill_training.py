@@ -16,7 +16,7 @@ from megatron_cai.core.distillation.dataset import TeacherSamplesDataset
 from megatron_cai.core.models.gpt.config import GPTConfig
 from megatron_cai.core.models.gpt.model import GPTModel
 from megatron_cai.training.arguments import ArgumentError
-from megatron_cai.training.distill import Distiller
+from megatron_cai.training.features.distill import Distiller
 
 ITERS = 3
 KEYS = ("lm loss", "distill loss", "distill kl", "grad norm")

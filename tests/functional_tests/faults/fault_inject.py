@@ -14,6 +14,8 @@
     FAULT_PAUSE_AT=K        before iteration K, wait until the file FAULT_PAUSE_UNTIL exists
     FAULT_PAUSE_CHOSEN=P    once a load has chosen its checkpoint (the tracker read), create P.paused and wait
                             until P.go exists (another job may save and remove checkpoints meanwhile)
+    FAULT_PAUSE_DATA=1      before building the datasets (start-up, after the checkpoint load), print
+                            "FAULT: building datasets" on stderr and wait until the file FAULT_PAUSE_UNTIL exists
 
     python tests/functional_tests/faults/fault_inject.py PRETRAIN_GPT_FLAGS...
 """
@@ -135,6 +137,16 @@ def install() -> None:
         return loss, stats
 
     pretrain_gpt.loss_func = loss_func
+    real_provider = pretrain_gpt.train_valid_test_datasets_provider
+
+    def datasets_provider(*args, **kwargs):
+        if env.get("FAULT_PAUSE_DATA"):
+            print("FAULT: building datasets", file=sys.stderr, flush=True)
+            while not os.path.exists(env["FAULT_PAUSE_UNTIL"]):
+                time.sleep(0.1)
+        return real_provider(*args, **kwargs)
+
+    pretrain_gpt.train_valid_test_datasets_provider = datasets_provider
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ ARGV = [*TINY_MODEL, "--num-layers", "2", "--mock-data", "--train-iters", "4", "
 
 def _worker(rank: int, world_size: int, argv: list[str], corrupt_rank: int | None) -> str:
     import pretrain_gpt
+    from megatron_cai.training.features.weight_hash import WeightReplicaMismatchError
     from megatron_cai.training.training import Trainer
-    from megatron_cai.training.weight_hash import WeightReplicaMismatchError
 
     config, tokenizer = pretrain_gpt.build_run(argv, world_size=world_size)
     trainer = Trainer(config, pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.forward_step, tokenizer)

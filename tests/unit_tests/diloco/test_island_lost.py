@@ -32,7 +32,7 @@ def _worker(rank: int, world: int, overlap: int):
 def test_a_lost_island_is_named_by_the_survivors():
     from testlib.distributed import run_distributed
 
-    from megatron_cai.training.diloco import IslandLost
+    from megatron_cai.training.features.diloco import IslandLost
 
     for overlap in (0, 1):
         message, step = run_distributed(_worker, 2, args=(overlap,))[0]

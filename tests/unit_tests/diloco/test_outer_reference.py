@@ -6,7 +6,7 @@ import torch
 
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.diloco import DilocoConfig, DilocoOuter, FlatWeights
-from megatron_cai.training.diloco import island_groups
+from megatron_cai.training.features.diloco import island_groups
 
 from .reference import diloco, inner_step
 

@@ -7,8 +7,8 @@ import typing
 import pytest
 import torch
 
-from megatron_cai.training import determinism
 from megatron_cai.training.arguments import ArgumentError, parse_args, parse_config
+from megatron_cai.training.features import determinism
 
 if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
     typing.override = lambda f: f

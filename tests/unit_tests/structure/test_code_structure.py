@@ -297,7 +297,7 @@ def _mutable_globals(fn: types.FunctionType, seen: set | None = None) -> list[st
 
 def test_forward_step_reads_no_module_level_mutable_state():
     import pretrain_gpt
-    from megatron_cai.training import distill
+    from megatron_cai.training.features import distill
 
     assert _mutable_globals(pretrain_gpt.forward_step) == []
     # The distiller arrives as an argument (bound by the Trainer), never through a module global.

@@ -20,12 +20,12 @@ import time
 
 import torch.distributed as dist
 
-from ..core import device as device_mod
-from ..core import parallel_state as ps
-from ..core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats
-from ..core.distributed.ddp import DistributedDataParallel
-from .checkpoint import param_names
-from .errors import RankLocalError
+from ...core import device as device_mod
+from ...core import parallel_state as ps
+from ...core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats
+from ...core.distributed.ddp import DistributedDataParallel
+from ..checkpoint import param_names
+from ..errors import RankLocalError
 
 
 class IslandLost(RankLocalError):
@@ -56,7 +56,7 @@ def island_groups() -> IslandGroups:
 
 def lost_island_line() -> str:
     """Which island stopped answering, from the ranks' heartbeats (training.initialize)."""
-    from . import initialize
+    from .. import initialize
 
     beat = initialize._heartbeat
     if beat is None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, MutableMapping
 
 import torch
 
-from .flags.report import FlagProblems
+from ..flags.report import FlagProblems
 
 # megatron-core 0.19.2's DETERMINISM_ENV_VAR_DEFAULTS and accepted values
 ENV_DEFAULTS: dict[str, str] = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core import parallel_state as ps
-from ..core.transformer.moe.config import MoEConfig
-from ..core.transformer.moe.moe_layer import MoELayer
-from ..core.transformer.moe.router import AUX_LOSS_NAMES
+from ...core import parallel_state as ps
+from ...core.transformer.moe.config import MoEConfig
+from ...core.transformer.moe.moe_layer import MoELayer
+from ...core.transformer.moe.router import AUX_LOSS_NAMES
 
 
 def metric_names(config: MoEConfig) -> list[str]:

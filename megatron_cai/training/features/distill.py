@@ -32,9 +32,9 @@ import os
 
 import torch
 
-from ..core import parallel_state as ps
-from ..core.context_parallel.batch import ContextParallelVisibility
-from ..core.distillation import (
+from ...core import parallel_state as ps
+from ...core.context_parallel.batch import ContextParallelVisibility
+from ...core.distillation import (
     counter_gumbel,
     full_kd_loss,
     gumbel_topk,
@@ -44,13 +44,13 @@ from ..core.distillation import (
     vocab_parallel_gumbel_topk,
     vocab_parallel_sparse_kd_loss,
 )
-from ..core.distillation.dataset import DISTILL_KEYS, TeacherSamplesDataset, open_teacher_samples
-from ..core.distributed.contracts import ModelChunk
-from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import GPTModel
-from ..core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from ..core.tensor_parallel.utils import shard_tensor
-from .config import DistillConfig
+from ...core.distillation.dataset import DISTILL_KEYS, TeacherSamplesDataset, open_teacher_samples
+from ...core.distributed.contracts import ModelChunk
+from ...core.models.gpt.config import GPTConfig
+from ...core.models.gpt.model import GPTModel
+from ...core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ...core.tensor_parallel.utils import shard_tensor
+from ..config import DistillConfig
 
 __all__ = ["Distiller", "build_teacher", "setup_distillation"]
 
@@ -66,8 +66,8 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
     layout). Vocabulary rows are re-padded to ``padded_vocab_size``; dropout and training-only terms are
     off; the model is in eval mode with ``requires_grad=False``. The global RNG state is left untouched.
     """
-    from ..core.models.gpt.model import WORD_EMBEDDINGS
-    from .checkpoint import OUTPUT_WEIGHT, fit_vocab_rows
+    from ...core.models.gpt.model import WORD_EMBEDDINGS
+    from ..checkpoint import OUTPUT_WEIGHT, fit_vocab_rows
 
     cfg = GPTConfig.from_dict(ck.config.to_dict())
     cfg.padded_vocab_size = padded_vocab_size
@@ -103,7 +103,7 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
 
 def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int | None = None) -> GPTModel:
     """Load the checkpoint at ``path`` (any TP/PP layout) as an online teacher for ``student``."""
-    from .checkpoint import load_canonical
+    from ..checkpoint import load_canonical
 
     ck = load_canonical(path, step, load_optimizer=False)
     if ck.config.vocab_size != student.vocab_size:
@@ -224,7 +224,7 @@ def setup_distillation(config: DistillConfig, model_config: GPTConfig, *, seed: 
         return None, train_ds
     teacher = None
     if config.samples:
-        from ..core.datasets.indexed_dataset import get_idx_path
+        from ...core.datasets.indexed_dataset import get_idx_path
 
         prefix = getattr(train_ds, "dataset_path", None)
         if prefix is None:

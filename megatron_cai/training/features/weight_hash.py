@@ -12,8 +12,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from ..core import parallel_state as ps
-from .errors import UserError
+from ...core import parallel_state as ps
+from ..errors import UserError
 
 
 class WeightReplicaMismatchError(UserError, RuntimeError):
