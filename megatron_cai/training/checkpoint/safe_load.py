@@ -125,11 +125,24 @@ def _refusal(exc: pickle.UnpicklingError) -> str | None:
     return "a global outside the allowlist"
 
 
-def load_weights(source: str | BinaryIO, what: str) -> Any:
-    """``torch.load(source, weights_only=True)`` with :data:`SAFE_TYPES`; a refused global is an
-    :class:`UnsafeCheckpointError` naming ``what``, unless the policy trusts checkpoint code."""
+@contextmanager
+def _only_safe_types() -> Iterator[None]:
+    """Admit :data:`SAFE_TYPES` and nothing else: other libraries register process-wide safe globals (importing
+    megatron.core admits numpy's array reconstructors), which would otherwise widen what a checkpoint may ask for."""
+    others = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
     try:
         with torch.serialization.safe_globals(SAFE_TYPES):
+            yield
+    finally:
+        torch.serialization.add_safe_globals(others)
+
+
+def load_weights(source: str | BinaryIO, what: str) -> Any:
+    """``torch.load(source, weights_only=True)`` with :data:`SAFE_TYPES` only; a refused global is an
+    :class:`UnsafeCheckpointError` naming ``what``, unless the policy trusts checkpoint code."""
+    try:
+        with _only_safe_types():
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = _refusal(e)

@@ -200,3 +200,20 @@ def test_the_signing_key_comes_from_a_file_of_enough_bytes(tmp_path):
         read_signing_key(str(short))
     with pytest.raises(CheckpointError, match="cannot read the key file"):
         read_signing_key(str(tmp_path / "none"))
+
+
+def test_safe_globals_other_libraries_register_do_not_widen_the_load(tmp_path):
+    """Importing megatron.core registers numpy's reconstructors as process-wide safe globals; a load here still
+    admits only its own list (the registrations stay in place for their owner)."""
+    import numpy as np
+
+    path = str(tmp_path / "n.pt")
+    torch.save({"a": np.arange(3)}, path)
+    registered = [np.core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype("int64"))]
+    torch.serialization.add_safe_globals(registered)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="numpy"):
+            load_torch(path)
+        assert all(g in torch.serialization.get_safe_globals() for g in registered)
+    finally:
+        torch.serialization.clear_safe_globals()
