@@ -129,10 +129,16 @@ def _create(path: str) -> int | None:
         os.unlink(private)  # our own leftover (this host and PID) from a killed run
     except FileNotFoundError:
         pass
-    fd = os.open(private, flags, 0o644)
+    writer = os.open(private, flags, 0o644)
+    fd = -1
     try:
-        os.write(fd, json.dumps(holder_record()).encode())
-        os.fsync(fd)
+        os.write(writer, json.dumps(holder_record()).encode())
+        os.fsync(writer)
+        # Hold the lock on a read-only descriptor: a descriptor open for writing for the job's life would keep
+        # the file system from being remounted read-only (and the heartbeat's futimens needs no write mode).
+        fd = os.open(private, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.close(writer)
+        writer = -1
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
             os.link(private, path)
@@ -141,11 +147,12 @@ def _create(path: str) -> int | None:
             return None
         return fd
     except BaseException:
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for f in (writer, fd):
+            if f >= 0:
+                try:
+                    os.close(f)
+                except OSError:
+                    pass
         raise
     finally:
         os.unlink(private)
