@@ -95,7 +95,9 @@ def run_one(name: str, opts, data: str, tok: str) -> dict:
     valid, probes = [], []
     evaluate = trainer.evaluate
 
-    def evaluate_and_record() -> dict:
+    def evaluate_and_record(iterator=None) -> dict:
+        if iterator is not None:  # the end-of-run evaluation on the validation and test sets: not a curve point
+            return evaluate(iterator)
         trainer.valid_iter = training.loader(trainer, trainer.valid_ds)  # the same batches at every evaluation
         record["on"], record["now"] = has_probe, {}
         out = evaluate()

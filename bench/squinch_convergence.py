@@ -73,7 +73,9 @@ def _train(argv: list[str], world: int, eval_samples: int) -> dict:
         pretrain_gpt.train_valid_test_datasets_provider, eval_samples))
     evaluate = trainer.evaluate
 
-    def evaluate_from_start():  # the same sequences at every evaluation
+    def evaluate_from_start(iterator=None):  # the same sequences at every evaluation
+        if iterator is not None:  # the end-of-run evaluation on the validation and test sets
+            return evaluate(iterator)
         trainer.valid_iter = training.loader(trainer, trainer.valid_ds)
         return evaluate()
 
