@@ -53,6 +53,9 @@ def _run(rank, world_size, argv, tb_dir):
     t0 = time.time()
     state = trainer.train()
     seconds = time.time() - t0
+    from megatron_cai.training import training
+
+    trainer.valid_iter = training.loader(trainer, trainer.valid_ds)  # train() ended with its own evaluation
     valid = trainer.evaluate()
     summary = trainer.train_ds.stats.summary("train")
     return {"loss": [h["lm loss"] for h in state.extra["history"]], "valid": valid.get("lm loss"),
