@@ -53,7 +53,7 @@ def _run(rank, world_size, argv, tb_dir):
     t0 = time.time()
     state = trainer.train()
     seconds = time.time() - t0
-    from megatron_cai.training import training
+    from harness import training
 
     trainer.valid_iter = training.loader(trainer, trainer.valid_ds)  # train() ended with its own evaluation
     valid = trainer.evaluate()
