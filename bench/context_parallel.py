@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness as H  # noqa: E402  (puts the repository root on sys.path)
+from harness.scripts import load_module  # noqa: E402
 
 from megatron_cai.core.context_parallel.batch import split_for  # noqa: E402
 from megatron_cai.core.context_parallel.plan import build_rank_plan  # noqa: E402
@@ -77,9 +78,8 @@ def batch_of(kind: str, seq: int, seed: int = 0) -> dict[str, torch.Tensor]:
         start, limit = V.from_document_lengths(lens)
         pos = V.document_position_ids(lens)
     else:
-        from attention import pack_trees, synthetic_trees
-
-        lay, _ = pack_trees(synthetic_trees(rng, 4 * seq // 1000 + 8), seq)
+        trees = load_module("bench/attention.py")  # by path: bench/gpu/attention.py is also "attention"
+        lay, _ = trees.pack_trees(trees.synthetic_trees(rng, 4 * seq // 1000 + 8), seq)
         start, limit, pos = V.pad(lay.start, lay.limit, seq, lay.position_ids)
     batch.update(visibility_start=start.unsqueeze(0), visibility_limit=limit.unsqueeze(0),
                  position_ids=pos.unsqueeze(0))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -35,6 +36,18 @@ from megatron_cai.core import device as dev  # noqa: E402
 # Dense bf16 tensor-core peak (datasheet, without sparsity) by device-name fragment, first match.
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H800": 989.4, "GH200": 989.4,
                     "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.2}
+
+
+def load_bench_module(name: str):
+    """``bench/NAME.py`` (the CPU bench beside this folder) imported by its path under a name of its own, so a
+    same-named file here (attention.py, context_parallel.py) can neither shadow it nor be shadowed by it."""
+    key = "_cpu_bench_" + name
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, "bench", name + ".py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
 
 def parser(description: str, default_name: str, budget_s: float) -> argparse.ArgumentParser:

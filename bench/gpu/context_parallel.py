@@ -11,15 +11,14 @@ and times the kernels that each rank runs.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
-from common import ROOT, Budget, StepResults, environment, parser, pick_device, time_fn
+from common import Budget, StepResults, environment, load_bench_module, parser, pick_device, time_fn
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from context_parallel import batch_of, intervals  # noqa: E402
+# bench/context_parallel.py by path: this file is "context_parallel" too.
+_CPU_BENCH = load_bench_module("context_parallel")
+batch_of, intervals = _CPU_BENCH.batch_of, _CPU_BENCH.intervals
 
 from megatron_cai.core.context_parallel.attention import lse_merge, received_key_set  # noqa: E402
 from megatron_cai.core.context_parallel.batch import split_for  # noqa: E402

@@ -21,11 +21,14 @@ ROOT = os.path.dirname(BENCH)
 _MODULES: dict[str, object] = {}
 
 
-def _module(script: str):
+def load_module(script: str):
+    """``script`` (a path relative to the repository root) imported under a name of its own, once: a bench's
+    sibling module cannot be shadowed by a same-named module that another folder put on ``sys.path``."""
     if script not in _MODULES:
         name = "_script_" + os.path.splitext(os.path.basename(script))[0]
         spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look a module up by its name
         spec.loader.exec_module(module)
         _MODULES[script] = module
     return _MODULES[script]
@@ -40,7 +43,7 @@ def run_script(script: str, argv: list[str], log: str | None = None, in_process:
     with open(log, "w") as f:
         if in_process:
             with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-                rc = _module(script).main(list(argv))
+                rc = load_module(script).main(list(argv))
         else:
             rc = subprocess.run([sys.executable, script, *argv], stdout=f, stderr=subprocess.STDOUT, text=True,
                                 cwd=ROOT).returncode

@@ -15,7 +15,9 @@ from testlib import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import context_parallel as B  # noqa: E402
+from harness.scripts import load_module  # noqa: E402
+
+B = load_module("bench/context_parallel.py")  # by path: bench/gpu/context_parallel.py is "context_parallel" too
 
 
 def test_causal_bytes_and_flops_by_hand():

@@ -29,6 +29,7 @@ CASES = {  # each case several features at once (one trace each: a few seconds)
 
 @pytest.fixture(autouse=True)
 def _single_process():
+    torch._dynamo.reset()  # no graph cached by an earlier test (whose other shapes would make lengths dynamic)
     ps.initialize_model_parallel()
     yield
     ps.destroy_model_parallel()
@@ -84,3 +85,16 @@ def test_layer_traces_as_one_graph_and_matches_eager(name):
         stats = traced.decoder.layers["0"].self_attention.lse_slot.value
         ref = eager.decoder.layers["0"].self_attention.lse_slot.value
         torch.testing.assert_close(stats, ref)
+
+
+def test_a_second_sequence_length_recompiles_without_a_graph_break():
+    """A compiled model run at a second length (evaluation, generation) is retraced with dynamic lengths:
+    the causal SDPA path must still make one graph, with no break on a symbolic ``is_causal``."""
+    model = _model(num_query_groups=2)
+    compile_transformer_layers(model, backend="aot_eager")
+    counters.clear()
+    for seq in (SEQ, SEQ // 2, SEQ // 4):
+        ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(seq))
+        pos = torch.arange(seq).expand(2, seq)
+        model(ids, pos, labels=ids.roll(-1, 1)).mean().backward()
+    assert dict(counters["graph_break"]) == {}, f"graph breaks inside a layer: {dict(counters['graph_break'])}"
