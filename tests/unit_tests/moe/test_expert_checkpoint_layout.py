@@ -1,0 +1,61 @@
+"""The torch_dist layout of MoE expert parameters, in one process: ``tp_layout`` records their global
+``[num_experts, ...]`` shape and expert-TP split, and the pieces that EP 2 x expert TP 2 ranks write read back
+into EP 4 x expert TP 1 and EP 1 ranks as the experts they hold (checked against slices of the full tensor)."""
+import torch
+
+from megatron_cai.core.transformer.moe.experts import GroupedExperts
+from megatron_cai.training.checkpoint import dcp_pieces as dc
+from megatron_cai.training.checkpoint import tp_layout
+
+E, HIDDEN, FFN = 4, 8, 6
+FULL = {"fc1_weight": torch.randn(E, 2 * FFN, HIDDEN), "fc2_weight": torch.randn(E, HIDDEN, FFN)}
+
+
+def _experts(ep_rank: int, ep: int, etp_rank: int, etp: int) -> GroupedExperts:
+    """The experts of one (EP, expert TP) rank, initialised from FULL by the parameters' own initialisers."""
+    per = E // ep
+
+    def init_from(name):
+        return lambda full, gen: full.copy_(FULL[name])
+
+    m = GroupedExperts(E, range(ep_rank * per, (ep_rank + 1) * per), HIDDEN, FFN, "swiglu", False,
+                       init_from("fc1_weight"), init_from("fc2_weight"), False, etp_rank, etp)
+    for p in m.parameters():
+        with torch.no_grad():
+            p.init_method(p.data, None)
+    return m
+
+
+def test_tp_layout_records_global_expert_shape():
+    layout = tp_layout([_experts(1, 2, 1, 2)])
+    assert layout["fc1_weight"] == {"tp_dim": 1, "tp_sections": [FFN, FFN], "full_shape": [E, 2 * FFN, HIDDEN],
+                                    "expert": True}
+    assert layout["fc2_weight"] == {"tp_dim": 2, "tp_sections": None, "full_shape": [E, HIDDEN, FFN],
+                                    "expert": True}
+    assert tp_layout([_experts(0, 1, 0, 1)])["fc1_weight"]["tp_dim"] is None  # expert TP 1: not split
+
+
+def test_ep2_etp2_pieces_read_back_at_ep4_and_ep1(tmp_path):
+    sd = {}
+    for name in FULL:
+        pieces = []
+        for ep_rank in range(2):
+            for etp_rank in range(2):
+                m = _experts(ep_rank, 2, etp_rank, 2)
+                meta = tp_layout([m])[name]
+                pieces += dc.save_pieces(dict(m.named_parameters())[name], meta, etp_rank, 2, ep=(ep_rank, 2)).pieces
+        assert len({o for o, _ in pieces}) == len(pieces)  # no two ranks write the same piece
+        sd[name] = dc.Pieces(FULL[name].shape, pieces)
+    path = str(tmp_path / "ckpt")
+    dc.dcp_save(sd, path, no_dist=True)
+    saved = dc.read_dcp_metadata(path).state_dict_metadata
+    for ep in (4, 1):
+        for ep_rank in range(ep):
+            m = _experts(ep_rank, ep, 0, 1)
+            for name, p in m.named_parameters():
+                target = torch.zeros_like(p)
+                meta = tp_layout([m])[name]
+                dc.dcp_load({name: dc.load_pieces(target, meta, saved[name].size, 0, 1, name, ep=(ep_rank, ep))},
+                            path, no_dist=True)
+                per = E // ep
+                assert torch.equal(target, FULL[name][ep_rank * per:(ep_rank + 1) * per]), (ep, ep_rank, name)
