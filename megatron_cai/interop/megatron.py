@@ -72,6 +72,7 @@ from ..training.checkpoint import (
     write_text,
 )
 from ..training.tokenizer import vocab_size_with_padding
+from .megatron_moe import is_moe_tensor, megatron_moe_args, megatron_moe_flags, moe_to_megatron
 
 SPECS = ("local", "transformer_engine")
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's legacy save writes
@@ -168,6 +169,10 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
                               "Megatron-LM yet (its linear_qkv packs the gate after each group's query heads)")
     if c.kv_share_pattern is not None:
         raise ConversionError("cross-layer KV sharing (--kv-share-pattern) has no Megatron-LM equivalent")
+    if c.moe is not None and (spec != "local" or ckpt_format != "torch"):
+        raise ConversionError(f"an MoE model is written to Megatron-LM in the torch format with the local spec only "
+                              f"(got --ckpt-format {ckpt_format}, spec {spec}: megatron-core's sharded expert keys "
+                              f"and its Transformer-Engine MoE layer are not written here)")
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
@@ -189,7 +194,7 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         init_method_std=c.init_method_std, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, transformer_impl=spec, ckpt_format=ckpt_format,
-        params_dtype=torch.float32, tokenizer_type=tokenizer_type, num_experts=None, data_parallel_random_init=False,
+        params_dtype=torch.float32, tokenizer_type=tokenizer_type, **megatron_moe_args(c), data_parallel_random_init=False,
         iteration=iteration, consumed_train_samples=int(counters.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(counters.get("consumed_valid_samples", 0)))
 
@@ -276,6 +281,10 @@ def to_megatron_state_dict(config: GPTConfig, model: dict[str, torch.Tensor], tp
         if ".self_attention.linear_q." in name:
             base, suffix = name.rsplit(".linear_q.", 1)
             put(f"{base}.linear_qkv.{suffix}", _qkv_to_megatron(full, model[f"{base}.linear_kv.{suffix}"], c, tp))
+            continue
+        if is_moe_tensor(name):
+            for theirs, parts in moe_to_megatron(name, full, c, tp, _fc1_to_megatron).items():
+                put(theirs, parts)
             continue
         if c.activation == "swiglu" and ".mlp.linear_fc1." in name:
             put(name, _fc1_to_megatron(full, tp))
@@ -574,7 +583,8 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
         raise ConversionError(f"Megatron-LM needs the query groups ({c.num_query_groups}) divisible by TP={tp}")
     divisible = make_vocab_size_divisible_by or int(ck.args.get("make_vocab_size_divisible_by") or 128)
     padded = vocab_size_with_padding(c.vocab_size, divisible, tp)
-    model = {n: t for n, t in ck.model.items() if n in ck.layout_meta}  # parameters (no QAT buffers)
+    # parameters (no QAT buffers), and the MoE routers' expert bias (a buffer megatron-core keeps too)
+    model = {n: t for n, t in ck.model.items() if n in ck.layout_meta or n.endswith(".mlp.router.expert_bias")}
     for name in (WORD_EMBEDDINGS, OUTPUT_WEIGHT):
         if name in model:
             model[name] = fit_vocab_rows(model[name][: c.vocab_size], padded)
@@ -640,7 +650,7 @@ def megatron_load_flags(config: GPTConfig, spec: str, ckpt_format: str) -> list[
         flags.append("--no-bias-gelu-fusion")  # its fused kernel is the tanh GeLU, and refuses squared ReLU
     if c.rope_scaling:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
-    return flags
+    return flags + megatron_moe_flags(c.moe)
 
 
 def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, flags: list[str]) -> str:

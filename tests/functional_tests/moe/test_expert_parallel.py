@@ -240,8 +240,6 @@ def test_squinch_expert_gradients_over_expert_dp():
     rows = 2 * (2 - 1) * len(r["buckets"][True])  # at least 1, at most 16 bytes each
     assert Fraction(rows, bf16(2, r["buckets"][True])) <= overhead <= Fraction(16 * rows, bf16(2, r["buckets"][True]))
     assert [h["grad comm bytes"] for h in last_stage(results)] == [expert + dense] * iterations
-    print(f"expert buckets {r['buckets'][True]}: {expert} bytes, bf16 {bf16(2, r['buckets'][True])}, "
-          f"ratio {expert / bf16(2, r['buckets'][True]):.6f}")
 
 
 def last_stage(results):
