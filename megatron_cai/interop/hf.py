@@ -88,6 +88,9 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} rotates the two halves of each head (the model has --rotary-interleaved)")
     if c.attention_output_gate:
         why.append(f"{arch} has no attention output gate (the model has --attention-output-gate)")
+    if c.moe is not None:
+        why.append(f"{arch} has no Mixture-of-Experts layers (the model has --num-experts {c.moe.num_experts}); the "
+                   f"Mixtral / Qwen-MoE layouts are not written here: export it to Megatron-LM with --to-megatron")
     return why
 
 

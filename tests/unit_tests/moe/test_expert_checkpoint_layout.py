@@ -59,3 +59,18 @@ def test_ep2_etp2_pieces_read_back_at_ep4_and_ep1(tmp_path):
                             path, no_dist=True)
                 per = E // ep
                 assert torch.equal(target, FULL[name][ep_rank * per:(ep_rank + 1) * per]), (ep, ep_rank, name)
+
+
+def test_hf_export_refuses_moe_by_name():
+    """No Hugging Face architecture here holds MoE layers: every one refuses, naming the flag and Mixtral."""
+    import pytest
+
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.transformer.moe.config import MoEConfig
+    from megatron_cai.interop.hf import choose_architecture
+    from megatron_cai.training.checkpoint import ConversionError
+
+    llama = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope")
+    assert choose_architecture(GPTConfig(**llama)) == "llama"
+    with pytest.raises(ConversionError, match="--num-experts 4.*Mixtral"):
+        choose_architecture(GPTConfig(**llama, moe=MoEConfig(num_experts=4)))
