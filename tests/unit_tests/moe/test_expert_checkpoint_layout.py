@@ -74,3 +74,19 @@ def test_hf_export_refuses_moe_by_name():
     assert choose_architecture(GPTConfig(**llama)) == "llama"
     with pytest.raises(ConversionError, match="--num-experts 4.*Mixtral"):
         choose_architecture(GPTConfig(**llama, moe=MoEConfig(num_experts=4)))
+
+
+def test_architecture_check_compares_moe_fields_not_expert_layout():
+    """A checkpoint must agree on the experts (count, width, routing, which layers), not on EP."""
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.core.transformer.moe.config import MoEConfig
+
+    def gpt(**moe):
+        return GPTConfig(num_layers=4, moe=MoEConfig(**moe))
+
+    assert gpt(num_experts=4, expert_model_parallel_size=2).architecture_diff(gpt(num_experts=4)) == []
+    assert gpt(num_experts=4, layer_freq=1).architecture_diff(gpt(num_experts=4, layer_freq=[1, 1, 1, 1])) == []
+    for other in (dict(num_experts=8), dict(num_experts=4, layer_freq=2), dict(num_experts=4, router_topk=1,
+                                                                                 router_pre_softmax=True)):
+        assert [d.split(":")[0] for d in gpt(num_experts=4).architecture_diff(gpt(**other))] == ["moe_architecture"]
+    assert GPTConfig(num_layers=4).architecture_diff(gpt(num_experts=4))  # dense vs MoE
