@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = _argv(name, model, opts, data, tok, seed)
         runs[f"{name}@{seed}"] = runs.get(f"{name}@{seed}") or out.row(f"{name}@{seed}", lambda a=argv: _timed(run, a))
     wall = sum(r.get("wall_s", 0.0) for r in runs.values()) if not opts.quick else time.perf_counter() - start
-    out.write({**settings, "seeds": opts.seeds, "wall_s": round(wall, 1), "variants": list(VARIANTS), "name": "moe", "runs": runs},
-              render, plot, record_machine=True)
+    out.write({**settings, "seeds": opts.seeds, "wall_s": round(wall, 1), "variants": list(VARIANTS), "name": "moe",
+               "runs": runs}, render, plot, record_machine=True)
 
 
 if __name__ == "__main__":

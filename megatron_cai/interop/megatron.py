@@ -194,7 +194,8 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         init_method_std=c.init_method_std, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, transformer_impl=spec, ckpt_format=ckpt_format,
-        params_dtype=torch.float32, tokenizer_type=tokenizer_type, **megatron_moe_args(c), data_parallel_random_init=False,
+        params_dtype=torch.float32, tokenizer_type=tokenizer_type, **megatron_moe_args(c),
+        data_parallel_random_init=False,
         iteration=iteration, consumed_train_samples=int(counters.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(counters.get("consumed_valid_samples", 0)))
 

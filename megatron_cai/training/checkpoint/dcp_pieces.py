@@ -6,8 +6,9 @@
 section (``tensor_parallel.utils``' layout: each section split into TP equal chunks) and, under FSDP2,
 only the rows of the DP shard the rank holds. MoE expert parameters (``"expert"`` in their layout) are
 ``[num_experts, ...]`` globally: EP rank ``r`` holds experts ``[r E/EP, (r+1) E/EP)`` along dim 0, split over
-expert TP (the caller passes the expert-TP rank and size as ``tp_rank`` / ``tp``). ``dcp_save`` / ``dcp_load`` run DCP with the two planner
-subclasses that look pieces up, and turn DCP's failures into errors naming the directory and the rank.
+expert TP (the caller passes the expert-TP rank and size as ``tp_rank`` / ``tp``). ``dcp_save`` / ``dcp_load``
+run DCP with the two planner subclasses that look pieces up, and turn DCP's failures into errors naming the
+directory and the rank.
 Used by :mod:`.dist_format`, :mod:`.async_save` and :mod:`.format_conversion`.
 """
 from __future__ import annotations
@@ -121,8 +122,8 @@ def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> li
     return out
 
 
-def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0,
-               rows: int | None = None, ep: tuple[int, int] = (0, 1)) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0, rows: int | None = None,
+               ep: tuple[int, int] = (0, 1)) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
     """This rank's pieces of a canonical tensor: ``(global offsets, index into the local tensor)``.
 
     The local tensor is rows ``[row0, row0 + rows)`` of the TP-local tensor: all of it (DDP, the

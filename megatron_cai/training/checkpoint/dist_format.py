@@ -341,9 +341,9 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
     if rank_state is None:
         if ps.get_rank() == 0 and saved != here:
             what = "RNG state" + (" and Squinch error-feedback residuals" if squinch_saved else "")
-            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP, EP, expert TP) = {saved}, this run uses {here}: "
-                       f"its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed start-up "
-                       f"state{'; the first step runs without residuals' if squinch_saved else ''})")
+            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP, EP, expert TP) = {saved}, this run "
+                       f"uses {here}: its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed "
+                       f"start-up state{'; the first step runs without residuals' if squinch_saved else ''})")
         return
     if load_rng and rank_state.get("rng"):
         device_mod.set_rng_state(rank_state["rng"])
