@@ -67,3 +67,27 @@ def test_experts_saved_with_global_shape(saved):
 def test_resume_at_another_expert_layout(saved, reference, world, extra):
     resumed = _run(world, BASE + extra + ["--load", saved, "--ckpt-step", str(HALF)])
     _close(resumed, reference[HALF:])
+
+
+def _refused_worker(rank, world, argv):
+    from megatron_cai.training.checkpoint import CheckpointError
+
+    try:
+        train(argv, world)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+def test_torch_format_checkpoint_refused_when_experts_are_split(tmp_path):
+    """A torch-format checkpoint (per-TP-rank files, every expert in each) cannot fill experts split over EP:
+    --auto-detect-ckpt-format finds one and the load refuses it by name, pointing at the converter."""
+    save = str(tmp_path / "ckpt")
+    train_args = BASE[:-4] + ["--train-iters", "1"]  # BASE without its format and --train-iters
+    _run(1, train_args + ["--ckpt-format", "torch", "--save", save])
+    errors = run_distributed(_refused_worker, 2, (train_args + ["--ckpt-format", "torch_dist", "--load", save,
+                                                                "--auto-detect-ckpt-format",
+                                                                "--expert-model-parallel-size", "2"],))
+    assert all(e is not None and "torch-format checkpoint" in e and "--target-ckpt-format torch_dist" in e
+               for e in errors), errors
