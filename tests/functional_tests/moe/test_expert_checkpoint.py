@@ -91,3 +91,24 @@ def test_torch_format_checkpoint_refused_when_experts_are_split(tmp_path):
                                                                 "--expert-model-parallel-size", "2"],))
     assert all(e is not None and "torch-format checkpoint" in e and "--target-ckpt-format torch_dist" in e
                for e in errors), errors
+
+
+@pytest.mark.slow
+def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path):
+    """tools/convert_checkpoint.py --target-ckpt-format torch --target-tensor-parallel-size 1 gathers the experts
+    saved over EP 2 x expert TP 2 into full tensors: a torch-format EP 1 run resumes from it as from the original."""
+    import contextlib
+    import io
+    import sys
+
+    from testlib import TOOLS
+
+    sys.path.insert(0, TOOLS)
+    import convert_checkpoint
+
+    out = str(tmp_path / "torch")
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert convert_checkpoint.main(["--load", saved, "--save", out, "--ckpt-step", str(HALF),
+                                        "--target-ckpt-format", "torch", "--target-tensor-parallel-size", "1"]) == 0
+    resumed = _run(1, BASE[:-4] + ["--train-iters", str(ITERS), "--ckpt-format", "torch", "--load", out])
+    _close(resumed, reference[HALF:])
