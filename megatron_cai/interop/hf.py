@@ -41,6 +41,7 @@ from ..training.checkpoint import (
     save_resharded,
     target_layout,
 )
+from .megatron_moe import moe_pretrain_flags
 
 ARCHITECTURES = ("llama", "gpt2", "nemotron", "megatron_cai")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "nemotron": "NemotronForCausalLM",
@@ -534,4 +535,4 @@ def pretrain_flags(c: GPTConfig) -> list[str]:
         flags.append("--add-qkv-bias")
     if c.window_size is not None:
         flags += ["--window-size", str(c.window_size)]
-    return flags
+    return flags + moe_pretrain_flags(c.moe)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
+from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel, stage_layer_numbers
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     TRACKER,
@@ -72,7 +72,15 @@ from ..training.checkpoint import (
     write_text,
 )
 from ..training.tokenizer import vocab_size_with_padding
-from .megatron_moe import is_moe_tensor, megatron_moe_args, megatron_moe_flags, moe_to_megatron
+from .megatron_moe import (
+    is_megatron_moe_tensor,
+    is_moe_tensor,
+    megatron_moe_args,
+    megatron_moe_flags,
+    moe_config_from_megatron_args,
+    moe_from_megatron,
+    moe_to_megatron,
+)
 
 SPECS = ("local", "transformer_engine")
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's legacy save writes
@@ -97,7 +105,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     """Our GPTConfig from a Megatron-LM checkpoint's ``args`` (a Namespace or dict). Options this
     codebase cannot represent exactly are refused, each by its Megatron-LM flag."""
     why = []
-    refuse = {"num_experts": "--num-experts (MoE)", "multi_latent_attention": "--multi-latent-attention",
+    refuse = {"multi_latent_attention": "--multi-latent-attention",
               "rotary_interleaved": "--rotary-interleaved",
               "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
               "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
@@ -127,6 +135,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     padded = _get(args, "padded_vocab_size")
     if padded is None:
         why.append("args.padded_vocab_size is missing")
+    moe = moe_config_from_megatron_args(lambda name: _get(args, name), why)
     if why:
         raise ConversionError("this Megatron-LM checkpoint cannot be represented: " + "; ".join(why))
     heads = _get(args, "num_attention_heads")
@@ -150,7 +159,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bias, hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
         attention_dropout=float(_get(args, "attention_dropout", 0.1)),
-        init_method_std=float(_get(args, "init_method_std", 0.02)))
+        init_method_std=float(_get(args, "init_method_std", 0.02)), moe=moe)
 
 
 def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int, divisible: int,
@@ -244,10 +253,13 @@ def from_megatron_state_dict(config: GPTConfig, shards: dict[str, list[torch.Ten
 
     Accepts the local spec's and the Transformer-Engine spec's names; ``_extra_state`` entries and the
     last pipeline stage's copy of tied embeddings are dropped."""
-    c, out = config, {}
+    c, out, moe = config, {}, {}
     tied = not c.untie_embeddings_and_output_weights
     for name, ts in shards.items():
         if name.endswith("._extra_state") or (tied and name == OUTPUT_WEIGHT):
+            continue
+        if is_megatron_moe_tensor(name):
+            moe[name] = ts
             continue
         for te, ours in _TE_NORMS.items():
             if te in name:
@@ -260,6 +272,7 @@ def from_megatron_state_dict(config: GPTConfig, shards: dict[str, list[torch.Ten
         else:
             dim = _suffix_dim(name)
             out[name] = torch.cat(ts, dim) if dim is not None and len(ts) > 1 else ts[0]
+    out.update(moe_from_megatron(moe, c, _fc1_to_ours))
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
@@ -549,6 +562,9 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
         src_pp = int(_get(mck.args, "pipeline_model_parallel_size", 1) or 1)
     else:
         src_tp, src_pp = mck.tp, mck.pp
+    if config.moe is not None and (tp or src_tp) > 1:
+        raise ConversionError(f"{root}: an MoE model is imported at --target-tensor-parallel-size 1 only here (the "
+                              f"source has TP={src_tp}); resume at other layouts with --ckpt-format torch_dist")
     target = target_layout(config, tp or src_tp, pp or src_pp, vp_layers)
     out = save_resharded(ck, save, target, make_vocab_size_divisible_by=divisible, with_optimizer=False, log=log)
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
@@ -560,9 +576,12 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
 
 
 def _our_names(config: GPTConfig) -> set[str]:
+    """The parameters, and the MoE routers' expert bias (a buffer megatron-core keeps too)."""
     from .hf import param_layout
 
-    return set(param_layout(config))
+    with torch.device("meta"):
+        buffers = GPTModel(config).state_dict()
+    return set(param_layout(config)) | {n for n in buffers if n.endswith(".mlp.router.expert_bias")}
 
 
 # ------------------------------------------------------------------------------------------ export

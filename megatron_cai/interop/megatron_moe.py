@@ -1,5 +1,5 @@
 """MoE layers in megatron-core's layout (local spec, ``SequentialMLP``, expert parallel size 1), for the
-Megatron-LM exporter (:mod:`.megatron`).
+Megatron-LM exporter and importer (:mod:`.megatron`).
 
 ===============================================  ===========================================================
 ours (full tensors)                              megatron-core (per TP rank; expert TP = TP)
@@ -77,6 +77,76 @@ def megatron_moe_flags(moe: MoEConfig | None) -> list[str]:
         flag = "--" + MEGATRON_MOE_ARGS[name].replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
     return flags
+
+
+def moe_pretrain_flags(moe: MoEConfig | None) -> list[str]:
+    """The MoE flags (Megatron-LM's names, ours too) that rebuild ``moe``'s weights and forward pass."""
+    if moe is None:
+        return []
+    default, flags = MoEConfig(), ["--num-experts", str(moe.num_experts)]
+    for name in (*MoEConfig.ARCHITECTURE_FIELDS, *_FORWARD, "layer_freq"):
+        value = getattr(moe, name)
+        if name == "num_experts" or value == getattr(default, name):
+            continue
+        flag = "--" + MEGATRON_MOE_ARGS[name].replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value).replace(" ", "")]
+    return flags
+
+
+def moe_config_from_megatron_args(get: Callable[[str], object], why: list[str]) -> MoEConfig | None:
+    """Our MoEConfig from a Megatron-LM checkpoint's ``args`` (``get(name)``); what it cannot hold goes to ``why``."""
+    if not get("num_experts"):
+        return None
+    if (get("expert_model_parallel_size") or 1) > 1:
+        why.append(f"--expert-model-parallel-size {get('expert_model_parallel_size')} (MoE files split over expert "
+                   f"ranks) is not read here; convert it to expert parallel size 1 in Megatron-LM first")
+    if get("moe_grouped_gemm"):
+        why.append("--moe-grouped-gemm (TEGroupedMLP's weight names) is not read here")
+    fields = {ours: get(theirs) for ours, theirs in MEGATRON_MOE_ARGS.items() if get(theirs) is not None}
+    for name in ("router_load_balancing_type", "aux_loss_coeff"):  # Megatron-LM allows one value per type
+        value = fields.get(name)
+        if isinstance(value, list):
+            fields[name] = value[0]
+            if len(value) != 1:
+                why.append(f"--{MEGATRON_MOE_ARGS[name].replace('_', '-')} {value}: one value only here")
+    fields.update(expert_model_parallel_size=1, expert_tensor_parallel_size=None, token_dispatcher_type="allgather",
+                  grouped_gemm=False)
+    known = {f for f in MoEConfig.__dataclass_fields__}
+    return MoEConfig(**{k: v for k, v in fields.items() if k in known})
+
+
+def is_megatron_moe_tensor(name: str) -> bool:
+    return ".mlp.router." in name or ".mlp.experts.local_experts." in name or ".mlp.shared_experts." in name
+
+
+def moe_from_megatron(shards: dict[str, list[torch.Tensor]], config: GPTConfig,
+                      join_fc1: Callable[[list[torch.Tensor]], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full MoE tensors from megatron-core's (global names, one tensor per TP rank): the inverse of
+    :func:`moe_to_megatron`. ``join_fc1``: the dense fc1's inverse split."""
+    swiglu = config.activation == "swiglu"
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+
+    def column(ts: list[torch.Tensor]) -> torch.Tensor:
+        return join_fc1(ts) if swiglu else torch.cat(ts, 0)
+
+    def row(ts: list[torch.Tensor], name: str) -> torch.Tensor:
+        return torch.cat(ts, 1) if name.endswith("weight") and len(ts) > 1 else ts[0]
+
+    for name, ts in shards.items():
+        base, leaf = name.split(".mlp.", 1)
+        if leaf.startswith("router.") or leaf == "shared_experts.gate_weight":
+            out[name] = ts[0]
+        elif leaf.startswith("shared_experts."):
+            ours = f"{base}.mlp.shared_experts.mlp.{leaf.removeprefix('shared_experts.')}"
+            out[ours] = column(ts) if ".linear_fc1." in ours else row(ts, ours)
+        else:  # experts.local_experts.{e}.linear_fc{1,2}.{weight,bias}
+            _, _, e, linear, param = leaf.split(".")
+            t = column(ts) if linear == "linear_fc1" else row(ts, param)
+            experts.setdefault(f"{base}.mlp.experts.{linear.removeprefix('linear_')}_{param}", {})[int(e)] = t
+    for name, by_expert in experts.items():
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
 
 
 def is_moe_tensor(name: str) -> bool:

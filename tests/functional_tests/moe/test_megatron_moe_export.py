@@ -7,7 +7,8 @@ go, as printed, to Megatron-LM's own ``parse_args``, ``load_args_from_checkpoint
 ``load_checkpoint`` (strict) on the real megatron-core 0.19.2 (its decoder block spec, local layers, allgather
 dispatcher, on CPU with an explicit causal mask). Its logits equal ours to 1e-5. Formats megatron-core would read
 differently (torch_dist, the Transformer-Engine spec) and the import of a Megatron-LM MoE checkpoint are refused by
-name."""
+name. The export imported back (``--from-megatron``), into the model that the printed ``pretrain_gpt.py`` flags
+build, gives our logits again."""
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +27,7 @@ pytest.importorskip("megatron.training.arguments")
 
 from functional_tests.megatron_compat.test_megatron_next_steps import (  # noqa: E402
     MEGATRON_RUN,
+    OUR_RUN,
     SEQ,
     VOCAB,
     _convert,
@@ -49,6 +51,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     from testlib import mcore_cpu
 
     from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.training.arguments import parse_config
     from megatron_cai.training.checkpoint import read_metadata
 
     ours, meg = os.path.join(tmp, "ours"), os.path.join(tmp, "megatron")
@@ -70,12 +73,18 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     written = torch.load(os.path.join(meg, "iter_0000002", "mp_rank_00", "model_optim_rng.pt"), weights_only=False)
     names = ({n for n, v in written["model"].items() if torch.is_tensor(v)},
              {n for n, v in model.state_dict().items() if torch.is_tensor(v)})  # its load does not catch extra keys
+    back = os.path.join(tmp, "back")  # and back: --from-megatron, our logits again
+    ours_load, ours_flags = _printed(_convert(["--from-megatron", "--load", meg, "--save", back]))
+    imported = parse_config(["--load", ours_load, *ours_flags, *OUR_RUN], world_size=1).model  # as printed
+    again = _our_logits(back, imported, tokens, pos)
     refusals = {}
     for extra in (["--megatron-ckpt-format", "torch_dist"], ["--megatron-spec", "transformer_engine"]):
         with pytest.raises(AssertionError) as e:
             _convert(["--to-megatron", "--load", ours, "--save", os.path.join(tmp, "refused"), *extra])
         refusals[extra[-1]] = str(e.value)
-    return {"diff": (theirs - ref).abs().max().item(), "scale": ref.abs().max().item(), "loaded": loaded,
+    return {"diff": (theirs - ref).abs().max().item(), "round_trip": (again - ref).abs().max().item(),
+            "architecture": imported.moe_architecture == config.moe_architecture, "scale": ref.abs().max().item(),
+            "loaded": loaded,
             "experts": (args.num_experts, args.moe_router_topk, args.moe_shared_expert_gate),
             "bias_moved": bias.abs().max().item(), "flags": flags, "refusals": refusals, "names": names}
 
@@ -85,6 +94,7 @@ def test_exported_moe_model_gives_megatron_core_our_logits(tmp_path):
     r = run_distributed(_worker, 1, (str(tmp_path),))[0]
     assert r["scale"] > 1.0 and r["bias_moved"] > 0.01  # logits of substance; the expert bias carried over
     assert r["diff"] < 1e-5, r["diff"]
+    assert r["round_trip"] < 1e-5 and r["architecture"], r["round_trip"]  # (its vocabulary: Megatron's padded rows)
     assert r["names"][0] == r["names"][1]  # every weight under megatron-core's name, none left over
     assert r["experts"] == (4, 2, True) and "--moe-shared-expert-gate" in r["flags"]
     assert r["loaded"][0] == 2
