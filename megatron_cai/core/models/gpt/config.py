@@ -124,10 +124,15 @@ class GPTConfig:
                            "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                            "attention_output_gate", "kv_share_pattern",
                            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                           "qk_pos_emb_head_dim", "v_head_dim")
+                           "qk_pos_emb_head_dim", "v_head_dim", "moe_architecture")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def moe_architecture(self) -> dict | None:
+        """The MoE fields a checkpoint must agree on (None: dense); the experts' layout over ranks may differ."""
+        return None if self.moe is None else self.moe.architecture(self.num_layers)
 
     @property
     def qkv_bias(self) -> bool:
