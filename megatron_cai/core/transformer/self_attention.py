@@ -54,6 +54,13 @@ class KVCache:
         """The tensors that hold the cached K/V (for counting bytes)."""
         return [t for pair in self.layers.values() for t in pair]
 
+    def expand_rows(self, rows: int) -> None:
+        """Make a one-row cache (a prompt run once) the cache of ``rows`` rows that share it (branch decoding);
+        the rows are views of the one row until they append."""
+        self.layers = {n: (k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for n, (k, v) in self.layers.items()}
+        if self.position_ids is not None:
+            self.position_ids = self.position_ids.expand(rows, -1)
+
     def append_positions(self, new: torch.Tensor) -> None:
         """Record the positions of a forward's new tokens (the model does, after its layers ran)."""
         self.position_ids = self.key_positions(new)
