@@ -29,8 +29,9 @@ Parts (``--parts``; all of them by default):
 - ``agreement``: int8 vs bf16 cache on a small Kaiju-style model trained on a low-entropy Markov corpus:
   greedy agreement over ``--tokens`` tokens and the per-token log-probability difference.
 
-``--decode-only`` re-runs the ``cache`` part alone (bytes and timings, no training) into the existing
-PREFIX.json, keeping its other parts: the cheap re-measurement of the timing rows on a quiet machine.
+``--parts`` runs some parts and keeps the others from an existing PREFIX.json; ``--decode-only`` is
+``--parts cache`` (bytes and timings, no training): the cheap re-measurement of the timing rows on a quiet
+machine. Torch runs one thread (``BENCH_THREADS``), as the other benches on a shared machine.
 Writes PREFIX.{json,md,png} (default bench/results/kaiju).
 """
 from __future__ import annotations
@@ -455,13 +456,14 @@ def _quick(o) -> None:
 
 def parse(argv=None):
     p = H.parser(__doc__, "kaiju")
-    H.add(p, seeds=[1, 2, 3], layers=6, hidden=128, heads=8, seq=256, batch=8, iters=100, lr=3e-3, vocab=4096,
-          corpus_mb=4.0, eval_iters=8, eval_interval=25)
-    p.add_argument("--window", type=int, default=64, help="Kaiju's window in the loss part")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    H.add(p, seeds=[1, 2, 3], layers=6, hidden=96, heads=8, seq=128, batch=4, iters=60, lr=3e-3, vocab=4096,
+          corpus_mb=4.0, eval_iters=4, eval_interval=20)
+    p.add_argument("--window", type=int, default=32, help="Kaiju's window in the loss part")
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                   help="the parts to run; the others are kept from an existing PREFIX.json")
     p.add_argument("--skip-agreement", action="store_true", help="leave out the agreement part")
     p.add_argument("--decode-only", action="store_true",
-                   help="re-run the cache part alone (bytes, decode and branch timings) into the existing PREFIX.json")
+                   help="--parts cache: bytes, decode and branch timings, into the existing PREFIX.json")
     p.add_argument("--branches", type=int, default=4, help="branches sharing a prompt")
     p.add_argument("--branch-suffix", type=int, default=4, help="suffix tokens per branch")
     p.add_argument("--branch-new", type=int, default=24, help="new tokens per branch (loss part's check)")
@@ -483,12 +485,12 @@ def main(argv: list[str] | None = None) -> None:
     if o.from_json:
         out.rewrite(markdown, plot)
         return
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))  # a shared machine: no spinning threads
     parts = ["cache"] if o.decode_only else [x for x in o.parts if not (o.skip_agreement and x == "agreement")]
     result = {}
-    if o.decode_only:
+    if set(parts) != set(PARTS) and os.path.exists(o.out + ".json"):  # the parts not run are kept
         with open(o.out + ".json") as f:
-            result = json.load(f)
-        result.pop("machine", None)
+            result = {k: v for k, v in json.load(f).items() if k in PARTS}
     result["quick"] = o.quick
     if "loss" in parts:
         result["loss"] = loss_part(o)
