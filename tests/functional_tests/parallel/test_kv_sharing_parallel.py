@@ -1,6 +1,7 @@
 """Cross-layer KV sharing with per-layer windows under TP 2 + SP and PP 2 matches the single-process run (which
 equals the explicit reference: tests/unit_tests/model/test_kv_sharing.py); a sharing group split over pipeline
-stages stops the run with the error naming both layers; CP 2 and FSDP2 match it too (slow); resuming a sharing model from a checkpoint is bit-exact."""
+stages stops the run with the error naming both layers; CP 2 and FSDP2 match it too (slow); resuming a sharing
+model from a checkpoint is bit-exact."""
 import pytest
 from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, last_stage_history, train
