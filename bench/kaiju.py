@@ -331,7 +331,9 @@ def loss_lines(r: dict) -> list[str]:
              f"seq {st['seq']}, batch {st['batch']}, {st['iters']} iterations (lr {st['lr']:g} cosine): "
              f"{r['tokens_per_run']:,} training tokens per run; seeds {r['seeds']} (initialisation and data order, "
              f"shared by the three). Kaiju's windows: {st['window']} positions (the same fraction of the sequence "
-             f"as 1,024 of 4,096). Validation loss on {st['eval_iters']} fixed held-out batches.", "",
+             f"as 1,024 of 4,096). Validation loss on {st['eval_iters']} fixed held-out batches; the seed also picks "
+             "those batches (shared by the three), so the spread over seeds is mostly theirs and the paired "
+             "difference removes it.", "",
              "| model | parameters | MLP width | valid loss (mean ± std) | minus baseline (paired, mean ± std) |",
              "|---|---:|---:|---:|---:|"]
     for k in KINDS:

@@ -53,7 +53,7 @@ KAIJU=(
   --window-size 1024 --window-attn-skip-freq 6               # 5 local layers : 1 global
   --kv-share-pattern 2                                       # neighbouring layers share K/V
   --squared-relu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
-  --qat int8 --qat-clamp rms                                 # int8 QAT with dynamic clamping
+  --qat int8 --qat-clamp rms --qat-granularity row          # int8 QAT, dynamic clamping per token
   --squinch                                                  # 6-bit gradients between DP ranks
   --attention-zreg-coeff 1e-4                                # Attention Z-Reg
 )
