@@ -72,7 +72,8 @@ def _print_branches(args, model, tokenizer, ids: list[int], eos: int | None) -> 
     suffixes = [tokenizer.tokenize(text) for text in args.branches]
     rows = [s for s in suffixes for _ in range(args.num_samples)]
     out = decode_branches(model, ids, args.max_new_tokens, branches=rows, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos)
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_id=eos,
+                          kv_cache_dtype=args.kv_cache_dtype)
     for r, new in enumerate(out.new_tokens):
         b, i = divmod(r, args.num_samples)
         print(f"----- branch {b + 1}" + (f" sample {i + 1}" if args.num_samples > 1 else "") + " -----")
@@ -105,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         eos = None if args.ignore_eod else _eod(tokenizer)
         if args.branches is not None:
-            if args.kv_cache_dtype != "auto":
-                raise ValueError("--kv-cache-dtype int8 is not implemented for --branches (branch decoding)")
             _print_branches(args, model, tokenizer, ids, eos)
             return 0
         for i in range(args.num_samples):

@@ -4,6 +4,9 @@ for a ~350M and a ~1.3B GPT (head dim 128): plain causal (SDPA), packed document
 --reset-attention-mask (our Triton visibility kernel) and packed documents with Z-Reg. The peer is a plain
 PyTorch loop of the same model: torch.optim.AdamW(fused=True), SDPA, torch.compile per transformer layer
 (and the same loop eager), on plain causal rows; our rows are reported as ratios to the compiled peer.
+The Kaiju pattern (docs/kaiju.md: MQA, windows of 1,024 on 5 of every 6 layers, K/V shared by neighbouring
+layers) trains through the same Trainer, and decodes greedily after a prefill of the row's sequence with the
+int8 KV cache, beside the baseline (8 KV heads, bf16 cache): tokens/s and cache bytes per token.
 The anchor: megatron-core 0.19.2's own GPTModel (mcore_peer.py) on the 350M model, its windows of
 iterations alternated with our Trainer's in one process, both rows side by side.
 
@@ -59,6 +62,9 @@ MODELS = {
              "--ffn-hidden-size", "5632"],
     "toy": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--ffn-hidden-size", "128"],
 }
+KAIJU = ["--group-query-attention", "--num-query-groups", "1", "--window-size", "1024", "--window-attn-skip-freq", "6",
+         "--kv-share-pattern", "2"]
+DECODE_TOKENS = 64  # greedy steps timed after the prefill (the dry run: 4)
 # (row name, model, kind, extra flags), most decisive first; the 1.3B rows last.
 ROWS = [
     ("ours: plain causal (SDPA)", "350M", "ours", []),
@@ -67,6 +73,9 @@ ROWS = [
     ("ours: packed docs (Triton visibility kernel)", "350M", "ours", ["--reset-attention-mask"]),
     ("ours: packed docs + Z-Reg", "350M", "ours", ["--reset-attention-mask", "--attention-zreg-coeff", "1e-4"]),
     ("peer: eager", "350M", "peer-eager", []),
+    ("ours: Kaiju pattern (MQA, 5:1 windows, KV sharing)", "350M", "ours", KAIJU),
+    ("decode: baseline, bf16 cache", "350M", "decode", []),
+    ("decode: Kaiju pattern, int8 cache", "350M", "decode", KAIJU + ["--kv-cache-dtype-for-bench", "int8"]),
     ("ours: plain causal (SDPA)", "1.3B", "ours", []),
     ("ours: packed docs (Triton visibility kernel)", "1.3B", "ours", ["--reset-attention-mask"]),
     ("peer: AdamW(fused) + SDPA + torch.compile", "1.3B", "peer-compiled", []),
@@ -263,9 +272,57 @@ def run_vs_mcore(argv: list[str], warmup: int, window: int, device: torch.device
     return ours, theirs
 
 
+def run_decode(argv: list[str], device: torch.device, dry_run: bool) -> dict:
+    """Greedy decoding of a randomly initialised model of these flags (bf16 on the GPU): a prefill of the
+    row's sequence less the decoded tokens, then each decode step timed (ending with a device sync); the
+    cache's bytes per token, counted from its tensors. ``--kv-cache-dtype-for-bench int8``: the int8 cache."""
+    from megatron_cai.core.models.gpt.model import GPTModel
+    from megatron_cai.core.transformer.int8_kv_cache import cache_bytes, make_kv_cache
+    from megatron_cai.inference.generation import decode_step, ensure_single_process, inference_config, prefill
+
+    kv_dtype = "auto"
+    if "--kv-cache-dtype-for-bench" in argv:
+        i = argv.index("--kv-cache-dtype-for-bench")
+        kv_dtype, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    config, _ = pretrain_gpt.build_run(argv, world_size=1)
+    ensure_single_process()
+    model = GPTModel(inference_config(config.model))
+    model.initialize(1234)
+    model = model.to(device=device, dtype=torch.float32 if dry_run else torch.bfloat16).eval()
+    tokens = 4 if dry_run else DECODE_TOKENS
+    context = config.model.seq_length - tokens
+    prompt = torch.randint(0, VOCAB, (1, context), device=device, generator=torch.Generator().manual_seed(0)
+                           if device.type == "cpu" else None)
+    cache = make_kv_cache(kv_dtype)
+    counter, calls, steps = KernelCounter(), {}, []
+    with torch.no_grad(), counter.active(), count_calls(attention_mod, "attend", calls):
+        nxt = prefill(model, prompt, cache).argmax(-1)
+        bytes_per_token = cache_bytes(cache) / context
+        for _ in range(tokens):
+            dev.synchronize(device)
+            t0 = time.perf_counter()
+            nxt = decode_step(model, nxt, cache).argmax(-1)
+            dev.synchronize(device)
+            steps.append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model, cache
+    return {"n_params": n_params, "steps": steps, "context": context, "kv_cache": kv_dtype,
+            "kv_bytes_per_token": bytes_per_token, "kernels": counter.counts, "calls": calls}
+
+
+def decode_figures(r: dict) -> dict:
+    step = statistics.median(r["steps"])
+    return dict(params_M=r["n_params"] / 1e6, step_ms=step * 1e3, spread_ms=(max(r["steps"]) - min(r["steps"])) * 1e3,
+                timed_iterations=len(r["steps"]), tokens_per_s=1.0 / step, context=r["context"],
+                kv_bytes_per_token=r["kv_bytes_per_token"], kernel_launches=r["kernels"], calls=r["calls"],
+                attention=f"{r['kv_cache']} cache {r['kv_bytes_per_token']:,.0f} B/token, context {r['context']}")
+
+
 def measure(kind: str, name: str, argv: list[str], warmup: int, window: int, device: torch.device,
             dry_run: bool) -> list[tuple[str, str, dict]]:
     """The (row name, row kind, measurement) rows of one ROWS entry."""
+    if kind == "decode":
+        return [(name, kind, run_decode(argv, device, dry_run))]
     if kind == "ours":
         return [(name, kind, run_ours(argv, warmup, device))]
     if kind == "vs-mcore":
@@ -346,6 +403,9 @@ def main(argv=None) -> int:
                 dev.empty_cache(device)
             for row_name, row_kind, r in results:
                 row = {"row": row_name, "model": model, "kind": row_kind, "flags": " ".join(extra)}
+                if row_kind == "decode":  # tokens/s of one sequence, one token per step
+                    res.add({**row, **decode_figures(r)})
+                    continue
                 row.update(figures(r, mbs, seq, ceil, device))
                 row.update(attention=describe_attention(r, row_kind))
                 if row_kind == "peer-compiled" and not row.get("error"):  # a peer that recompiled is no reference

@@ -6,7 +6,8 @@
 #   codec      Squinch encode / error feedback / decode-accumulate / wire rows vs copy bandwidth
 #   attention  our Triton kernels vs SDPA flash (causal) and FlexAttention (packed docs, trees), fwd / bwd
 #   training   350M and 1.3B GPTs through pretrain_gpt's Trainer vs a plain torch.compile loop, and the
-#              350M alternated with megatron-core 0.19.2's GPTModel (its wheel carried in bench/gpu/wheels/)
+#              350M alternated with megatron-core 0.19.2's GPTModel (its wheel carried in bench/gpu/wheels/);
+#              the Kaiju pattern (docs/kaiju.md): a training step, and decoding with the int8 cache
 #   qat        the int8 / FP8 real-GEMM paths (and Transformer Engine if installed)
 #   pytest     pytest -m gpu over the test files holding GPU tests, per-test time limit
 # Results in ${OUT:-bench/results}: gpu_{env,codec,attention,train,qat,pytest}.json (each rewritten after
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --extra) EXTRA=1 ;;
     --list-limits) LIST=1 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "error: validate.sh: unknown argument $1 (expected --dry-run, --extra or --list-limits)" >&2; exit 2 ;;
   esac
   shift
@@ -69,6 +70,7 @@ fi
 #   attention 104  our 4 kernels (~15 s), flex compiled fwd+bwd for two shapes (~50 s), timing (~10 s)
 #   training  160  350M: ours (~10 s) + compiled peer (~45 s); ours alternated with megatron-core's
 #                  GPTModel (~25 s); the packed-document rows (~10 s each) and the eager peer (~7 s);
+#                  the Kaiju pattern's training row (~10 s) and its two decode rows (~5 s each);
 #                  then 1.3B rows (~20 s each) as the budget allows (each row is skipped, not cut, when
 #                  its estimate no longer fits)
 #   qat        32  two 8k x 4k x 4k GEMM paths; qat.py asks for 8 s left before each (ROW_NEED_S),

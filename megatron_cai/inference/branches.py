@@ -16,8 +16,9 @@ keys through visibility intervals (key-side, see ``core.transformer.visibility``
 
 Greedy branch decoding therefore produces the same tokens as decoding every branch separately
 (``generation.generate`` on the branch's own sequence), at the cost of one prompt forward instead
-of one per branch. Sliding-window models are not supported here (the window needs every cached
-key's position).
+of one per branch. Sliding windows are measured on the cached keys' positions, so windowed models
+(``--window-size``, per-layer patterns) branch exactly too; ``kv_cache_dtype="int8"`` keeps the prompt and
+the branches in the int8 cache (``core.transformer.int8_kv_cache``), the prompt's blocks quantized once.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer import visibility_layouts as V
-from ..core.transformer.self_attention import KVCache
+from ..core.transformer.int8_kv_cache import make_kv_cache
 from .generation import ensure_single_process, sample_step
 
 INF = torch.iinfo(torch.int64).max
@@ -77,18 +78,17 @@ def decode_branches(model: GPTModel, prompt: Sequence[int] | torch.Tensor | Tree
                     branches: Sequence[Sequence[int]] | None = None, num_branches: int | None = None,
                     attach: Sequence[int] | None = None, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, generator: torch.Generator | None = None, seed: int | None = None,
-                    eos_id: int | None = None, return_logits: bool = False) -> BranchOutput:
+                    eos_id: int | None = None, return_logits: bool = False,
+                    kv_cache_dtype: str = "auto") -> BranchOutput:
     """Decode ``max_new_tokens`` after ``prompt`` for every branch (see the module docstring).
 
     ``branches``: per-branch suffix ids fed before decoding (may be empty lists); or ``num_branches``
     branches without suffix (several samples of one prompt). ``attach`` (tree prompts only): the node
     each branch continues (default: the last node in layout order). Sampling as in ``generate``;
-    ``temperature=0`` is greedy.
+    ``temperature=0`` is greedy. ``kv_cache_dtype``: as in ``generate``.
     """
     ensure_single_process()
     cfg = model.config
-    if cfg.window_size is not None:
-        raise ValueError("decode_branches does not support sliding-window models (--window-size)")
     if branches is None:
         if not num_branches or num_branches < 1:
             raise ValueError("give branches (suffix ids per branch) or num_branches >= 1")
@@ -136,13 +136,12 @@ def decode_branches(model: GPTModel, prompt: Sequence[int] | torch.Tensor | Tree
     model.eval()
     counted = 0
     try:
-        cache = KVCache()
+        cache = make_kv_cache(kv_cache_dtype)
         vis = None if vis_prompt is None else tuple(x.to(device) for x in vis_prompt)
         out = model(tokens[None].to(device), pos[None].to(device), visibility=vis, kv_cache=cache)
         counted += p_len
         prompt_logits = model.gather_logits(out)[0].float()  # [T, vocab]
-        for layer, (k, v) in cache.layers.items():
-            cache.layers[layer] = (k.expand(n_br, -1, -1, -1), v.expand(n_br, -1, -1, -1))
+        cache.expand_rows(n_br)
         row_limit = torch.where(visible, torch.tensor(INF), limit[None])
         cache.visibility_start = start[None].expand(n_br, -1).to(device)
         cache.visibility_limit = row_limit.to(device)

@@ -89,7 +89,7 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, rotary, visibility=None, position_ids=None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         layers = list(self.layers.values())
-        shared_kv: SharedKV | None = {} if self.config.kv_share_pattern else None  # this forward's source K/V
+        shared_kv = SharedKV() if self.config.kv_share_pattern else None  # this forward's source K/V
         new_positions = position_ids
         if kv_cache is not None and position_ids is not None:  # windows measure on every key's position
             position_ids = kv_cache.key_positions(position_ids)

@@ -77,6 +77,13 @@ class Int8KVCache(KVCache):
         blocks = codes.float().reshape(b, h, t // self.block, self.block * d) * scales
         return blocks.reshape(b, h, t, d).to(dtype)
 
+    def expand_rows(self, rows: int) -> None:
+        super().expand_rows(rows)
+        for pair in self.stored.values():
+            for q in pair:
+                q.codes, q.scales, q.tail = (None if t is None else t.expand(rows, -1, -1, -1)
+                                             for t in (q.codes, q.scales, q.tail))
+
     def layer_tensors(self) -> list[torch.Tensor]:
         return [t for pair in self.stored.values() for q in pair for t in q.tensors()]
 

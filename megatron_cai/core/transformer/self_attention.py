@@ -28,7 +28,20 @@ from .lse_stats import LseStatsCollector
 from .norms import build_norm
 from .rope import apply_rotary
 
-SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # K/V of one forward's source layers, by layer number
+
+class SharedKV:
+    """The K/V of one forward's source layers, by layer number (cross-layer KV sharing). An object, not a dict:
+    FSDP2's forward pre-hook rebuilds dict and list arguments (to cast their tensors), so a dict written by one
+    wrapped layer would not reach the next."""
+
+    def __init__(self) -> None:
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def put(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._kv[layer] = (k, v)
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[layer]
 
 
 class KVCache:
@@ -53,6 +66,13 @@ class KVCache:
     def layer_tensors(self) -> list[torch.Tensor]:
         """The tensors that hold the cached K/V (for counting bytes)."""
         return [t for pair in self.layers.values() for t in pair]
+
+    def expand_rows(self, rows: int) -> None:
+        """Make a one-row cache (a prompt run once) the cache of ``rows`` rows that share it (branch decoding);
+        the rows are views of the one row until they append."""
+        self.layers = {n: (k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for n, (k, v) in self.layers.items()}
+        if self.position_ids is not None:
+            self.position_ids = self.position_ids.expand(rows, -1)
 
     def append_positions(self, new: torch.Tensor) -> None:
         """Record the positions of a forward's new tokens (the model does, after its layers ran)."""
@@ -204,11 +224,11 @@ class SelfAttention(CoreAttention):
             q = apply_rotary(q, *rotary, self.config.rotary_interleaved)
         q = q.transpose(1, 2)  # [b, heads, s, d]
         if self.linear_kv is None:
-            k, v = shared_kv[self.kv_source]
+            k, v = shared_kv.get(self.kv_source)
         else:
             k, v = self._own_kv(x, rotary, kv_cache, input_rms)
             if shared_kv is not None:
-                shared_kv[self.layer_number] = (k, v)
+                shared_kv.put(self.layer_number, k, v)
         out = self.attend(q, k, v, visibility, position_ids, recomputable=kv_cache is None)
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         if self.linear_gate is not None:  # megatron-core's _apply_output_gate: the sigmoid in fp32

@@ -1,6 +1,7 @@
 """Cross-layer KV sharing with per-layer windows under TP 2 + SP and PP 2 matches the single-process run (which
 equals the explicit reference: tests/unit_tests/model/test_kv_sharing.py); a sharing group split over pipeline
-stages stops the run with the error naming both layers; resuming a sharing model from a checkpoint is bit-exact."""
+stages stops the run with the error naming both layers; CP 2 and FSDP2 match it too (slow); resuming a sharing
+model from a checkpoint is bit-exact."""
 import pytest
 from testlib.distributed import run_distributed
 from testlib.train import TINY_MODEL, last_stage_history, train
@@ -30,6 +31,18 @@ def reference():
 @pytest.mark.parametrize("extra", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
 def test_matches_single_process(extra, reference):
+    got = _run(2, extra)
+    assert len(got) == len(reference) == 5
+    for i, (a, b) in enumerate(zip(got, reference)):
+        assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-6, abs=0), f"iteration {i + 1} loss"
+        assert a["grad norm"] == pytest.approx(b["grad norm"], rel=1e-5, abs=0), f"iteration {i + 1} grad norm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--context-parallel-size", "2"], ["--use-torch-fsdp2"]], ids=["cp2", "fsdp2"])
+def test_matches_single_process_with_cp_and_fsdp2(extra, reference):
+    """Context parallelism (the shared K/V are the source layer's local chunk, fetched by the sharer's split
+    attention like the source's own) and FSDP2 over two data-parallel ranks."""
     got = _run(2, extra)
     assert len(got) == len(reference) == 5
     for i, (a, b) in enumerate(zip(got, reference)):

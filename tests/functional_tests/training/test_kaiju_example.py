@@ -25,6 +25,7 @@ def test_kaiju_example_trains_and_decodes_with_int8_cache(tmp_path):
     cfg = model.config
     assert (cfg.num_query_groups, cfg.window_size, cfg.window_attn_skip_freq) == (1, 32, 6)
     assert cfg.kv_share_pattern == [0, 0, 2, 2, 4, 4] and cfg.activation == "relu2" and cfg.qat.fmt == "int8"
+    assert cfg.qat.granularity == "row"  # per-token activation clamps: decoding does not depend on the batch
     assert [model.decoder.layers[str(n)].self_attention.window for n in range(6)] == [32] * 5 + [None]
     sys.path.insert(0, TOOLS)
     import generate as generate_tool

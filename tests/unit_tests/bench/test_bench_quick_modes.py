@@ -411,3 +411,32 @@ def test_kaiju_cache_is_at_most_a_twentieth_of_the_baseline(run):
     assert c["bytes_per_token"]["llama_bf16"] == c["factors"]["mqa"] * c["factors"]["sharing"] * \
         c["bytes_per_token"]["kaiju_bf16"]
     assert abs(c["params"]["kaiju"] / c["params"]["llama"] - 1) < 0.01  # equal parameters (within 1%)
+    assert abs(c["params"]["mla"] / c["params"]["llama"] - 1) < 0.01
+    sh = c["shape"]
+    head = sh["hidden"] // sh["heads"]  # MLA caches its latent (hidden / 4) and the RoPE key (head / 2), bf16
+    assert c["bytes_per_token"]["mla_bf16"] == sh["layers"] * (sh["hidden"] // 4 + head // 2) * 2
+    for name, row in c["rows"].items():
+        b = row["branches"]
+        assert b["forward_tokens"] == b["prompt"] + b["branches"] * (b["suffix"] + b["new_tokens"] - 1), name
+        assert b["forward_tokens_separate"] == b["branches"] * (b["prompt"] + b["suffix"] + b["new_tokens"] - 1)
+        assert row["decode"]["tokens_per_s"] > 0 and len(row["decode"]["load_average"]) == 3
+
+
+def test_kaiju_loss_is_paired_over_seeds_at_equal_parameters_and_tokens(run):
+    """The loss part: three architectures at (within 1%) one parameter count, every run the same iterations,
+    the paired difference to the baseline recomputed from the per-seed losses, and branch decoding on the
+    trained models equal to each branch decoded alone (model-dtype cache)."""
+    r = load(run, "kaiju")["loss"]
+    s, per, iters = r["summary"], r["per_seed"], r["settings"]["iters"]
+    for kind in ("kaiju", "mla"):
+        assert abs(s[kind]["params"] / s["llama"]["params"] - 1) < 0.01, kind
+        diffs = [per[kind][seed]["valid_loss"] - per["llama"][seed]["valid_loss"] for seed in per["llama"]]
+        assert len(diffs) >= 2
+        assert s[kind]["vs_llama"]["diff_mean"] == pytest.approx(statistics.fmean(diffs))
+        assert s[kind]["vs_llama"]["diff_std"] == pytest.approx(statistics.stdev(diffs))
+    for kind, seeds in per.items():
+        assert s[kind]["valid_loss"]["std"] == pytest.approx(statistics.stdev(v["valid_loss"] for v in seeds.values()))
+        assert all(len(v["train_loss"]) == iters and v["curve"][-1][0] == iters for v in seeds.values()), kind
+        b = seeds[str(r["seeds"][0])]["branches"]["auto"]
+        assert b["tokens_equal"] == b["tokens"] == b["branches"] * b["new_tokens"], kind
+        assert b["forward_tokens"] < b["forward_tokens_separate"]

@@ -70,7 +70,7 @@ def _full_size_run(out) -> None:
                 "model": "350M", "kind": "megatron-core"}]
     write("training", train.COLUMNS, labels)
     for r in json.loads((out / "gpu_train.json").read_text())["rows"]:
-        assert r["kind"] in ("ours", "ours-alternated", "megatron-core", "peer-compiled", "peer-eager")
+        assert r["kind"] in ("ours", "ours-alternated", "megatron-core", "peer-compiled", "peer-eager", "decode")
     write("qat", qat.COLUMNS, [{"path": p} for p in ("quantized_linear int8", "quantized_linear fp8_e4m3",
                                                       "transformer_engine fp8 Linear")])
     problems = [{"nodeid": f"tests/unit_tests/attention/test_attention.py::test_cuda_backends_vs_reference[{i}]",

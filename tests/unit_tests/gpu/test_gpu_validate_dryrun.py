@@ -92,10 +92,22 @@ def _assert_dry_run(tmp_path, pythonpath_first: str | None = None, triton: str |
     errs = [r["max_err_vs_ours"] for r in res["attention"]["rows"] if r.get("max_err_vs_ours") is not None]
     assert len(errs) == 3 and max(errs) < 1e-2  # ours vs SDPA / flex at the toy sizes (fp16)
     train = {(r["row"], r["kind"]): r for r in res["train"]["rows"]}
-    assert len(train) == 7 and not any(r.get("error") for r in train.values()), train
+    assert len(train) == 10 and not any(r.get("error") for r in train.values()), train
+    decode = {name: r for (name, kind), r in train.items() if kind == "decode"}
+    base, kaiju = decode["decode: baseline, bf16 cache"], decode["decode: Kaiju pattern, int8 cache"]
+    assert base["timed_iterations"] == kaiju["timed_iterations"] == 4
+    assert base["tokens_per_s"] > 0 and kaiju["tokens_per_s"] > 0 and base["context"] == kaiju["context"] == 60
+    # the toy model (2 layers, 2 heads of 32, fp32) after 60 tokens: 2 layers x K and V x 2 heads x 32 x 4 bytes per
+    # token; Kaiju: one shared group of one KV head, 3 int8 blocks of 16 tokens with an fp32 scale each (K and V),
+    # and a tail of 12 fp32 tokens
+    assert base["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+    assert kaiju["kv_bytes_per_token"] == pytest.approx((48 * 2 * 32 + 3 * 2 * 4 + 12 * 2 * 32 * 4) / 60)
+    assert kaiju["calls"]["attend"] > 0 and "attend" not in base["calls"]  # windows take our interval kernels
     for (name, kind), r in train.items():
         launches, calls = r["kernel_launches"], r["calls"]
-        if "packed" in name:  # through the Trainer into attend and our visibility kernels
+        if kind == "decode":
+            continue
+        if "packed" in name or "Kaiju" in name:  # through the Trainer into attend and our visibility kernels
             assert calls["attend"] > 0 and launches["_fwd_kernel"] == calls["attend"], r
             assert launches["_bwd_dq_kernel"] == launches["_bwd_dkdv_kernel"] == calls["attend"], r
         elif kind != "megatron-core":  # plain causal: SDPA, never attend

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 from testlib import TOOLS
+from testlib.kaiju_model import kaiju_model
 from testlib.tree import branch_visibility, tiny_gpt
 
 from megatron_cai.inference.branches import TreePrompt, decode_branches
@@ -123,12 +124,57 @@ def test_sampled_branches_seed_top_k_eos_and_errors():
     eos = int(greedy.new_tokens[0][2])
     stopped = decode_branches(model, prompt, 8, num_branches=2, eos_id=eos).new_tokens
     assert stopped[0].tolist() == greedy.new_tokens[0][:3].tolist()
-    with pytest.raises(ValueError, match="sliding-window"):
-        decode_branches(tiny_gpt("cpu", window_size=4), prompt, 2, num_branches=2)
     with pytest.raises(ValueError, match="TreePrompt"):
         decode_branches(model, prompt, 2, num_branches=2, attach=[0, 0])
     with pytest.raises(ValueError, match="preorder"):
         decode_branches(model, TreePrompt([1, 2, 3], [-1, 2, 0], [1, 1, 1]), 2, num_branches=1)
+
+
+def test_windowed_shared_branches_equal_separate_decoding():
+    """A Kaiju-style model (per-layer windows of 8 positions, K/V shared across layers): branches after a prompt
+    longer than the window decode as each branch alone, tokens and logits; tree branches as their path alone."""
+    model = kaiju_model(seed=5)
+    prompt = [(7 * i + 3) % 50 for i in range(21)]
+    suffixes = [[4, 4, 20], [], [7, 8, 9, 10, 11]]
+    out = decode_branches(model, prompt, 10, branches=suffixes, temperature=0, return_logits=True)
+    for b, s in enumerate(suffixes):
+        alone = generate(model, prompt + s, 10, temperature=0, return_logits=True)
+        assert torch.equal(out.new_tokens[b], alone.new_tokens[0]), b
+        for step in range(10):
+            torch.testing.assert_close(out.logits[step][b], alone.logits[step][0], atol=1e-10, rtol=1e-10)
+    tp = _tree_prompt(random.Random(6))
+    tp.tokens = [t % 50 for t in tp.tokens]
+    attach = [3, 7, 5]
+    out = decode_branches(model, tp, 8, branches=[[1, 2], [], [9]], attach=attach, temperature=0)
+    for b, (node, s) in enumerate(zip(attach, [[1, 2], [], [9]])):
+        toks, _ = _path(tp, node)
+        assert torch.equal(out.new_tokens[b], generate(model, toks + s, 8, temperature=0).new_tokens[0]), b
+
+
+def test_int8_branches_equal_separate_int8_decoding():
+    """With the int8 cache, branches whose suffixes have one length (so the cache blocks hold the same tokens
+    as when each branch runs alone) decode as ``generate(prompt + suffix, kv_cache_dtype="int8")``; the
+    prompt's int8 blocks are written once and shared (views) until the branches append."""
+    from megatron_cai.core.transformer.int8_kv_cache import Int8KVCache
+
+    model = kaiju_model(seed=7)
+    prompt = [(5 * i + 1) % 50 for i in range(37)]  # two full blocks of 16 and a tail of 5
+    suffixes = [[4, 20], [7, 8]]
+    out = decode_branches(model, prompt, 12, branches=suffixes, temperature=0, return_logits=True,
+                          kv_cache_dtype="int8")
+    for b, s in enumerate(suffixes):
+        alone = generate(model, prompt + s, 12, temperature=0, return_logits=True, kv_cache_dtype="int8")
+        assert torch.equal(out.new_tokens[b], alone.new_tokens[0]), b
+        for step in range(12):
+            torch.testing.assert_close(out.logits[step][b], alone.logits[step][0], atol=1e-9, rtol=1e-9)
+    bf16 = decode_branches(model, prompt, 12, branches=suffixes, temperature=0, return_logits=True)
+    assert max((a - b).abs().max() for a, b in zip(out.logits, bf16.logits)) > 1e-6  # the cache was int8
+    cache = Int8KVCache()
+    with torch.no_grad():
+        model(torch.tensor([prompt]), torch.arange(37)[None], kv_cache=cache)
+    cache.expand_rows(3)
+    codes = cache.stored[0][0].codes
+    assert codes.shape[0] == 3 and codes.stride(0) == 0  # one copy of the prompt's codes for all rows
 
 
 def test_generate_cli_branches(tmp_path):
@@ -155,4 +201,12 @@ def test_generate_cli_branches(tmp_path):
     model, _ = load_model(ckpt)
     for line, suffix in zip(lines[1::2], [[1, 2], [], [9]]):
         alone = generate(model, [5, 6, 7] + suffix, 5, temperature=0)
+        assert [int(x) for x in line.split()] == alone.tokens[0].tolist()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = generate_tool.main(["--load", ckpt, "--prompt", "5 6 7", "--branches", "1 2", "9 4",
+                                 "--max-new-tokens", "5", "--temperature", "0", "--kv-cache-dtype", "int8"])
+    assert rc == 0
+    for line, suffix in zip(buf.getvalue().strip().splitlines()[1::2], [[1, 2], [9, 4]]):
+        alone = generate(model, [5, 6, 7] + suffix, 5, temperature=0, kv_cache_dtype="int8")
         assert [int(x) for x in line.split()] == alone.tokens[0].tolist()
