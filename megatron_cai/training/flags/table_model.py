@@ -220,8 +220,6 @@ TABLE = FlagTable(
         CompatFlag("--mtp-loss-scaling-factor", _MTP, None, float, 0.1),
         CompatFlag("--mtp-use-repeated-layer", _MTP),
         CompatFlag("--mtp-detach-heads", _MTP),
-        CompatFlag("--account-for-embedding-in-pipeline-split", "uneven pipeline stages are not implemented here"),
-        CompatFlag("--account-for-loss-in-pipeline-split", "uneven pipeline stages are not implemented here"),
         CompatFlag(
             "--softmax-type",
             "only the standard softmax is implemented here",

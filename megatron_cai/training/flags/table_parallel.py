@@ -94,25 +94,16 @@ TABLE = FlagTable(
     refused=[
         CompatFlag("--lazy-mpu-init", "process groups are created at start-up here"),
         CompatFlag(
-            "--decoder-first-pipeline-num-layers", "uneven pipeline stages are not implemented here", None, int, None
-        ),
-        CompatFlag(
-            "--decoder-last-pipeline-num-layers", "uneven pipeline stages are not implemented here", None, int, None
-        ),
-        CompatFlag(
             "--pipeline-model-parallel-layout",
             (
-                "custom pipeline layouts are not implemented here; layers split evenly (--num-layers-per- "
-                "virtual-pipeline-stage)"
+                "custom pipeline layouts are not implemented here; --decoder-first/last-pipeline-num-layers "
+                "and --account-for-embedding/loss-in-pipeline-split are"
             ),
             None,
             str,
             None,
         ),
         CompatFlag("--model-parallel-size", _DEPRECATED, None, int, None),
-        CompatFlag(
-            "--num-virtual-stages-per-pipeline-rank", "use --num-layers-per-virtual-pipeline-stage", None, int, None
-        ),
         CompatFlag("--overlap-param-gather-with-optimizer-step", "not implemented here; --overlap-param-gather is"),
         CompatFlag(
             "--outer-dp-sharding-strategy",
