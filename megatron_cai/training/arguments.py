@@ -28,7 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
-from .flags import kaiju, pipeline_split
+from .flags import fim, kaiju, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
                 add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
-                kaiju.add_arguments):
+                kaiju.add_arguments, fim.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -666,6 +666,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         reset_attention_mask=args.reset_attention_mask,
         data_format=args.data_format,
         tree_loss_weighting=args.tree_loss_weighting,
+        fim=fim.settings(args),
     )
 
 
@@ -775,6 +776,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     args = resolve_megatron_flags(flags, problems)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     check_flags(args, vocab, problems)
+    fim.check(args, problems)
     check_megatron_numerics(args, problems)
     try:
         layout = _Layout(args, world_size)
