@@ -4,7 +4,7 @@ Reads ``tests/functional_tests/test_cases/gpt/*/model_config.yaml`` of a Megatro
 ``MODEL_ARGS`` as Megatron-LM's launcher does (``true``: the switch; ``false``: left out; a list or a string in
 ``[ ]``: its words; ``${VAR}``: the launcher's paths, here under a scratch directory), keeps the pretraining runs
 of ``pretrain_gpt.py`` (not ``MODE: inference`` / ``rl``, not the ModelOpt distillation exports), and parses each
-with this repository's flags, then builds its configuration at its own layout (TP x PP x CP ranks) with
+with this repository's flags, then builds its configuration on one node of 8 ranks, as Megatron-LM's CI runs it, with
 ``--distributed-backend gloo``. A configuration *parses* when the only problems are refusals of the features
 that are separate work here: Mixture-of-Experts, multi-latent attention and hybrid / linear-attention layers.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+NODE = 8  # Megatron-LM's CI runs these configurations on one node of 8 GPUs
 # the topics whose refusals are separate features (not counted against a configuration)
 SEPARATE_TOPICS = ("moe", "mla", "hybrid")
 _SEPARATE_PREFIXES = (
@@ -79,20 +80,42 @@ def _separate_problem(category: str, text: str) -> bool:
 
 
 def problems_of(argv: list[str]) -> list[str]:
-    """The problems (other than the separate features' refusals) of one command line; [] when it parses."""
-    from megatron_cai.training.arguments import build_config, parse_args
-    from megatron_cai.training.config import ArgumentError
-    from megatron_cai.training.flags.report import FlagProblemsError
+    """The problems (other than the separate features') of one command line at 8 ranks (one node), or at
+    TP x PP x CP ranks where its batch sizes do not fit 8; [] when it parses."""
+    from megatron_cai.training.arguments import parse_args
 
     try:
         args = parse_args(argv)
-        world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    except Exception as e:  # FlagProblemsError / ArgumentError
+        return _kept(e)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    worlds = [NODE, model_parallel] if NODE % model_parallel == 0 and NODE != model_parallel else [model_parallel]
+    for world in worlds:
+        problems = _build(args, world)
+        if not any("impossible parallel layout" in p for p in problems):
+            break
+    return problems
+
+
+def _build(args, world: int) -> list[str]:
+    from megatron_cai.training.arguments import build_config
+
+    try:
         build_config(args, world, vocab_size=args.vocab_size or 50257)
-    except FlagProblemsError as e:
-        return [f"{p.category} {p.text}" for p in e.problems if not _separate_problem(p.category, p.text)]
-    except ArgumentError as e:
-        return [str(e)]
+    except Exception as e:  # FlagProblemsError / ArgumentError
+        return _kept(e)
     return []
+
+
+def _kept(error: Exception) -> list[str]:
+    from megatron_cai.training.config import ArgumentError
+    from megatron_cai.training.flags.report import FlagProblemsError
+
+    if isinstance(error, FlagProblemsError):
+        return [f"{p.category} {p.text}" for p in error.problems if not _separate_problem(p.category, p.text)]
+    if isinstance(error, ArgumentError):
+        return [] if _separate_problem("conflict", str(error)) else [str(error)]
+    raise error
 
 
 def main() -> None:

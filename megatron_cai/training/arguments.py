@@ -28,7 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
-from .flags import fim, kaiju, pipeline_split
+from .flags import fim, kaiju, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -483,6 +483,7 @@ def _qat_config(args: argparse.Namespace) -> QATConfig:
         static_value=args.qat_static_clamp,
         granularity=args.qat_granularity,
         fp8_format=args.fp8_format or "hybrid",  # None unless --fp8-format or --qat fp8
+        weight_granularity="tensor" if args.fp8_recipe == "tensorwise" else "row",  # per-tensor current scaling
         gemm_backend="transformer_engine" if args.transformer_impl == "transformer_engine" else "fake",
     )
 
@@ -780,6 +781,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     check_megatron_numerics(args, problems)
     try:
         layout = _Layout(args, world_size)
+        optimizer_and_fp8.check_instances(args, layout.data_parallel_size * args.context_parallel_size, problems)
     except ArgumentError as e:
         problems.record(e)
     diloco: DilocoConfig = diloco_config(args, world_size, problems)

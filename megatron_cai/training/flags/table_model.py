@@ -185,6 +185,16 @@ TABLE = FlagTable(
         CompatFlag("--fp8-param-gather", "parameters are gathered in their training dtype"),
     ],
     mapped=[
+        CompatFlag(
+            "--fp8-recipe",
+            "delayed: FP8 QAT with its clamp rules (--qat-clamp); tensorwise: per-tensor current scaling, FP8 QAT "
+            "with --qat-clamp absmax --qat-granularity tensor and per-tensor weight scales; mxfp8, blockwise and "
+            "custom are refused",
+            None,
+            str,
+            "delayed",
+            ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+        ),
         CompatFlag("--hierarchical-context-parallel-sizes", _CP_COMM, "+", int, None),
         CompatFlag(
             "--no-weight-decay-cond-type",
@@ -270,15 +280,6 @@ TABLE = FlagTable(
             str,
             None,
             allowed=(["core_attn"],),
-        ),
-        CompatFlag(
-            "--fp8-recipe",
-            "only the default recipe name is accepted; our FP8 path is QAT with dynamic clamps",
-            None,
-            str,
-            "delayed",
-            ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
-            allowed=("delayed",),
         ),
         CompatFlag("--fp8-quantizer-factory", "no code is imported from a flag here", None, str, None),
         CompatFlag("--fp8-output-proj", "the output projection runs in the training dtype here"),
