@@ -17,7 +17,10 @@ _FSDP = (
     "a Megatron-FSDP tuning knob (buffers, NCCL registration, meta-device init); --use-megatron-fsdp runs "
     "on PyTorch FSDP2 here, which manages its own buffers"
 )
-_MUP = "Maximal Update Parameterization is not implemented here"
+_MUP = (
+    "Maximal Update Parameterization is not implemented here (megatron-core's MuP rescales initialisation, "
+    "per-layer learning rates, attention scaling and output logits across model, optimizer and config)"
+)
 _TE_FP8 = "a Transformer Engine FP8 knob; --fp8-format runs our FP8 QAT (dynamic clamps) here"
 _FP4 = "FP4 training is not implemented here; --fp8-format runs FP8 QAT"
 _CUDA_GRAPH = "CUDA graph capture is a launch optimisation; kernels run eagerly here, with the same math"
