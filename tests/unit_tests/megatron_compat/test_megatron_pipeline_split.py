@@ -117,3 +117,21 @@ def test_megatron_functional_configurations():
         [[1], [5]],
         [[2], []],
     ]
+
+
+def test_a_checkpoint_of_another_split_is_told_apart():
+    """torch-format checkpoints hold each stage's layers: a resume at the same (TP, PP, VPP) with another split
+    would give layers the wrong weights, so it is refused; a split that holds the same layers (or an old
+    checkpoint without the split fields, at an even split) is not."""
+    from megatron_cai.core.models.gpt.config import GPTConfig
+    from megatron_cai.training.checkpoint.torch_format import same_stage_layers
+
+    even, uneven = GPTConfig(num_layers=4), GPTConfig(num_layers=4, num_layers_in_first_pipeline_stage=1)
+    saved_even = {"model_config": {k: v for k, v in even.to_dict().items() if "pipeline" not in k}}  # an old one
+    assert same_stage_layers(saved_even, even, 2, None)
+    assert not same_stage_layers(saved_even, uneven, 2, None)
+    assert not same_stage_layers({"model_config": uneven.to_dict()}, even, 2, None)
+    assert same_stage_layers({"model_config": uneven.to_dict()}, uneven, 2, None)
+    # at PP 1 the embedding slot changes nothing
+    counted = GPTConfig(num_layers=4, account_for_embedding_in_pipeline_split=True)
+    assert same_stage_layers({"model_config": counted.to_dict()}, even, 1, None)
