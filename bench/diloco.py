@@ -119,6 +119,8 @@ def measure(opts, results: H.Results) -> list[dict]:
         for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
             for seed in opts.seeds:
                 for name in names:
+                    if rate is not None and name.startswith("dp") and seed not in opts.seeds[:opts.dp_link_seeds]:
+                        continue  # DP's losses do not depend on the link: its unshaped run has them (see acceptance)
                     key = f"{name}|{link.rate_key(rate)}|{seed}"
                     rows.append(results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data)))
     finally:
@@ -194,6 +196,48 @@ def _mean_sd(xs: list[float]) -> str:
     return f"{statistics.mean(xs):.4g} +- {statistics.stdev(xs):.2g}" if len(xs) > 1 else f"{xs[0]:.4g}"
 
 
+def _mean(xs: list[float]) -> float:
+    return statistics.mean(xs) if xs else float("nan")
+
+
+def acceptance(rows: list[dict]) -> list[str]:
+    """Squinch-DiLoCo against synchronous bf16 DP per shaped link: loss at equal tokens (DP's 3-seed losses from its
+    unshaped runs, which equal its shaped ones: checked where both ran), wall time and slow-link bytes per token;
+    then 6-bit against bf16 pseudo-gradients."""
+    out = ["## Acceptance", ""]
+    same = [(r["val_loss"], u["val_loss"]) for r in rows if r["name"].startswith("dp") and r["rate"] != "unshaped"
+            for u in rows if u["rate"] == "unshaped" and u["name"] == r["name"] and u["seed"] == r["seed"]]
+    if same:
+        equal = sum(a == b for a, b in same)
+        out.append(f"Synchronous DP's validation loss over a shaped link equals its unshaped run's in {equal} of "
+                   f"{len(same)} (configuration, seed) pairs (the link changes its time, not its arithmetic).")
+    dp_loss = [r["val_loss"] for r in rows if r["name"] == "dp bf16" and r["rate"] == "unshaped"]
+    for rate in dict.fromkeys(r["rate"] for r in rows if r["rate"] != "unshaped"):
+        def at(name: str) -> list[dict]:
+            return [r for r in rows if r["name"] == name and r["rate"] == rate]  # noqa: B023
+        six, dp = at("diloco 6"), at("dp bf16")
+        if not six or not dp:
+            continue
+        dp_losses = dp_loss or [r["val_loss"] for r in dp]  # --quick has no unshaped runs
+        loss_gap = _mean([r["val_loss"] for r in six]) / _mean(dp_losses) - 1
+        wall = _mean([r["wall_s"] for r in six]) / _mean([r["wall_s"] for r in dp])
+        by = _mean([r["crossing_bytes"] / r["tokens"] for r in six]) / _mean([r["crossing_bytes"] / r["tokens"]
+                                                                              for r in dp])
+        verdict = {True: "holds", False: "NOT"}
+        out.append(f"- {rate} Mbit/s: Squinch-DiLoCo's validation loss is {loss_gap:+.2%} against bf16 DP's "
+                   f"({len(six)} and {len(dp_losses)} seeds; target within 2%: {verdict[abs(loss_gap) <= 0.02]}), "
+                   f"its wall time {wall:.3f}x DP's (target <= 0.2: {verdict[wall <= 0.2]}), its slow-link "
+                   f"bytes per token {by:.4f}x DP's (target <= 0.01: {verdict[by <= 0.01]}).")
+        sixteen = at("diloco 16")
+        if sixteen:
+            d = [a["val_loss"] - b["val_loss"] for a in six for b in sixteen if a["seed"] == b["seed"]]
+            b6 = _mean([r["crossing_bytes"] / r["tokens"] for r in six])
+            b16 = _mean([r["crossing_bytes"] / r["tokens"] for r in sixteen])
+            out.append(f"- {rate} Mbit/s, 6-bit minus bf16 pseudo-gradients: validation loss {_mean_sd(d)} (paired "
+                       f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x).")
+    return out + [""]
+
+
 def render(res: dict) -> str:
     lines = ["# DiLoCo across islands vs synchronous DP over a slow link", ""]
     rows = res.get("measured", [])
@@ -223,6 +267,7 @@ def render(res: dict) -> str:
                       f"max {max(errors):.1%}: {'within' if max(errors) <= ERROR_BOUND else 'NOT within'} the stated "
                       f"{ERROR_BOUND:.0%}."]
         lines.append("")
+        lines += acceptance(rows)
     lines += ["## Projection: islands of 64 H100 (arithmetic, core/diloco/outer_model.py)", "",
               f"Inner step: squinch_cluster_projection's model (4M tokens per island, 40% MFU). WAN latency "
               f"{WAN_ALPHA_S * 1000:g} ms per message. H90: least H with compute utilisation >= 90% (K fragments, "
@@ -279,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--dp-link-seeds", type=int, default=None,
+                   help="synchronous DP over a shaped link at the first N seeds only (its losses equal the unshaped "
+                        "run's, which the report checks; over a 10 Mbit/s link one DP run takes tens of minutes)")
     p.add_argument("--no-netns", action="store_true", help="every rank on the loopback, unshaped")
     p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
@@ -292,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
     payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "seeds", "rates", "quick")},
+                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds")},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
 

@@ -16,6 +16,11 @@ over training (fraction of the routed tokens per expert, first seed, bf16 run).
 
     python bench/moe.py --seeds 1 2 3 --iters 400      # results/moe.{json,md,png}
     python bench/moe.py --quick                        # 2 iterations of a toy model, every variant
+
+Run time: 9 trainings (3 variants x 3 seeds) of --iters 400 on 4 gloo ranks, one after another; each row is saved
+as it finishes (an interrupted run resumes from bench/results/moe.rows.json). Each row's wall time is recorded
+("wall_s") and the table ends with the run's total; no quiet-machine figure is recorded yet (the --quick run takes
+about a minute on a shared 2-core machine).
 """
 from __future__ import annotations
 
@@ -115,7 +120,9 @@ def render(payload: dict) -> str:
         grad = f"{rs[0]['grad_bytes_per_iter']:,}" if rs else "-"
         disp = f"{rs[0]['dispatch_bytes_per_iter']:,.0f}" if rs and name != "dense" else "-"
         lines.append(f"| {name} | {mean} | {std} | {tps} | {grad} | {disp} |")
-    return "\n".join(lines) + f"\n\n![expert load]({payload['name']}.png)\n"
+    wall = payload.get("wall_s")
+    took = f"\n\nRun time: {wall / 60:.1f} min (the trainings' wall time, one after another)." if wall else ""
+    return "\n".join(lines) + took + f"\n\n![expert load]({payload['name']}.png)\n"
 
 
 def plot(payload: dict, path: str) -> None:
@@ -142,6 +149,14 @@ def plot(payload: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _timed(run, argv: list[str]) -> dict:
+    """One training's row, with its wall time."""
+    t0 = time.perf_counter()
+    row = run([argv])[0]
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
 def _quick(o: argparse.Namespace) -> None:
     o.iters, o.eval_interval, o.eval_iters, o.seeds = 2, 2, 1, o.seeds[:1]
 
@@ -153,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     opts = H.parse(p, argv, quick=_quick)
+    start = time.perf_counter()
     model = QUICK_MODEL if opts.quick else MODEL
     settings = {"iters": opts.iters, "model": model, "experts": opts.experts, "topk": opts.topk}
     out = H.Results(opts.out, settings)
@@ -171,9 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         runs = dict(zip((f"{n}@{s}" for n, s in keys), run([_argv(n, model, opts, data, tok, s) for n, s in keys])))
     for name, seed in keys:
         argv = _argv(name, model, opts, data, tok, seed)
-        runs[f"{name}@{seed}"] = runs.get(f"{name}@{seed}") or out.row(f"{name}@{seed}", lambda a=argv: run([a])[0])
-    out.write({**settings, "seeds": opts.seeds, "variants": list(VARIANTS), "name": "moe", "runs": runs},
-              render, plot, record_machine=True)
+        runs[f"{name}@{seed}"] = runs.get(f"{name}@{seed}") or out.row(f"{name}@{seed}", lambda a=argv: _timed(run, a))
+    wall = sum(r.get("wall_s", 0.0) for r in runs.values()) if not opts.quick else time.perf_counter() - start
+    out.write({**settings, "seeds": opts.seeds, "wall_s": round(wall, 1), "variants": list(VARIANTS), "name": "moe",
+               "runs": runs}, render, plot, record_machine=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from ..training.checkpoint import (
     save_resharded,
     target_layout,
 )
+from .megatron_moe import moe_pretrain_flags
 
 ARCHITECTURES = ("llama", "gpt2", "nemotron", "megatron_cai")
 HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "nemotron": "NemotronForCausalLM",
@@ -88,6 +89,9 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
         why.append(f"{arch} rotates the two halves of each head (the model has --rotary-interleaved)")
     if c.attention_output_gate:
         why.append(f"{arch} has no attention output gate (the model has --attention-output-gate)")
+    if c.moe is not None:
+        why.append(f"{arch} has no Mixture-of-Experts layers (the model has --num-experts {c.moe.num_experts}); the "
+                   f"Mixtral / Qwen-MoE layouts are not written here: export it to Megatron-LM with --to-megatron")
     return why
 
 
@@ -531,4 +535,4 @@ def pretrain_flags(c: GPTConfig) -> list[str]:
         flags.append("--add-qkv-bias")
     if c.window_size is not None:
         flags += ["--window-size", str(c.window_size)]
-    return flags
+    return flags + moe_pretrain_flags(c.moe)

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import WORD_EMBEDDINGS
+from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
 from ..core.pipeline_parallel.layer_split import PipelineSplit, stage_layer_numbers
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
@@ -73,6 +73,15 @@ from ..training.checkpoint import (
     write_text,
 )
 from ..training.tokenizer import vocab_size_with_padding
+from .megatron_moe import (
+    is_megatron_moe_tensor,
+    is_moe_tensor,
+    megatron_moe_args,
+    megatron_moe_flags,
+    moe_config_from_megatron_args,
+    moe_from_megatron,
+    moe_to_megatron,
+)
 
 SPECS = ("local", "transformer_engine")
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's legacy save writes
@@ -97,7 +106,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     """Our GPTConfig from a Megatron-LM checkpoint's ``args`` (a Namespace or dict). Options this
     codebase cannot represent exactly are refused, each by its Megatron-LM flag."""
     why = []
-    refuse = {"num_experts": "--num-experts (MoE)", "multi_latent_attention": "--multi-latent-attention",
+    refuse = {"multi_latent_attention": "--multi-latent-attention",
               "rotary_interleaved": "--rotary-interleaved",
               "apply_residual_connection_post_layernorm": "--apply-residual-connection-post-layernorm",
               "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
@@ -127,6 +136,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
     padded = _get(args, "padded_vocab_size")
     if padded is None:
         why.append("args.padded_vocab_size is missing")
+    moe = moe_config_from_megatron_args(lambda name: _get(args, name), why)
     if why:
         raise ConversionError("this Megatron-LM checkpoint cannot be represented: " + "; ".join(why))
     heads = _get(args, "num_attention_heads")
@@ -150,7 +160,7 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bias, hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
         attention_dropout=float(_get(args, "attention_dropout", 0.1)),
-        init_method_std=float(_get(args, "init_method_std", 0.02)))
+        init_method_std=float(_get(args, "init_method_std", 0.02)), moe=moe)
 
 
 def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int, divisible: int,
@@ -169,6 +179,10 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
                               "Megatron-LM yet (its linear_qkv packs the gate after each group's query heads)")
     if c.kv_share_pattern is not None:
         raise ConversionError("cross-layer KV sharing (--kv-share-pattern) has no Megatron-LM equivalent")
+    if c.moe is not None and (spec != "local" or ckpt_format != "torch"):
+        raise ConversionError(f"an MoE model is written to Megatron-LM in the torch format with the local spec only "
+                              f"(got --ckpt-format {ckpt_format}, spec {spec}: megatron-core's sharded expert keys "
+                              f"and its Transformer-Engine MoE layer are not written here)")
     return argparse.Namespace(
         num_layers=c.num_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.ffn_hidden_size,
         num_attention_heads=c.num_attention_heads, kv_channels=c.kv_channels,
@@ -190,7 +204,8 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         init_method_std=c.init_method_std, padded_vocab_size=padded_vocab_size, make_vocab_size_divisible_by=divisible,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, transformer_impl=spec, ckpt_format=ckpt_format,
-        params_dtype=torch.float32, tokenizer_type=tokenizer_type, num_experts=None, data_parallel_random_init=False,
+        params_dtype=torch.float32, tokenizer_type=tokenizer_type, **megatron_moe_args(c),
+        data_parallel_random_init=False,
         iteration=iteration, consumed_train_samples=int(counters.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(counters.get("consumed_valid_samples", 0)))
 
@@ -239,10 +254,13 @@ def from_megatron_state_dict(config: GPTConfig, shards: dict[str, list[torch.Ten
 
     Accepts the local spec's and the Transformer-Engine spec's names; ``_extra_state`` entries and the
     last pipeline stage's copy of tied embeddings are dropped."""
-    c, out = config, {}
+    c, out, moe = config, {}, {}
     tied = not c.untie_embeddings_and_output_weights
     for name, ts in shards.items():
         if name.endswith("._extra_state") or (tied and name == OUTPUT_WEIGHT):
+            continue
+        if is_megatron_moe_tensor(name):
+            moe[name] = ts
             continue
         for te, ours in _TE_NORMS.items():
             if te in name:
@@ -255,6 +273,7 @@ def from_megatron_state_dict(config: GPTConfig, shards: dict[str, list[torch.Ten
         else:
             dim = _suffix_dim(name)
             out[name] = torch.cat(ts, dim) if dim is not None and len(ts) > 1 else ts[0]
+    out.update(moe_from_megatron(moe, c, _fc1_to_ours))
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
@@ -277,6 +296,10 @@ def to_megatron_state_dict(config: GPTConfig, model: dict[str, torch.Tensor], tp
         if ".self_attention.linear_q." in name:
             base, suffix = name.rsplit(".linear_q.", 1)
             put(f"{base}.linear_qkv.{suffix}", _qkv_to_megatron(full, model[f"{base}.linear_kv.{suffix}"], c, tp))
+            continue
+        if is_moe_tensor(name):
+            for theirs, parts in moe_to_megatron(name, full, c, tp, _fc1_to_megatron).items():
+                put(theirs, parts)
             continue
         if c.activation == "swiglu" and ".mlp.linear_fc1." in name:
             put(name, _fc1_to_megatron(full, tp))
@@ -548,6 +571,9 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
         src_pp = int(_get(mck.args, "pipeline_model_parallel_size", 1) or 1)
     else:
         src_tp, src_pp = mck.tp, mck.pp
+    if config.moe is not None and (tp or src_tp) > 1:
+        raise ConversionError(f"{root}: an MoE model is imported at --target-tensor-parallel-size 1 only here (the "
+                              f"source has TP={src_tp}); resume at other layouts with --ckpt-format torch_dist")
     target = target_layout(config, tp or src_tp, pp or src_pp, vp_layers)
     out = save_resharded(ck, save, target, make_vocab_size_divisible_by=divisible, with_optimizer=False, log=log)
     log(f" imported Megatron-LM iteration {mck.iteration} ({mck.ckpt_format}, TP={mck.tp}, PP={mck.pp}) into {out} "
@@ -559,9 +585,12 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
 
 
 def _our_names(config: GPTConfig) -> set[str]:
+    """The parameters, and the MoE routers' expert bias (a buffer megatron-core keeps too)."""
     from .hf import param_layout
 
-    return set(param_layout(config))
+    with torch.device("meta"):
+        buffers = GPTModel(config).state_dict()
+    return set(param_layout(config)) | {n for n in buffers if n.endswith(".mlp.router.expert_bias")}
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -583,7 +612,8 @@ def export_to_megatron(load: str, save: str, *, tp: int | None = None, pp: int |
         raise ConversionError(f"Megatron-LM needs the query groups ({c.num_query_groups}) divisible by TP={tp}")
     divisible = make_vocab_size_divisible_by or int(ck.args.get("make_vocab_size_divisible_by") or 128)
     padded = vocab_size_with_padding(c.vocab_size, divisible, tp)
-    model = {n: t for n, t in ck.model.items() if n in ck.layout_meta}  # parameters (no QAT buffers)
+    # parameters (no QAT buffers), and the MoE routers' expert bias (a buffer megatron-core keeps too)
+    model = {n: t for n, t in ck.model.items() if n in ck.layout_meta or n.endswith(".mlp.router.expert_bias")}
     for name in (WORD_EMBEDDINGS, OUTPUT_WEIGHT):
         if name in model:
             model[name] = fit_vocab_rows(model[name][: c.vocab_size], padded)
@@ -649,7 +679,7 @@ def megatron_load_flags(config: GPTConfig, spec: str, ckpt_format: str) -> list[
         flags.append("--no-bias-gelu-fusion")  # its fused kernel is the tanh GeLU, and refuses squared ReLU
     if c.rope_scaling:
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(c.rope_scaling_factor)]
-    return flags
+    return flags + megatron_moe_flags(c.moe)
 
 
 def _publish(tmp: str, final: str, save: str, iteration: int, log, what: str, flags: list[str]) -> str:

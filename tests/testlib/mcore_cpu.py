@@ -118,13 +118,17 @@ def megatron_args(argv: list[str], world: int, padded_vocab: tuple[int, int, int
 
 
 def megatron_model(args, pre_process: bool = True, post_process: bool = True):
-    """megatron-core's GPTModel as Megatron-LM's GPT builder makes it (local spec)."""
+    """megatron-core's GPTModel as Megatron-LM's GPT builder makes it (local spec; with --num-experts its
+    decoder block spec, which places the MoE layers by --moe-layer-freq)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    if args.num_experts:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
     tied = not args.untie_embeddings_and_output_weights
     return GPTModel(config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process, parallel_output=True,

@@ -12,26 +12,10 @@ import torch.nn.functional as F
 from megatron_cai.core import parallel_state as ps
 from megatron_cai.core.transformer.moe.config import MoEConfig
 from megatron_cai.core.transformer.moe.moe_layer import DenseShape, MoELayer
+from megatron_cai.interop.megatron_moe import MEGATRON_MOE_ARGS as MEGATRON_ARGS
 
 HIDDEN, FFN, LAYERS = 16, 24, 2
 
-# our MoEConfig field -> Megatron-LM's args attribute (its flag's dest)
-MEGATRON_ARGS = {
-    "num_experts": "num_experts", "ffn_hidden_size": "moe_ffn_hidden_size", "layer_freq": "moe_layer_freq",
-    "router_topk": "moe_router_topk", "router_score_function": "moe_router_score_function",
-    "router_pre_softmax": "moe_router_pre_softmax", "router_topk_scaling_factor": "moe_router_topk_scaling_factor",
-    "router_num_groups": "moe_router_num_groups", "router_group_topk": "moe_router_group_topk",
-    "router_dtype": "moe_router_dtype", "input_jitter_eps": "moe_input_jitter_eps",
-    "router_load_balancing_type": "moe_router_load_balancing_type", "aux_loss_coeff": "moe_aux_loss_coeff",
-    "z_loss_coeff": "moe_z_loss_coeff", "router_enable_expert_bias": "moe_router_enable_expert_bias",
-    "router_bias_update_rate": "moe_router_bias_update_rate", "expert_capacity_factor": "moe_expert_capacity_factor",
-    "token_drop_policy": "moe_token_drop_policy", "pad_expert_input_to_capacity": "moe_pad_expert_input_to_capacity",
-    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-    "shared_expert_gate": "moe_shared_expert_gate", "shared_expert_overlap": "moe_shared_expert_overlap",
-    "grouped_gemm": "moe_grouped_gemm", "permute_fusion": "moe_permute_fusion",
-    "token_dispatcher_type": "moe_token_dispatcher_type", "per_layer_logging": "moe_per_layer_logging",
-    "expert_model_parallel_size": "expert_model_parallel_size",
-    "expert_tensor_parallel_size": "expert_tensor_parallel_size"}
 # the fields megatron-core's MoELayer reads from its TransformerConfig (named as the args, but num_moe_experts)
 _LAYER_FIELDS = ("num_experts", "ffn_hidden_size", "router_topk", "router_score_function", "router_pre_softmax",
                  "router_topk_scaling_factor", "router_num_groups", "router_group_topk", "router_dtype",

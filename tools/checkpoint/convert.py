@@ -38,7 +38,8 @@ LOADERS = {"core": "core", "mcore": "core", "hf": "hf", "llama_mistral": "hf"}
 SAVERS = {"core": "core", "mcore": "core", "hf": "hf"}
 REFUSED = {"legacy": "pre-megatron-core (legacy) parameter names are not read or written here; convert with "
                      "Megatron-LM's own tool first",
-           "mixtral_hf": "Mixture-of-Experts models are not supported here (dense GPT only)",
+           "mixtral_hf": "Mixtral's Hugging Face layout is not read or written here (MoE models are exported with "
+                         "tools/convert_checkpoint.py --to-megatron)",
            "llava": "multimodal models are not supported here", "hf_llava": "multimodal models are not supported here",
            "megatron": "Megatron-LM's default plugin name is the legacy one: pass --loader core / --saver core"}
 IGNORED = ("megatron_path", "max_queue_size", "loader_transformer_impl")
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-path", default=None, help="no effect here: this repository's converters run")
     p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: the source's")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: the source's")
-    p.add_argument("--target-expert-parallel-size", type=int, default=1, help="1 only (no MoE)")
+    p.add_argument("--target-expert-parallel-size", type=int, default=1, help="1 only (an MoE model is written "
+                   "with every expert on each rank)")
     p.add_argument("--saver-transformer-impl", default="transformer_engine", choices=["local", "transformer_engine"],
                    help="core saver: the megatron-core layer spec whose parameter names are written")
     p.add_argument("--loader-transformer-impl", default="transformer_engine",
@@ -94,7 +96,8 @@ def convert(args: argparse.Namespace) -> int:
         raise ConversionError(f"--model-type {args.model_type}: refused: GPT models only")
     loader, saver = _plugin("loader", args.loader, LOADERS), _plugin("saver", args.saver, SAVERS)
     if args.target_expert_parallel_size != 1:
-        raise ConversionError("--target-expert-parallel-size: refused: no MoE here (use 1)")
+        raise ConversionError("--target-expert-parallel-size: refused: experts are written with expert parallel "
+                              "size 1 here (every expert on each rank; use 1)")
     for name in (n for n in IGNORED if getattr(args, n) != build_parser().get_default(n)):
         print(f" > --{name.replace('_', '-')}: no effect here (this repository's converters run)")
     check_conversion_target(args.load_dir, args.save_dir, args.overwrite)

@@ -2,7 +2,9 @@
 
 Activations are laid out ``[batch, seq, hidden]``. The "tensor-parallel region" ops work on the last
 dimension; the "sequence-parallel region" ops split/gather the sequence dimension (dim 1).
-With a TP group of one rank every op is the identity.
+With a TP group of one rank every op is the identity. ``gather_rows`` / ``reduce_scatter_rows`` (and their
+autograd forms ``GatherRows`` / ``ReduceScatterRows``) do the same along dim 0 over any group: the
+sequence-parallel ops over TP, and the MoE allgather dispatcher over TP x EP.
 """
 from __future__ import annotations
 
@@ -52,26 +54,38 @@ def _split_seq(x: torch.Tensor) -> torch.Tensor:
     return x.chunk(world, dim=1)[ps.get_tensor_model_parallel_rank()].contiguous()
 
 
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather along dim 0 over ``group``, in rank order."""
+    out = torch.empty((x.shape[0] * _world(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    device_mod.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ``group`` and keep this rank's equal share of dim 0."""
+    out = torch.empty((x.shape[0] // _world(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    device_mod.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
 def _gather_seq(x: torch.Tensor) -> torch.Tensor:
     group, world = _tp()
     if world == 1:
         return x
-    xt = x.transpose(0, 1).contiguous()  # [s, b, h]: chunks along s are contiguous
-    out = torch.empty((xt.shape[0] * world, *xt.shape[1:]), dtype=x.dtype, device=x.device)
-    device_mod.all_gather_into_tensor(out, xt, group=group)
-    return out.transpose(0, 1)
+    return gather_rows(x.transpose(0, 1), group).transpose(0, 1)  # [s, b, h]: chunks along s are contiguous
 
 
 def _reduce_scatter_seq(x: torch.Tensor) -> torch.Tensor:
     group, world = _tp()
     if world == 1:
         return x
-    xt = x.transpose(0, 1).contiguous()
-    if xt.shape[0] % world != 0:
-        raise ValueError(f"sequence length {xt.shape[0]} is not divisible by tensor-model-parallel size {world}")
-    out = torch.empty((xt.shape[0] // world, *xt.shape[1:]), dtype=x.dtype, device=x.device)
-    device_mod.reduce_scatter_tensor(out, xt, group=group)
-    return out.transpose(0, 1)
+    if x.shape[1] % world != 0:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by tensor-model-parallel size {world}")
+    return reduce_scatter_rows(x.transpose(0, 1), group).transpose(0, 1)
 
 
 class _Copy(torch.autograd.Function):
@@ -145,6 +159,32 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return _gather_seq(g)
+
+
+class GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 over a group; backward reduce-scatters (``GatherRows.apply(x, group)``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_rows(g, ctx.group), None
+
+
+class ReduceScatterRows(torch.autograd.Function):
+    """Reduce-scatter along dim 0 over a group; backward all-gathers (``ReduceScatterRows.apply(x, group)``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return gather_rows(g, ctx.group), None
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:

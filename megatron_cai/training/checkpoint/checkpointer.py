@@ -191,6 +191,11 @@ class Checkpointer:
                 root, iteration, self.model_chunks, self.optimizer, self.scheduler, self.config.model,
                 self.param_layout, load_optim=ckpt.load_optim, load_rng=ckpt.load_rng, finetune=ckpt.finetune,
                 reducers=reducers, train_config=self.config)
+        if experts_split(self.config):
+            raise CheckpointError(f"{iteration_dir(root, iteration)} is a torch-format checkpoint, which a run with "
+                                  f"experts split over ranks (expert model / tensor parallel size > 1) cannot load; "
+                                  f"convert it: python tools/convert_checkpoint.py --load {root} --save NEW_DIR "
+                                  f"--target-ckpt-format torch_dist")
         if dist_format.is_fsdp(self.model_chunks):
             raise CheckpointError(f"{iteration_dir(root, iteration)} is a torch-format checkpoint, which "
                                   f"--use-torch-fsdp2 cannot load (FSDP2 parameters are DTensor shards); convert "
@@ -200,6 +205,12 @@ class Checkpointer:
             root, self.model_chunks, self.optimizer, self.scheduler, self.config.model, load_optim=ckpt.load_optim,
             load_rng=ckpt.load_rng, finetune=ckpt.finetune, step=iteration,
             exit_on_missing=ckpt.exit_on_missing_checkpoint, reducers=reducers, train_config=self.config)
+
+
+def experts_split(config: TrainConfig) -> bool:
+    """Whether this run's MoE experts are split over ranks (EP or expert TP > 1): only torch_dist holds them."""
+    return config.model.moe is not None and (ps.get_expert_model_parallel_world_size() > 1
+                                             or ps.get_expert_tensor_parallel_world_size() > 1)
 
 
 def choose_iteration(ckpt: CheckpointConfig, root: str | None, step: int | None,

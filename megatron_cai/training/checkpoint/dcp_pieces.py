@@ -4,8 +4,11 @@
 ``__create_chunk_list__``, ``__get_tensor_shard__``): this rank's rectangular pieces of a global
 (canonical) tensor. :func:`rank_boxes` says where a rank's tensor lies in the canonical one: per TP
 section (``tensor_parallel.utils``' layout: each section split into TP equal chunks) and, under FSDP2,
-only the rows of the DP shard the rank holds. ``dcp_save`` / ``dcp_load`` run DCP with the two planner
-subclasses that look pieces up, and turn DCP's failures into errors naming the directory and the rank.
+only the rows of the DP shard the rank holds. MoE expert parameters (``"expert"`` in their layout) are
+``[num_experts, ...]`` globally: EP rank ``r`` holds experts ``[r E/EP, (r+1) E/EP)`` along dim 0, split over
+expert TP (the caller passes the expert-TP rank and size as ``tp_rank`` / ``tp``). ``dcp_save`` / ``dcp_load``
+run DCP with the two planner subclasses that look pieces up, and turn DCP's failures into errors naming the
+directory and the rank.
 Used by :mod:`.dist_format`, :mod:`.async_save` and :mod:`.format_conversion`.
 """
 from __future__ import annotations
@@ -119,13 +122,18 @@ def tp_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int) -> li
     return out
 
 
-def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0,
-               rows: int | None = None) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row0: int = 0, rows: int | None = None,
+               ep: tuple[int, int] = (0, 1)) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
     """This rank's pieces of a canonical tensor: ``(global offsets, index into the local tensor)``.
 
     The local tensor is rows ``[row0, row0 + rows)`` of the TP-local tensor: all of it (DDP, the
-    distributed optimizer after its gather) or an FSDP2 DP shard (dim 0, ``torch.chunk`` over DP)."""
+    distributed optimizer after its gather) or an FSDP2 DP shard (dim 0, ``torch.chunk`` over DP).
+    ``ep``: (EP rank, EP size), for an expert parameter: its local tensor is that rank's block of experts."""
     full = list(full_shape)
+    if meta.get("expert") and ep[1] > 1:
+        per_rank = full[0] // ep[1]
+        boxes = rank_boxes([per_rank, *full[1:]], meta, tp_rank, tp, row0, rows)
+        return [((off[0] + ep[0] * per_rank, *off[1:]), idx) for off, idx in boxes]
     split0 = meta.get("tp_dim") == 0 and tp > 1
     rows = (full[0] // tp if split0 else full[0]) - row0 if rows is None else rows
     out = []
@@ -145,16 +153,18 @@ def rank_boxes(full_shape: Iterable[int], meta: dict, tp_rank: int, tp: int, row
     return out
 
 
-def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int, row0: int = 0) -> Pieces:
+def save_pieces(local: torch.Tensor, meta: dict, tp_rank: int, tp: int, row0: int = 0,
+                ep: tuple[int, int] = (0, 1)) -> Pieces:
     """This rank's pieces of a canonical tensor, given its TP-local tensor (or rows of it from ``row0``)."""
     full = list(meta["full_shape"])
     local = local.detach()
     rows = local.shape[0] if local.dim() else None
-    return Pieces(full, [(o, local[idx].contiguous()) for o, idx in rank_boxes(full, meta, tp_rank, tp, row0, rows)])
+    boxes = rank_boxes(full, meta, tp_rank, tp, row0, rows, ep)
+    return Pieces(full, [(o, local[idx].contiguous()) for o, idx in boxes])
 
 
 def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_rank: int, tp: int,
-                name: str, row0: int = 0) -> Pieces:
+                name: str, row0: int = 0, ep: tuple[int, int] = (0, 1)) -> Pieces:
     """Pieces that read into ``target`` (this rank's TP-local tensor, or rows of it from ``row0``; zeroed):
     each clipped to the saved shape (vocabulary tables may have other padding; anything else must match)."""
     full = list(meta["full_shape"])
@@ -164,7 +174,7 @@ def load_pieces(target: torch.Tensor, meta: dict, saved_shape: torch.Size, tp_ra
             raise CheckpointError(f"checkpoint tensor {name!r} has shape {tuple(saved_shape)}, this run's is "
                                   f"{tuple(full)}")
     pieces = []
-    for off, idx in rank_boxes(full, meta, tp_rank, tp, row0, target.shape[0]):
+    for off, idx in rank_boxes(full, meta, tp_rank, tp, row0, target.shape[0], ep):
         view = target[idx]
         rows = min(view.shape[0], saved_shape[0] - off[0])  # only dim 0 (vocabulary rows) may be clipped
         if rows > 0:
@@ -189,7 +199,6 @@ def row_sharded(t) -> bool:
     from torch.distributed.tensor import Shard
 
     return all(isinstance(pl, Shard) and pl.dim == 0 for pl in t.placements)
-
 
 
 def dcp_save(sd: dict[str, Any], path: str, *, no_dist: bool = False, process_group=None) -> dict[str, FileHash]:

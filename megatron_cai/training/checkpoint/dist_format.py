@@ -151,13 +151,26 @@ def current_layout() -> dict:
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(),
-            "context_parallel_size": ps.get_context_parallel_world_size()}
+            "context_parallel_size": ps.get_context_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size()}
 
 
 def saved_layout(meta: dict) -> dict:
     """The checkpoint's layout in :func:`current_layout`'s keys (checkpoints from before context
-    parallelism have CP = 1)."""
-    return {k: meta.get(k, 1 if k == "context_parallel_size" else None) for k in current_layout()}
+    parallelism have CP = 1; from before expert parallelism EP = 1 and expert TP = TP)."""
+    defaults = {"context_parallel_size": 1, "expert_model_parallel_size": 1,
+                "expert_tensor_parallel_size": meta.get("tensor_model_parallel_size")}
+    return {k: meta.get(k, defaults.get(k)) for k in current_layout()}
+
+
+def split_of(meta: dict) -> tuple[int, int, tuple[int, int]]:
+    """(TP rank, TP size, (EP rank, EP size)) that place this rank's piece of a parameter with layout ``meta``:
+    the expert-TP and EP ranks for MoE expert parameters, this rank's TP rank otherwise."""
+    if meta.get("expert"):
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                (ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()))
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), (0, 1)
 
 
 def this_rank_key() -> str:
@@ -171,14 +184,14 @@ def this_rank_key() -> str:
 def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, state: dict, param_layout: dict, *,
                      reducer_states: list[dict] | None = None, save_optim: bool = True) -> dict[str, Any]:
     """This rank's DCP state dict (see the module docstring). Collective: every rank must call it."""
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     params, buffers = local_weights(model_chunks)
     sd: dict[str, Any] = {}
     for name, t in params.items():
         if source_name(name, config) != name:
             continue  # the tied copy: saved once, as the embeddings
         local, row0 = local_part(t)
-        sd[name] = save_pieces(local, param_layout[name], tp_rank, tp, row0)
+        tp_rank, tp, ep = split_of(param_layout[name])
+        sd[name] = save_pieces(local, param_layout[name], tp_rank, tp, row0, ep)
     sd.update(buffers)  # replicated scalars (QAT static clamps): plain tensors, deduplicated by DCP
     common = {"checkpoint_version": FORMAT_VERSION, **state, "opt_param_scheduler": scheduler.state_dict(),
               "optimizer": None}
@@ -187,9 +200,10 @@ def build_state_dict(model_chunks, optimizer, scheduler, config: GPTConfig, stat
         for name, st in optim.pop("param_state").items():
             if source_name(name, config) != name:
                 continue
+            tp_rank, tp, ep = split_of(param_layout[name])
             for prefix, key in ((EXP_AVG, "exp_avg"), (EXP_AVG_SQ, "exp_avg_sq")):
                 local, row0 = local_part(st[key])
-                sd[prefix + name] = save_pieces(local, param_layout[name], tp_rank, tp, row0)
+                sd[prefix + name] = save_pieces(local, param_layout[name], tp_rank, tp, row0, ep)
         common["optimizer"] = optim
     if ps.get_rank() == 0:
         sd[COMMON] = common
@@ -261,7 +275,6 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     if train_config is not None and ps.get_rank() == 0:
         report_config_changes(meta, train_config, root)
     saved = read_dcp_metadata(path).state_dict_metadata
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     params, buffers = local_weights(model_chunks)
     with_optim = load_optim and not finetune and any(k.startswith(EXP_AVG) for k in saved)
     if load_optim and not finetune and not with_optim and ps.get_rank() == 0:
@@ -273,6 +286,7 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
         if src not in saved:
             raise CheckpointError(f"torch_dist checkpoint {path} lacks parameter {src!r}")
         shape, meta_p = saved[src].size, param_layout[name]
+        tp_rank, tp, ep = split_of(meta_p)
         local, row0 = local_part(t)  # under FSDP2: this rank's DP shard only, read as such
         kinds = [("", tg.params)] + ([(EXP_AVG, tg.exp_avg), (EXP_AVG_SQ, tg.exp_avg_sq)] if with_optim else [])
         for prefix, out in kinds:
@@ -282,7 +296,7 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
                 continue
             if key not in saved:
                 raise CheckpointError(f"torch_dist checkpoint {path} lacks {key!r}")
-            sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src, row0)
+            sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src, row0, ep)
     for name, b in buffers.items():
         if name in saved:
             tg.buffers[name] = sd[name] = torch.empty_like(b, device="cpu")
@@ -327,9 +341,9 @@ def _restore_rank_state(rank_state: dict | None, meta: dict, path: str, load_rng
     if rank_state is None:
         if ps.get_rank() == 0 and saved != here:
             what = "RNG state" + (" and Squinch error-feedback residuals" if squinch_saved else "")
-            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP) = {saved}, this run uses {here}: "
-                       f"its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed start-up "
-                       f"state{'; the first step runs without residuals' if squinch_saved else ''})")
+            safe_print(f" checkpoint {path} was saved with (TP, PP, VPP, DP, CP, EP, expert TP) = {saved}, this run "
+                       f"uses {here}: its per-rank {what} do not apply: not restored (the RNG keeps this run's --seed "
+                       f"start-up state{'; the first step runs without residuals' if squinch_saved else ''})")
         return
     if load_rng and rank_state.get("rng"):
         device_mod.set_rng_state(rank_state["rng"])

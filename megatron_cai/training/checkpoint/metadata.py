@@ -46,6 +46,8 @@ def run_metadata(iteration: int, train_config: TrainConfig) -> dict:
             "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size(),
             "data_parallel_size": ps.get_data_parallel_world_size(),
             "context_parallel_size": ps.get_context_parallel_world_size(),
+            "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
             "model_config": train_config.model.to_dict(),
             "train_config": {k: v for k, v in train_config.to_dict().items() if k != "flags"},
             "args": train_config.flags,
@@ -164,13 +166,24 @@ def refuse_megatron_lm_checkpoint(root: str, iteration: int) -> None:
 
 def tp_layout(modules: list[nn.Module]) -> dict[str, dict]:
     """Each parameter's TP split (``tp_dim``, ``tp_sections``) and full shape, by name, over the (unwrapped)
-    model chunks: what resharding and the torch_dist format need (read before FSDP2 replaces the parameters)."""
+    model chunks: what resharding and the torch_dist format need (read before FSDP2 replaces the parameters).
+    MoE expert parameters: ``"expert": True``, the global ``[num_experts, ...]`` shape and their expert-TP split."""
     out = {}
     for m in modules:
         for n, p in m.named_parameters():
-            out[n] = {"tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
-                      "full_shape": list(getattr(p, "full_shape", p.shape))}
+            out[n] = expert_layout(p) if getattr(p, "is_expert", False) else {
+                "tp_dim": getattr(p, "tp_dim", None), "tp_sections": getattr(p, "tp_sections", None),
+                "full_shape": list(getattr(p, "full_shape", p.shape))}
     return out
+
+
+def expert_layout(p: nn.Parameter) -> dict:
+    """A stacked expert parameter's layout (``moe.experts.expert_param``): every expert along dim 0, and
+    this run's expert-TP split (``tp_dim`` None at expert TP 1; swiglu's fc1 as [gate, up] sections)."""
+    full = list(p.expert_global_shape)
+    sections = [full[p.etp_dim] // p.etp_sections] * p.etp_sections if p.etp_dim is not None else None
+    return {"tp_dim": p.etp_dim, "tp_sections": sections if p.etp_sections > 1 else None, "full_shape": full,
+            "expert": True}
 
 
 def copy_tokenizer_files(ckpt_dir: str, tokenizer_files: list[str] | None) -> dict[str, FileHash]:

@@ -134,10 +134,10 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
         raise ValueError(f"--expert-model-parallel-size {ep} with --use-torch-fsdp2: expert parameters are not "
                          "sharded over the expert-DP mesh here yet; use DDP or --use-distributed-optimizer")
     split = args.num_experts is not None and (ep > 1 or (etp or tp) > 1)
-    if split and (args.save or args.load):
+    if split and (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise ValueError(f"--expert-model-parallel-size {ep} / expert tensor parallel size {etp or tp} with --save / "
-                         "--load: checkpoints of experts split over ranks are not implemented here yet (a rank would "
-                         "save only its own experts)")
+                         f"--load needs --ckpt-format torch_dist (got {args.ckpt_format}: its per-TP-rank files "
+                         "would hold one rank's experts only)")
     if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and (etp or tp) > 1:
         raise ValueError("--moe-token-dispatcher-type alltoall with expert tensor parallelism > 1 is not "
                          "implemented here; use allgather or --expert-tensor-parallel-size 1")

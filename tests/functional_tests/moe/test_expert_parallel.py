@@ -209,18 +209,24 @@ def _squinch_worker(rank, world, argv):
 
 def test_squinch_expert_gradients_over_expert_dp():
     """World 4, EP 2: experts reduce over expert-DP groups of 2 in Squinch's 6-bit format, dense gradients over
-    DP 4. Per bucket, a compressed all-reduce over n ranks sends 2 (n - 1) wire rows of N / n elements: 0.375 of
-    bf16's 2 (n - 1) / n x 2 bytes x N, plus each row's non-finite flag byte padded to the row alignment. The
-    logged grad comm bytes are exactly that, dense and expert together, every iteration."""
-    from megatron_cai.core.distributed.squinch_collectives import row_nbytes
+    DP 4. Per bucket of N elements, a compressed all-reduce over n ranks sends 2 (n - 1) wire rows of c = N / n
+    elements, each 16 ceil((6 c / 8 + 1) / 16) bytes (docs/squinch-format.md: payload, the non-finite flag byte,
+    padding to 16): bf16's ring sends 2 (n - 1) x 2 c bytes. The logged grad comm bytes are exactly that,
+    dense and expert together, every iteration; the 6-bit payloads alone are exactly 0.375 of bf16's, and the
+    flag rows put the total above it (docs/moe.md)."""
+    from fractions import Fraction
 
     argv = RUN + ["--expert-model-parallel-size", "2", "--squinch", "--train-iters", "2"]
     results = run_distributed(_squinch_worker, 4, args=(argv,))
     r = results[0]
     assert r["squinch"] == "SquinchReducer" and r["edp"] == 2 and r["dp"] == 4
 
-    def squinch(n, buckets):
-        return sum(2 * (n - 1) * row_nbytes(numel // n) for numel in buckets)
+    def wire_row(c):  # the committed wire format, from its spec (c is a multiple of 8: buckets are padded so)
+        assert c % 8 == 0
+        return 16 * -(-(6 * c // 8 + 1) // 16)
+
+    def squinch(n, buckets, row=wire_row):
+        return sum(2 * (n - 1) * row(numel // n) for numel in buckets)
 
     def bf16(n, buckets):  # a ring all-reduce: 2 (n - 1) / n of the buffer, 2 bytes an element
         return sum(2 * (n - 1) * 2 * numel // n for numel in buckets)
@@ -228,7 +234,11 @@ def test_squinch_expert_gradients_over_expert_dp():
     expert, dense = squinch(2, r["buckets"][True]), squinch(4, r["buckets"][False])
     iterations = len(r["history"])
     assert r["expert_bytes"] == expert * iterations > 0 and r["dense_bytes"] == dense * iterations
-    assert 0.375 < expert / bf16(2, r["buckets"][True]) < 0.381  # the flag rows: 0.375 as buckets grow
+    payload = squinch(2, r["buckets"][True], row=lambda c: 6 * c // 8)
+    assert Fraction(payload, bf16(2, r["buckets"][True])) == Fraction(3, 8)
+    overhead = Fraction(expert - payload, bf16(2, r["buckets"][True]))
+    rows = 2 * (2 - 1) * len(r["buckets"][True])  # at least 1, at most 16 bytes each
+    assert Fraction(rows, bf16(2, r["buckets"][True])) <= overhead <= Fraction(16 * rows, bf16(2, r["buckets"][True]))
     assert [h["grad comm bytes"] for h in last_stage(results)] == [expert + dense] * iterations
 
 

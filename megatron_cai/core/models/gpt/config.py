@@ -130,7 +130,7 @@ class GPTConfig:
                            "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                            "attention_output_gate", "kv_share_pattern",
                            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                           "qk_pos_emb_head_dim", "v_head_dim")
+                           "qk_pos_emb_head_dim", "v_head_dim", "moe_architecture")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,6 +140,11 @@ class GPTConfig:
         """Which layers each pipeline stage holds (the four split fields)."""
         return PipelineSplit(self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
                              self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
+
+    @property
+    def moe_architecture(self) -> dict | None:
+        """The MoE fields a checkpoint must agree on (None: dense); the experts' layout over ranks may differ."""
+        return None if self.moe is None else self.moe.architecture(self.num_layers)
 
     @property
     def qkv_bias(self) -> bool:

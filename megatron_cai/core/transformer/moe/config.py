@@ -88,6 +88,18 @@ class MoEConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
+    # Fields that define the experts' weights and what the layer computes: a checkpoint must agree on these
+    # (not on how the experts are laid out over ranks).
+    ARCHITECTURE_FIELDS = ("num_experts", "ffn_hidden_size", "router_topk", "router_score_function",
+                           "router_pre_softmax", "router_topk_scaling_factor", "router_num_groups",
+                           "router_group_topk", "router_enable_expert_bias", "shared_expert_intermediate_size",
+                           "shared_expert_gate")
+
+    def architecture(self, num_layers: int) -> dict:
+        """The architecture fields, and which layers are MoE layers (``--moe-layer-freq`` as a 0/1 list)."""
+        return {**{k: getattr(self, k) for k in self.ARCHITECTURE_FIELDS},
+                "moe_layers": [int(self.is_moe_layer(i)) for i in range(1, num_layers + 1)]}
+
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether 1-based ``layer_number`` holds an MoE layer (Megatron's --moe-layer-freq rule)."""
         if isinstance(self.layer_freq, int):

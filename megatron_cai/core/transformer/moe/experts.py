@@ -43,6 +43,7 @@ def expert_param(local_shape: tuple[int, ...], global_shape: tuple[int, ...], in
     param.is_expert = True
     param.first_expert, param.num_experts = experts.start, global_shape[0]
     param.etp_dim, param.etp_sections = (etp_dim if etp > 1 else None), sections
+    param.expert_global_shape = tuple(global_shape)
     return param
 
 

@@ -37,6 +37,9 @@ class MoEGroups:
 
     @classmethod
     def from_parallel_state(cls) -> MoEGroups:
+        """This rank's groups; outside a run (the checkpoint converters) one process holds every expert."""
+        if not ps.model_parallel_is_initialized():
+            return cls()
         return cls(ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
                    ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank(),
                    ps.get_expert_model_parallel_group(), ps.get_expert_tensor_and_model_parallel_group(),

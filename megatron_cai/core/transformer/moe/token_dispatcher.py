@@ -16,49 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ... import device as device_mod
+from ...tensor_parallel.mappings import GatherRows, ReduceScatterRows, gather_rows
 
 
 def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
-
-
-def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty((x.shape[0] * _world(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    device_mod.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty((x.shape[0] // _world(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
-    device_mod.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0; backward reduce-scatters."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter_rows(g, ctx.group), None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Reduce-scatter along dim 0; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather_rows(g, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -102,9 +64,9 @@ class AllGatherDispatcher:
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         if _world(self.group) > 1:
-            routing_map = _gather_rows(routing_map, self.group)
-            probs = _GatherRows.apply(probs, self.group)
-            tokens = _GatherRows.apply(tokens, self.group)
+            routing_map = gather_rows(routing_map, self.group)
+            probs = GatherRows.apply(probs, self.group)
+            tokens = GatherRows.apply(tokens, self.group)
         lo, hi = self.local_experts.start, self.local_experts.stop
         local_map = routing_map[:, lo:hi].contiguous()
         self.num_tokens = tokens.shape[0]
@@ -113,7 +75,7 @@ class AllGatherDispatcher:
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         out = unpermute(rows, self.source, self.num_tokens)
-        return _ReduceScatterRows.apply(out, self.group) if _world(self.group) > 1 else out
+        return ReduceScatterRows.apply(out, self.group) if _world(self.group) > 1 else out
 
 
 class AllToAllDispatcher:
@@ -129,7 +91,7 @@ class AllToAllDispatcher:
         per_expert = routing_map.sum(dim=0)
         if self.ep == 1:
             return rows, per_expert.tolist(), row_probs
-        everyone = _gather_rows(per_expert.unsqueeze(0), self.group)  # [ep, experts]: rank r's counts
+        everyone = gather_rows(per_expert.unsqueeze(0), self.group)  # [ep, experts]: rank r's counts
         local_e = len(self.local_experts)
         lo, hi = self.local_experts.start, self.local_experts.stop
         self.input_splits = per_expert.view(self.ep, local_e).sum(dim=1).tolist()
