@@ -100,6 +100,7 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer, num_sampl
                      for i, n in enumerate(num_samples))
     from megatron_cai.core.datasets.builder import build_train_valid_test_datasets
     from megatron_cai.core.datasets.tree_dataset import TreeDataset, TreeDatasetConfig
+    from megatron_cai.training.flags.fim import fim_config
     from megatron_cai.training.logging import print_rank_0
 
     ds_config = TreeDatasetConfig(sequence_length=seq_length, random_seed=seed, split=data.split or "1,0,0",
@@ -107,7 +108,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer, num_sampl
                                   reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
                                   eod_token_id=_eod_or_none(tokenizer), data_format=data.data_format,
                                   tree_loss_weighting=data.tree_loss_weighting,
-                                  vocab_size=config.model.vocab_size)  # token ids checked once per .bin
+                                  vocab_size=config.model.vocab_size,  # token ids checked once per .bin
+                                  fim=fim_config(data.fim, tokenizer) if data.fim is not None else None)
     if data.train_data_path is not None:  # Megatron's per-split blends: each split reads all of its prefixes
         per_split = (data.train_data_path, data.valid_data_path, data.test_data_path)
         whole = ("1,0,0", "0,1,0", "0,0,1")

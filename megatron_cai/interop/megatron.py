@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from ..core.models.gpt.config import GPTConfig
-from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel, stage_layer_numbers
+from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
+from ..core.pipeline_parallel.layer_split import PipelineSplit, stage_layer_numbers
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
     TRACKER,
@@ -413,7 +414,7 @@ def read_megatron_checkpoint(root: str, step: int | None = None, *, trust_pickle
         chunks = sorted((k for k in payload if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
         vpp = len(chunks) if len(chunks) > 1 else None
         for v, key in enumerate(chunks):
-            layers = stage_layer_numbers(num_layers, p, pp, v, vpp)
+            layers = stage_layer_numbers(num_layers, p, pp, v, vpp, _pipeline_split(args))
             for name, tensor in payload[key].items():
                 shards[_global_name(name, layers)][t] = tensor
         if (_get(args, "tensor_model_parallel_size", tp), _get(args, "pipeline_model_parallel_size", pp)) != (tp, pp):
@@ -428,6 +429,14 @@ def read_megatron_checkpoint(root: str, step: int | None = None, *, trust_pickle
             raise ConversionError(f"{name} is missing on tensor-parallel ranks {gaps}")
         out[name] = [by_rank[t] for t in range(tp)]
     return MegatronCheckpoint(args=args, iteration=iteration, tp=tp, pp=pp, shards=out)
+
+
+def _pipeline_split(args) -> PipelineSplit:
+    """The checkpoint's uneven pipeline split (Megatron-LM's args; even when they say nothing)."""
+    return PipelineSplit(_get(args, "decoder_first_pipeline_num_layers"),
+                         _get(args, "decoder_last_pipeline_num_layers"),
+                         bool(_get(args, "account_for_embedding_in_pipeline_split", False)),
+                         bool(_get(args, "account_for_loss_in_pipeline_split", False)))
 
 
 def _global_name(name: str, layers: list[int]) -> str:

@@ -28,7 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
-from .flags import kaiju
+from .flags import fim, kaiju, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -124,6 +124,7 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    pipeline_split.add_arguments(g)
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (layout TP, CP, DP, PP as Megatron-LM's; "
                         "gradients reduce over DP x CP); attention moves and computes only the key/value "
@@ -389,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
                 add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
-                kaiju.add_arguments):
+                kaiju.add_arguments, fim.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -437,28 +438,25 @@ class _Layout:
         dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
         self.global_batch_size = (args.global_batch_size or step_schedule_global_batch(args)
                                   or args.micro_batch_size * dp_guess)
-        try:
+        problems = pipeline_split.layout_problems(args)
+        try:  # the split module checks the layers per stage and chunk
             self.data_parallel_size = check_layout(
-                world_size, tp, pp, num_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
-                num_query_groups=self.num_query_groups, global_batch_size=self.global_batch_size,
-                micro_batch_size=args.micro_batch_size, vpp_layers=args.num_layers_per_virtual_pipeline_stage, cp=cp)
+                world_size, tp, pp, num_layers=args.num_layers if pipeline_split.pipeline_split(args).even else None,
+                num_attention_heads=args.num_attention_heads, num_query_groups=self.num_query_groups,
+                global_batch_size=self.global_batch_size, micro_batch_size=args.micro_batch_size, cp=cp)
         except ParallelLayoutError as e:
-            raise ArgumentError(str(e)) from None
+            problems.insert(0, str(e))
+        if problems:
+            raise ArgumentError("; ".join(problems))
         self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
         eval_gbs = args.eval_global_batch_size
         if eval_gbs is not None and (eval_gbs < 1 or eval_gbs % (args.micro_batch_size * self.data_parallel_size)):
             raise ArgumentError(f"--eval-global-batch-size {eval_gbs} is not a positive multiple of micro batch x DP "
                                 f"= {args.micro_batch_size * self.data_parallel_size}")
-        self.vpp = None
-        if args.num_layers_per_virtual_pipeline_stage is not None:
-            if pp < 2:
-                raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-            vpp = args.num_layers // pp // args.num_layers_per_virtual_pipeline_stage
-            if vpp > 1:
-                self.vpp = vpp
-                if self.num_microbatches % pp != 0:
-                    raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
-                                        f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
+        self.vpp = pipeline_split.virtual_pipeline_size(args)
+        if self.vpp is not None and self.num_microbatches % pp != 0:
+            raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
+                                f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
         if (args.train_iters is None) == (args.train_samples is None):
             raise ArgumentError("set exactly one of --train-iters and --train-samples")
         if args.train_iters is not None:
@@ -485,6 +483,7 @@ def _qat_config(args: argparse.Namespace) -> QATConfig:
         static_value=args.qat_static_clamp,
         granularity=args.qat_granularity,
         fp8_format=args.fp8_format or "hybrid",  # None unless --fp8-format or --qat fp8
+        weight_granularity="tensor" if args.fp8_recipe == "tensorwise" else "row",  # per-tensor current scaling
         gemm_backend="transformer_engine" if args.transformer_impl == "transformer_engine" else "fake",
     )
 
@@ -533,6 +532,7 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         qat=_qat_config(args),
         moe=moe_config(args),
         **kaiju.model_fields(args),
+        **pipeline_split.model_fields(args),
     )
 
 
@@ -667,6 +667,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
         reset_attention_mask=args.reset_attention_mask,
         data_format=args.data_format,
         tree_loss_weighting=args.tree_loss_weighting,
+        fim=fim.settings(args),
     )
 
 
@@ -776,9 +777,11 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     args = resolve_megatron_flags(flags, problems)
     vocab = vocab_size if vocab_size is not None else args.vocab_size
     check_flags(args, vocab, problems)
+    fim.check(args, problems)
     check_megatron_numerics(args, problems)
     try:
         layout = _Layout(args, world_size)
+        optimizer_and_fp8.check_instances(args, layout.data_parallel_size * args.context_parallel_size, problems)
     except ArgumentError as e:
         problems.record(e)
     diloco: DilocoConfig = diloco_config(args, world_size, problems)

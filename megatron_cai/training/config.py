@@ -116,6 +116,7 @@ class DataConfig:
     reset_attention_mask: bool = False
     data_format: str = "auto"
     tree_loss_weighting: str = "token"
+    fim: Any = None                           # --fim-data: flags/fim.py FimSettings (None: no FIM transform)
 
 
 @dataclass

@@ -96,6 +96,10 @@ def _dataset_class(prefixes: Sequence[str], config: GPTDatasetConfig) -> type:
     from megatron_cai.core.datasets.tree_format import tree_exists, tree_path
 
     fmt = getattr(config, "data_format", "plain")
+    if config.fim is not None:
+        from megatron_cai.core.datasets.fim_dataset import FimGPTDataset
+
+        return FimGPTDataset
     if fmt == "plain":
         return GPTDataset
     has_tree = [tree_exists(p) for p in prefixes]

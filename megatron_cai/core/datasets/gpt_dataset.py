@@ -39,6 +39,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,6 +81,7 @@ class GPTDatasetConfig:
     mmap_bin_files: bool = True
     mid_level_dataset_surplus: float = 0.005
     vocab_size: int | None = None  # token ids are checked against it once per .bin (None: no check)
+    fim: Any = None  # fill-in-the-middle (fim_dataset.FimConfig): samples go through Megatron's FIM transform
 
     def __post_init__(self) -> None:
         if int(self.sequence_length) < 1:

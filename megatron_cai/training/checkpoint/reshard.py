@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from ...core.models.gpt.config import GPTConfig
-from ...core.models.gpt.model import WORD_EMBEDDINGS, stage_layer_numbers
+from ...core.models.gpt.model import WORD_EMBEDDINGS
 from ...core.parallel_state import ParallelLayoutError, check_layout
+from ...core.pipeline_parallel.layer_split import split_problems, stage_layer_numbers
 from ...core.tensor_parallel.utils import shard_tensor, unshard_tensor
 from ..errors import UserError
 from ..tokenizer import vocab_size_with_padding
@@ -121,7 +122,7 @@ def chunk_names(names, config: GPTConfig, pp_rank: int, pp: int, v: int, vpp: in
     """Canonical names that live in chunk v of pipeline rank pp_rank (the tied output copy excluded)."""
     chunks = vpp or 1
     pre, post = pp_rank == 0 and v == 0, pp_rank == pp - 1 and v == chunks - 1
-    layers = set(stage_layer_numbers(config.num_layers, pp_rank, pp, v, vpp))
+    layers = set(stage_layer_numbers(config.num_layers, pp_rank, pp, v, vpp, config.pipeline_split))
     out = []
     for n in names:
         lay = layer_of(n)
@@ -141,7 +142,7 @@ def chunk_names(names, config: GPTConfig, pp_rank: int, pp: int, v: int, vpp: in
 def _source_stage_of_layer(layer: int, config: GPTConfig, src: Layout) -> int:
     for p in range(src.pp):
         for v in range(src.vpp or 1):
-            if layer in stage_layer_numbers(config.num_layers, p, src.pp, v, src.vpp):
+            if layer in stage_layer_numbers(config.num_layers, p, src.pp, v, src.vpp, config.pipeline_split):
                 return p
     return 0
 
@@ -251,7 +252,10 @@ def _buffer_names(ck: CanonicalCheckpoint) -> set[str]:
 def target_layout(config: GPTConfig, tp: int, pp: int, vp_layers: int | None = None,
                   dp: int | None = None) -> Layout:
     """Validate a target layout (the same rules as the run's start-up) and return it."""
-    vpp = None
+    vpp, split = None, config.pipeline_split
+    if not split.even and (vp_layers is not None or split_problems(config.num_layers, pp, None, split)):
+        raise ConversionError(f"the model's uneven pipeline split ({split}) does not fit target PP={pp}"
+                              + (" with virtual stages" if vp_layers is not None else ""))
     if vp_layers is not None:
         if pp < 2:
             raise ConversionError("--target-num-layers-per-virtual-pipeline-stage needs a target pipeline size > 1")
@@ -261,7 +265,8 @@ def target_layout(config: GPTConfig, tp: int, pp: int, vp_layers: int | None = N
         vpp = config.num_layers // pp // vp_layers
         vpp = vpp if vpp > 1 else None
     try:
-        check_layout(tp * pp, tp, pp, num_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        check_layout(tp * pp, tp, pp, num_layers=config.num_layers if split.even else None,
+                     num_attention_heads=config.num_attention_heads,
                      num_query_groups=config.num_query_groups)
     except ParallelLayoutError as e:
         raise ConversionError(f"target layout TP={tp}, PP={pp}: {e}") from None
@@ -316,8 +321,10 @@ def _rng_for(ck: CanonicalCheckpoint, config: GPTConfig, target: Layout, t: int,
         return []
     if ck.source.tp == target.tp and ck.source.pp == target.pp:
         return ck.rng.get((t, p), [])
-    first_layer = stage_layer_numbers(config.num_layers, p, target.pp, 0, target.vpp)[0]
-    return ck.rng.get((t % ck.source.tp, _source_stage_of_layer(first_layer, config, ck.source)), [])
+    layers = [n for v in range(target.vpp or 1)
+              for n in stage_layer_numbers(config.num_layers, p, target.pp, v, target.vpp, config.pipeline_split)]
+    source_stage = _source_stage_of_layer(layers[0], config, ck.source) if layers else 0
+    return ck.rng.get((t % ck.source.tp, source_stage), [])
 
 
 def save_resharded(ck: CanonicalCheckpoint, out_root: str, target: Layout, *,

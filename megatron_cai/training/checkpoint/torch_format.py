@@ -28,6 +28,7 @@ from ...core import device as device_mod
 from ...core import parallel_state as ps
 from ...core.distributed.contracts import ModelChunk
 from ...core.models.gpt.config import GPTConfig
+from ...core.pipeline_parallel.layer_split import PipelineSplit, stage_layer_numbers
 from ...core.tensor_parallel.random import get_rng_tracker
 from ..config import TrainConfig
 from ..errors import safe_print
@@ -159,6 +160,18 @@ def save_torch_checkpoint(root: str, iteration: int, model_chunks, optimizer, sc
     return final
 
 
+def _split_of(meta: dict) -> PipelineSplit:
+    return GPTConfig.from_dict(meta["model_config"]).pipeline_split
+
+
+def same_stage_layers(meta: dict, config: GPTConfig, pp: int, vpp: int | None) -> bool:
+    """Whether the checkpoint's pipeline split puts the same layers on every (rank, chunk) as this run's (saved
+    before uneven splits existed: the even split)."""
+    return all(stage_layer_numbers(config.num_layers, r, pp, v, vpp, _split_of(meta))
+               == stage_layer_numbers(config.num_layers, r, pp, v, vpp, config.pipeline_split)
+               for r in range(pp) for v in range(vpp or 1))
+
+
 def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
     """Same TP/PP/VPP layout and the same architecture, or a clear error saying what differs."""
     check_version_and_architecture(meta, config, root)
@@ -166,6 +179,11 @@ def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
             ps.get_virtual_pipeline_model_parallel_world_size())
     there = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
              meta.get("virtual_pipeline_model_parallel_size"))
+    if here == there and not same_stage_layers(meta, config, here[1], here[2]):
+        raise CheckpointError(
+            f"checkpoint {root} was saved with another pipeline split ({_split_of(meta)}) than this run's "
+            f"({config.pipeline_split}): its stages hold other layers; convert it once with "
+            f"tools/convert_checkpoint.py --target-ckpt-format torch_dist (that format loads into any layout)")
     if here != there:
         raise CheckpointError(
             f"checkpoint {root} was saved with (TP, PP, VPP) = {there} but this run uses {here}; convert it "

@@ -19,6 +19,7 @@ import argparse
 from typing import Any
 
 from ...core.parallel_state import ParallelLayoutError
+from ...core.pipeline_parallel.layer_split import stage_layer_numbers
 from ...core.transformer.layer_pattern import (
     LayerPatternError,
     check_stage_kv_sources,
@@ -26,6 +27,7 @@ from ...core.transformer.layer_pattern import (
     validate_patterns,
 )
 from ..config import ArgumentError
+from .pipeline_split import pipeline_split, virtual_pipeline_size
 
 __all__ = ["add_arguments", "model_fields"]
 
@@ -88,8 +90,6 @@ def model_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_pipeline_groups(args: argparse.Namespace) -> None:
-    from ...core.models.gpt.model import stage_layer_numbers
-
     if args.kv_share_pattern is None:
         return
     try:
@@ -97,13 +97,12 @@ def _check_pipeline_groups(args: argparse.Namespace) -> None:
     except LayerPatternError as e:
         raise ArgumentError(str(e)) from None
     pp = args.pipeline_model_parallel_size
-    per_vpp = args.num_layers_per_virtual_pipeline_stage
-    vpp = args.num_layers // pp // per_vpp if per_vpp else None
+    vpp, split = virtual_pipeline_size(args), pipeline_split(args)
     sources = _Sources(args.num_layers, pattern)
     for rank in range(pp):
         for chunk in range(vpp or 1):
             try:
-                check_stage_kv_sources(sources, stage_layer_numbers(args.num_layers, rank, pp, chunk, vpp))
+                check_stage_kv_sources(sources, stage_layer_numbers(args.num_layers, rank, pp, chunk, vpp, split))
             except ParallelLayoutError as e:
                 raise ArgumentError(str(e)) from None
 

@@ -10,8 +10,10 @@ import re
 from ..config import ArgumentError
 from ..divergence import rerun_mode_note
 from ..features.determinism import check_deterministic_flags
+from . import optimizer_and_fp8
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
+from .pipeline_split import virtual_pipeline_size
 from .report import FlagProblems
 
 
@@ -52,6 +54,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
         args.qat = "fp8"
     elif args.qat == "fp8":
         args.fp8_format = "hybrid"
+    optimizer_and_fp8.resolve_fp8_recipe(args, problems)
     args.megatron_notes = resolve_megatron_features(args, problems) + mapped_messages(args)
     if args.ckpt_format not in ("torch", "torch_dist"):
         problems.add("refused", f"--ckpt-format {args.ckpt_format}: the formats here are torch and torch_dist "
@@ -182,6 +185,7 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
     _check_model_flags(args, problems)
     _check_eval_batch(args, problems)
     _check_context_parallel(args, problems)
+    optimizer_and_fp8.check(args, virtual_pipeline_size(args), problems)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")

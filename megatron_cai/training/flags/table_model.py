@@ -17,7 +17,10 @@ _FSDP = (
     "a Megatron-FSDP tuning knob (buffers, NCCL registration, meta-device init); --use-megatron-fsdp runs "
     "on PyTorch FSDP2 here, which manages its own buffers"
 )
-_MUP = "Maximal Update Parameterization is not implemented here"
+_MUP = (
+    "Maximal Update Parameterization is not implemented here (megatron-core's MuP rescales initialisation, "
+    "per-layer learning rates, attention scaling and output logits across model, optimizer and config)"
+)
 _TE_FP8 = "a Transformer Engine FP8 knob; --fp8-format runs our FP8 QAT (dynamic clamps) here"
 _FP4 = "FP4 training is not implemented here; --fp8-format runs FP8 QAT"
 _CUDA_GRAPH = "CUDA graph capture is a launch optimisation; kernels run eagerly here, with the same math"
@@ -185,6 +188,16 @@ TABLE = FlagTable(
         CompatFlag("--fp8-param-gather", "parameters are gathered in their training dtype"),
     ],
     mapped=[
+        CompatFlag(
+            "--fp8-recipe",
+            "delayed: FP8 QAT with its clamp rules (--qat-clamp); tensorwise: per-tensor current scaling, FP8 QAT "
+            "with --qat-clamp absmax --qat-granularity tensor and per-tensor weight scales; mxfp8, blockwise and "
+            "custom are refused",
+            None,
+            str,
+            "delayed",
+            ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+        ),
         CompatFlag("--hierarchical-context-parallel-sizes", _CP_COMM, "+", int, None),
         CompatFlag(
             "--no-weight-decay-cond-type",
@@ -220,8 +233,6 @@ TABLE = FlagTable(
         CompatFlag("--mtp-loss-scaling-factor", _MTP, None, float, 0.1),
         CompatFlag("--mtp-use-repeated-layer", _MTP),
         CompatFlag("--mtp-detach-heads", _MTP),
-        CompatFlag("--account-for-embedding-in-pipeline-split", "uneven pipeline stages are not implemented here"),
-        CompatFlag("--account-for-loss-in-pipeline-split", "uneven pipeline stages are not implemented here"),
         CompatFlag(
             "--softmax-type",
             "only the standard softmax is implemented here",
@@ -272,15 +283,6 @@ TABLE = FlagTable(
             str,
             None,
             allowed=(["core_attn"],),
-        ),
-        CompatFlag(
-            "--fp8-recipe",
-            "only the default recipe name is accepted; our FP8 path is QAT with dynamic clamps",
-            None,
-            str,
-            "delayed",
-            ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
-            allowed=("delayed",),
         ),
         CompatFlag("--fp8-quantizer-factory", "no code is imported from a flag here", None, str, None),
         CompatFlag("--fp8-output-proj", "the output projection runs in the training dtype here"),

@@ -81,6 +81,19 @@ TABLE = FlagTable(
         CompatFlag("--torch-fsdp2-no-reshard-after-forward", _FSDP),
     ],
     mapped=[
+        CompatFlag(
+            "--overlap-param-gather-with-optimizer-step",
+            "the distributed optimizer's all-gather starts at --overlap-param-gather's points and each forward "
+            "waits for its bucket: the same parameters, gathered at another time",
+        ),
+        CompatFlag(
+            "--num-distributed-optimizer-instances",
+            "one distributed-optimizer instance sharded over all DP x CP ranks: the update of N instances, with "
+            "less optimizer memory per rank",
+            None,
+            int,
+            1,
+        ),
         CompatFlag("--cp-comm-type", _CP_COMM, "+", str, ["p2p"]),
         CompatFlag(
             "--disable-gloo-process-groups",
@@ -94,26 +107,16 @@ TABLE = FlagTable(
     refused=[
         CompatFlag("--lazy-mpu-init", "process groups are created at start-up here"),
         CompatFlag(
-            "--decoder-first-pipeline-num-layers", "uneven pipeline stages are not implemented here", None, int, None
-        ),
-        CompatFlag(
-            "--decoder-last-pipeline-num-layers", "uneven pipeline stages are not implemented here", None, int, None
-        ),
-        CompatFlag(
             "--pipeline-model-parallel-layout",
             (
-                "custom pipeline layouts are not implemented here; layers split evenly (--num-layers-per- "
-                "virtual-pipeline-stage)"
+                "custom pipeline layouts are not implemented here; --decoder-first/last-pipeline-num-layers "
+                "and --account-for-embedding/loss-in-pipeline-split are"
             ),
             None,
             str,
             None,
         ),
         CompatFlag("--model-parallel-size", _DEPRECATED, None, int, None),
-        CompatFlag(
-            "--num-virtual-stages-per-pipeline-rank", "use --num-layers-per-virtual-pipeline-stage", None, int, None
-        ),
-        CompatFlag("--overlap-param-gather-with-optimizer-step", "not implemented here; --overlap-param-gather is"),
         CompatFlag(
             "--outer-dp-sharding-strategy",
             "hybrid-sharded data parallelism is not implemented here",
@@ -127,14 +130,6 @@ TABLE = FlagTable(
             "--enable-full-sharding-in-hsdp",
             "hybrid-sharded data parallelism is not implemented here",
             allowed=("no_shard",),
-        ),
-        CompatFlag(
-            "--num-distributed-optimizer-instances",
-            "one distributed-optimizer instance only",
-            None,
-            int,
-            1,
-            allowed=(1,),
         ),
         CompatFlag("--fake-process-group", "fake process groups are not supported here"),
     ],

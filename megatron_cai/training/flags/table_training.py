@@ -181,47 +181,6 @@ TABLE = FlagTable(
             0.005,
             allowed=(0.005,),
         ),
-        CompatFlag("--fim-data", "fill-in-the-middle data (megatron-core's GPTFIMDataset) is not implemented here yet"),
-        CompatFlag("--fim-rate", "fill-in-the-middle data (--fim-data) is not implemented here", None, float, 0.5),
-        CompatFlag("--fim-spm-rate", "fill-in-the-middle data (--fim-data) is not implemented here", None, float, 0.5),
-        CompatFlag(
-            "--fim-split-sample", "fill-in-the-middle data (--fim-data) is not implemented here", None, str, None
-        ),
-        CompatFlag(
-            "--fim-fragment-rate", "fill-in-the-middle data (--fim-data) is not implemented here", None, float, None
-        ),
-        CompatFlag("--fim-no-prefix", "fill-in-the-middle data (--fim-data) is not implemented here", None, str, None),
-        CompatFlag(
-            "--fim-prefix-token",
-            "fill-in-the-middle data (--fim-data) is not implemented here",
-            None,
-            str,
-            "<fim_prefix>",
-        ),
-        CompatFlag(
-            "--fim-middle-token",
-            "fill-in-the-middle data (--fim-data) is not implemented here",
-            None,
-            str,
-            "<fim_middle>",
-        ),
-        CompatFlag(
-            "--fim-suffix-token",
-            "fill-in-the-middle data (--fim-data) is not implemented here",
-            None,
-            str,
-            "<fim_suffix>",
-        ),
-        CompatFlag(
-            "--fim-pad-token", "fill-in-the-middle data (--fim-data) is not implemented here", None, str, "<fim_pad>"
-        ),
-        CompatFlag(
-            "--fim-eod-token",
-            "fill-in-the-middle data (--fim-data) is not implemented here",
-            None,
-            str,
-            "<|endoftext|>",
-        ),
         CompatFlag("--no-pad-vocab-size", "use --padded-vocab-size or --make-vocab-size-divisible-by 1"),
         CompatFlag("--disable-pad-vocab-size", "use --padded-vocab-size or --make-vocab-size-divisible-by 1"),
         CompatFlag("--vocab-extra-ids", _TOKENIZER, None, int, 0, allowed=(0, -1)),

@@ -88,6 +88,18 @@ def test_changed_layout_points_to_converter(tmp_path):
                                              "--tensor-model-parallel-size", "2"],))
 
 
+@pytest.mark.slow
+def test_changed_pipeline_split_is_refused(tmp_path):
+    """PP 2 saved with the even split (layers 0-1 | 2-3), resumed with --decoder-first-pipeline-num-layers 1
+    (0 | 1-3): the torch-format stages hold other layers, so the resume stops and points to the converter."""
+    save = str(tmp_path / "ckpt")
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    run_distributed(_worker, 2, (BASE + pp2 + ["--train-iters", "1", "--save", save],))
+    with pytest.raises(AssertionError, match="another pipeline split"):
+        run_distributed(_worker, 2, (BASE + pp2 + ["--train-iters", "2", "--load", save,
+                                                   "--decoder-first-pipeline-num-layers", "1"],))
+
+
 def _nan_worker(rank, world_size, argv, bad_iteration):
     from megatron_cai.core import parallel_state as ps
 

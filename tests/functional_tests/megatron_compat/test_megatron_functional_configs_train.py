@@ -1,7 +1,7 @@
 """Acceptance 2 (training): Megatron-LM's GPT functional-test configurations train 2 iterations on CPU with only
 their sizes, paths, world size and --distributed-backend changed (gloo: there is no NCCL on CPU). The layouts
-shrink to what 1 or 2 CPU ranks hold: TP 1; PP 2 where the configuration interleaves (VPP); CP 2 for the CP
-configuration; PP 1 otherwise. Three run in CI; the rest with -m slow."""
+shrink to what 1 or 2 CPU ranks hold: TP 1; PP 2 where the configuration interleaves (VPP) or splits unevenly;
+CP 2 for the CP configuration; PP 1 otherwise. Three run in CI; the rest with -m slow."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +30,7 @@ SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["
          "--tensor-model-parallel-size": ["1"], "--pipeline-model-parallel-size": ["1"],
          "--context-parallel-size": ["1"], "--num-workers": ["0"], "--distributed-backend": ["gloo"]}
 LAYOUTS = {"vp1": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["4"]},
+           "vp2": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["2"]},  # +embedding +loss: 4 slots
            "cp2": {"--context-parallel-size": ["2"]}}
 
 

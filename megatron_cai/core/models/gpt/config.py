@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...pipeline_parallel.layer_split import PipelineSplit
 from ...quantization.qat_config import QATConfig
 from ...transformer.layer_pattern import validate_patterns
 from ...transformer.moe.config import MoEConfig
@@ -76,6 +77,11 @@ class GPTConfig:
     kv_share_pattern: int | list[int] | None = None  # K/V source of each layer (int N: groups of N); list after init
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
     moe: MoEConfig | None = None           # Mixture of Experts in the MLP slot (None: dense)
+    # Megatron's uneven pipeline split (core.pipeline_parallel.layer_split); None / False: layers split evenly
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -128,6 +134,12 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def pipeline_split(self) -> PipelineSplit:
+        """Which layers each pipeline stage holds (the four split fields)."""
+        return PipelineSplit(self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage,
+                             self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split)
 
     @property
     def moe_architecture(self) -> dict | None:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ... import parallel_state as ps
+from ...pipeline_parallel.layer_split import stage_layer_numbers
 from ...quantization.qat_linear import attach_gemm_quantizers
 from ...tensor_parallel import mappings
 from ...tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -156,16 +157,6 @@ def rotary_dim(config: GPTConfig) -> int:
     return int(config.kv_channels * config.rotary_percent)
 
 
-def stage_layer_numbers(num_layers: int, pp_rank: int, pp_size: int, vpp_rank: int = 0,
-                        vpp_size: int | None = None) -> list[int]:
-    """Global layer indices of a pipeline stage (or virtual chunk), in Megatron's interleaved order:
-    with V chunks per rank, chunk v of rank r holds layers ((v * P + r) * L/(P V)) ... ."""
-    chunks = vpp_size or 1
-    per_chunk = num_layers // (pp_size * chunks)
-    first = (vpp_rank * pp_size + pp_rank) * per_chunk
-    return list(range(first, first + per_chunk))
-
-
 def build_model_chunks(config: GPTConfig, seed: int, vpp_size: int | None = None,
                        lse_stats: LseStatsCollector | None = None) -> list[GPTModel]:
     """The model chunks of this rank (one per virtual pipeline stage), initialised layout-invariantly."""
@@ -174,8 +165,8 @@ def build_model_chunks(config: GPTConfig, seed: int, vpp_size: int | None = None
     for v in range(vpp_size or 1):
         pre = pp_rank == 0 and v == 0
         post = pp_rank == pp_size - 1 and v == (vpp_size or 1) - 1
-        model = GPTModel(config, pre, post, stage_layer_numbers(config.num_layers, pp_rank, pp_size, v, vpp_size),
-                         lse_stats=lse_stats)
+        layers = stage_layer_numbers(config.num_layers, pp_rank, pp_size, v, vpp_size, config.pipeline_split)
+        model = GPTModel(config, pre, post, layers, lse_stats=lse_stats)
         model.initialize(seed)
         chunks.append(model)
     return chunks
