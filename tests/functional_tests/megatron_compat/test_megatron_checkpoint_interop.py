@@ -500,7 +500,7 @@ def test_transformer_engine_names_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"num_experts": 8}, "--num-experts"),
+    ({"num_experts": 8, "moe_grouped_gemm": True}, "--moe-grouped-gemm"),  # plain MoE converts (interop/megatron_moe)
     ({"rotary_interleaved": True}, "--rotary-interleaved"),
     ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
