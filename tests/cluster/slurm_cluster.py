@@ -272,6 +272,18 @@ StorageLoc=slurm_acct_db
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout} s (state {state})\n{self.logs()}")
 
+    def wait_step(self, job_id: str, timeout: float) -> None:
+        """Wait until the job's first ``srun`` step runs. ``scancel --signal`` reaches only steps that exist when it
+        is sent (the batch shell only with ``--full``): one sent while the batch script has not started its step yet
+        is lost, and the job goes on."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            steps = self._run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"]).stdout.split()
+            if f"{job_id}.0" in steps:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"job {job_id}: no step {job_id}.0 after {timeout} s\n{self.logs()}")
+
     def scontrol_state(self, job_id: str) -> str:
         out = self._run(["scontrol", "show", "job", job_id]).stdout
         m = re.search(r"JobState=(\S+)", out)
