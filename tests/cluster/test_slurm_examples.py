@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from .slurm_cluster import JobEnd, SlurmCluster
+from .slurm_cluster import TERMINAL_STATES, JobEnd, SlurmCluster
 
 pytestmark = pytest.mark.cluster
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
@@ -86,8 +86,7 @@ class Jobs:
             text = self.log(kind, job)
             if re.search(pattern, text):
                 return text
-            state = self.cluster.scontrol_state(job)
-            if state not in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING"):
+            if self.cluster.scontrol_state(job) in TERMINAL_STATES:  # not UNKNOWN: scontrol can time out under load
                 break
             time.sleep(0.1)
         raise AssertionError(f"job {job}: no {pattern!r} in its log (state {self.cluster.scontrol_state(job)}):\n"
@@ -256,6 +255,7 @@ def test_scancel_signal_before_the_step_starts_is_lost(jobs, tmp_path):
     jobs.cluster.wait_state(early, ("RUNNING",), 60)
     jobs.cluster.scancel("--signal=USR1", early)
     jobs.cluster.wait_step(late, 60)
+    time.sleep(1)  # bash -c has set its trap
     jobs.cluster.scancel("--signal=USR1", late)
     assert jobs.end("scancel --signal=USR1 before the step starts", "srun", early).row == "COMPLETED 0:0"
     assert jobs.end("scancel --signal=USR1 once the step runs", "srun", late).row == "COMPLETED 0:0"
