@@ -7,7 +7,9 @@ a grace period), in the reverse order of start. Clients (``sbatch``, ``scancel``
 cluster through ``SLURM_CONF`` in :meth:`SlurmCluster.env`.
 
 The node declares more CPUs than the machine has (``SlurmdParameters=config_overrides``), so two jobs
-fit on it at once, as two jobs sharing a node of a real cluster.
+fit on it at once, as two jobs sharing a node of a real cluster. ``UnkillableStepTimeout`` is 300 s, not
+Slurm's 60: on a loaded machine a cancelled torchrun step once took 70 s to end after its SIGKILL, and
+Slurm then drains the node ("Kill task failed"), which stalls every later test.
 """
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=10
+UnkillableStepTimeout=300
 MinJobAge=3600
 InactiveLimit=0
 PlugStackConfig={self.path('etc', 'plugstack.conf')}
