@@ -5,8 +5,9 @@
 # its own daemons, by PID, in a temporary directory). Where it cannot run it says why and exits 0, and
 # the tests then skip with their own reason.
 #   bash tests/cluster/install.sh
-# Cost on a fresh Debian 12 machine (measured here): 63 new packages and 4 upgraded, 38 MB of archives, 240 MB
-# on disk.
+# Cost (measured on a Debian 12 machine with none of them, --no-install-recommends): 27 new packages, 21.7 MB of
+# archives, 204 MB on disk, 83 s with the download (load average 11 on 2 cores). A second run: 0 s. The packages
+# enable their services for the next boot (systemd); none is started now.
 set -euo pipefail
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 BINARIES=(slurmctld slurmd slurmdbd sbatch sacct munged mariadbd mariadb-install-db)

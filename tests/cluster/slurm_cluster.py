@@ -7,7 +7,9 @@ a grace period), in the reverse order of start. Clients (``sbatch``, ``scancel``
 cluster through ``SLURM_CONF`` in :meth:`SlurmCluster.env`.
 
 The node declares more CPUs than the machine has (``SlurmdParameters=config_overrides``), so two jobs
-fit on it at once, as two jobs sharing a node of a real cluster.
+fit on it at once, as two jobs sharing a node of a real cluster. ``UnkillableStepTimeout`` is 300 s, not
+Slurm's 60: on a loaded machine a cancelled torchrun step once took 70 s to end after its SIGKILL, and
+Slurm then drains the node ("Kill task failed"), which stalls every later test.
 """
 from __future__ import annotations
 
@@ -124,6 +126,7 @@ MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=10
+UnkillableStepTimeout=300
 MinJobAge=3600
 InactiveLimit=0
 PlugStackConfig={self.path('etc', 'plugstack.conf')}
@@ -271,6 +274,20 @@ StorageLoc=slurm_acct_db
                 return state
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} not in {states} after {timeout} s (state {state})\n{self.logs()}")
+
+    def wait_step(self, job_id: str, timeout: float) -> None:
+        """Wait until the job's first ``srun`` step has a task running on the node (``scontrol listpids``).
+        ``scancel --signal`` reaches only the tasks of steps that run when it is sent (the batch shell only with
+        ``--full``): one sent before that is lost and the job goes on. The step is listed by ``squeue -s`` as
+        soon as ``srun`` asks for it, before slurmstepd has started its tasks: a signal in between is lost too
+        (measured: 58 ms after the launch request)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            rows = [line.split() for line in self._run(["scontrol", "listpids", f"{job_id}.0"]).stdout.splitlines()]
+            if any(row[1:3] == [job_id, "0"] for row in rows[1:]):  # PID JOBID STEPID LOCALID GLOBALID
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"job {job_id}: no task of step {job_id}.0 after {timeout} s\n{self.logs()}")
 
     def scontrol_state(self, job_id: str) -> str:
         out = self._run(["scontrol", "show", "job", job_id]).stdout

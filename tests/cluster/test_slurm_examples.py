@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from .slurm_cluster import JobEnd, SlurmCluster
+from .slurm_cluster import TERMINAL_STATES, JobEnd, SlurmCluster
 
 pytestmark = pytest.mark.cluster
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
@@ -86,8 +86,7 @@ class Jobs:
             text = self.log(kind, job)
             if re.search(pattern, text):
                 return text
-            state = self.cluster.scontrol_state(job)
-            if state not in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING"):
+            if self.cluster.scontrol_state(job) in TERMINAL_STATES:  # not UNKNOWN: scontrol can time out under load
                 break
             time.sleep(0.1)
         raise AssertionError(f"job {job}: no {pattern!r} in its log (state {self.cluster.scontrol_state(job)}):\n"
@@ -106,7 +105,13 @@ class Jobs:
         return text, saved
 
     def end(self, case: str, kind: str, job: str, timeout: float = 300) -> JobEnd:
-        end = self.cluster.wait_end(job, timeout)
+        """The job's sacct record once it ends; a job that does not end in time fails the test with its own log (the
+        daemons' logs alone do not say where a job stands)."""
+        try:
+            end = self.cluster.wait_end(job, timeout)
+        except TimeoutError as e:
+            raise AssertionError(f"{case}: job {job} did not end in {timeout} s; its log:\n"
+                                 f"{self.log(kind, job)[-4000:]}\n{e}") from None
         TABLE.append((case, end))
         return end
 
@@ -240,6 +245,25 @@ def test_an_output_directory_that_does_not_exist_fails_the_job_before_it_runs(jo
     assert end.row == "FAILED 0:53" and not missing.exists()
 
 
+def test_scancel_signal_before_the_step_starts_is_lost(jobs, tmp_path):
+    """Why a preemption test waits for the step (``wait_step``), and the README's warning: ``scancel --signal=USR1``
+    while the batch script has not started its step yet reaches no process; sent once the step runs, it does."""
+    step = ("sleep 6; srun bash -c 'trap \"echo step got USR1; exit 0\" USR1; "
+            "for i in $(seq 20); do sleep 0.5; done; echo step ran out'")
+    early, late = (jobs.cluster.sbatch([f"--output={tmp_path}/{name}.out", "--wrap", step], cwd=str(tmp_path))
+                   for name in ("early", "late"))
+    jobs.cluster.wait_state(early, ("RUNNING",), 60)
+    jobs.cluster.scancel("--signal=USR1", early)
+    jobs.cluster.wait_step(late, 60)
+    time.sleep(1)  # bash -c has set its trap
+    jobs.cluster.scancel("--signal=USR1", late)
+    assert jobs.end("scancel --signal=USR1 before the step starts", "srun", early).row == "COMPLETED 0:0"
+    assert jobs.end("scancel --signal=USR1 once the step runs", "srun", late).row == "COMPLETED 0:0"
+    assert (tmp_path / "early.out").read_text() == "step ran out\n"
+    late_lines = (tmp_path / "late.out").read_text().splitlines()  # and bash's note on its sleep, killed by USR1
+    assert "step got USR1" in late_lines and "step ran out" not in late_lines
+
+
 # -------------------------------------------------------------------------------------------- torchrun script
 def test_two_torchrun_jobs_on_one_node_never_meet(jobs, tmp_path):
     """Two torchrun jobs share the node, each with its own rendezvous; cancelling one leaves the other training
@@ -263,10 +287,12 @@ def test_two_torchrun_jobs_on_one_node_never_meet(jobs, tmp_path):
 
 
 def test_torchrun_usr1_five_seconds_after_start(jobs, tmp_path):
-    """SIGUSR1 5 s after the job starts (start-up: imports, rendezvous, model build): no signal death, exit 0."""
+    """SIGUSR1 5 s after the job's step starts (start-up: imports, rendezvous, model build): no signal death, exit 0.
+    Counted from the step, not from the job's RUNNING: Slurm loses a ``scancel --signal`` sent before the batch
+    script has started its step (examples/slurm/README.md)."""
     ckpt = str(tmp_path / "ckpt")
     job = jobs.submit("torchrun", ckpt, 1_000_000, 1_000_000)
-    jobs.cluster.wait_state(job, ("RUNNING",), 120)
+    jobs.cluster.wait_step(job, 120)
     time.sleep(5)
     jobs.cluster.scancel("--signal=USR1", job)
     end = jobs.end("torchrun: scancel --signal=USR1 5 s after start", "torchrun", job)
