@@ -28,6 +28,7 @@ sys.path.insert(0, BENCH)
 
 import harness as H  # noqa: E402
 from harness import quick  # noqa: E402
+from harness.scripts import load_module  # noqa: E402
 
 PLOTS = {"squinch_codec", "fp16_training", "qat_training", "zreg_bf16", "clamp_drift", "distill_seeds", "distill",
          "zreg_tree_training", "squinch_convergence", "squinch_cluster_projection", "moe", "diloco"}
@@ -277,12 +278,12 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
 
 
 @pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "diloco", "distill", "distill_seeds",
-                                  "dp_comm", "fp16_training", "step_overhead",
+                                  "dp_comm", "fp16_training", "kaiju", "step_overhead",
                                   "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
                                   "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
 def test_committed_reports_are_what_the_bench_makes_of_its_json(name, tmp_path):
     shutil.copy(os.path.join(RESULTS, name + ".json"), tmp_path / (name + ".json"))
-    module = __import__(name)
+    module = load_module(f"bench/{name}.py")  # by path: bench/gpu/ has same-named scripts
     module.main(["--from-json", "--out", str(tmp_path / name)])
     assert (tmp_path / (name + ".md")).read_text() == open(os.path.join(RESULTS, name + ".md")).read()
 
@@ -294,7 +295,8 @@ def test_the_benches_not_rendered_from_their_json_lack_their_settings():
     by_other_means = {"squinch_bandwidth", "squinch_bandwidth_partial", "squinch_bandwidth_rows_1",
                       "compile_kernels", "compile_kernels_triton36",  # tools/compile_kernels.py (tests of its own)
                       "squinch_phases", "squinch_scale"}  # the model on their measurements, below
-    by_other_means |= {os.path.basename(p)[:-5] for pattern in ("squinch_*_rows_*.json", "squinch_*_run*.json")
+    by_other_means |= {os.path.basename(p)[:-5] for pattern in ("squinch_*_rows_*.json", "squinch_*_run*.json",
+                                                                 "*.rows.json")  # a resumable run's finished rows
                        for p in glob.glob(os.path.join(RESULTS, pattern))}
     assert committed - tested - by_other_means == set(NOT_FROM_JSON)
     for name, lacks_settings in NOT_FROM_JSON.items():
