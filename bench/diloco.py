@@ -60,6 +60,11 @@ OUTER_RE = re.compile(r"diloco outer .*?bytes sent (\d+) .*?inner loop waited ([
 
 
 # ------------------------------------------------------------------------------------------ part 1
+# Options a finished row does not depend on (a row's key names its configuration, rate and seed): a run with
+# another subset of them takes the rows an earlier one finished.
+ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seeds", "dp_link_seeds", "projection_only")
+
+
 def configurations(opts) -> dict[str, list[str]]:
     diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
               str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
@@ -115,10 +120,13 @@ def measure(opts, results: H.Results) -> list[dict]:
     rows = []
     configs = configurations(opts)
     names = opts.configs or list(configs)
+    over_link = opts.link_configs if opts.link_configs is not None else names
     try:
         for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
             for seed in opts.seeds:
                 for name in names:
+                    if rate is not None and name not in over_link:
+                        continue
                     if rate is not None and name.startswith("dp") and seed not in opts.seeds[:opts.dp_link_seeds]:
                         continue  # DP's losses do not depend on the link: its unshaped run has them (see acceptance)
                     key = f"{name}|{link.rate_key(rate)}|{seed}"
@@ -320,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     H.add(p, iters=400, lr=2e-3, seeds=[1, 2, 3], eval_iters=8)
     p.add_argument("--rates", type=float, nargs="+", default=[10, 30, 100], help="slow-link rates, Mbit/s")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
+    p.add_argument("--link-configs", nargs="*", default=None,
+                   help="the configurations run over the shaped links too (default: all of --configs; the others "
+                        "run unshaped only)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
@@ -332,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
                                        overlap=1, configs=["dp bf16", "diloco 6"]))
     link.use_namespaces(not opts.no_netns)
-    results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ("out", "from_json")})
+    results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ROW_INDEPENDENT})
     if opts.from_json:
         results.rewrite(render, plot)
         return
@@ -340,7 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
     payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds")},
+                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds",
+                                                         "link_configs")},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
 
