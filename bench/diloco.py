@@ -130,7 +130,8 @@ def measure(opts, results: H.Results) -> list[dict]:
                     if rate is not None and name.startswith("dp") and seed not in opts.seeds[:opts.dp_link_seeds]:
                         continue  # DP's losses do not depend on the link: its unshaped run has them (see acceptance)
                     key = f"{name}|{link.rate_key(rate)}|{seed}"
-                    rows.append(results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data)))
+                    row = results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data))
+                    rows.append({**row, **results.meta.get(key, {})})  # the load average it ran under, when
     finally:
         link.teardown_link()
     return rows
@@ -276,6 +277,12 @@ def render(res: dict) -> str:
                              f"{_mean_sd([r['wall_s'] for r in group])} | "
                              f"{_mean_sd([r['crossing_bytes'] / r['tokens'] for r in group])} | "
                              f"{_mean_sd(util)} | {err} |")
+        loads = [r["load_average"][0] for r in rows if "load_average" in r]
+        if loads:
+            lines += ["", f"The machine's 1-minute load average as each row finished: {min(loads):.1f} to "
+                      f"{max(loads):.1f} (median {statistics.median(loads):.1f}) on "
+                      f"{res.get('machine', {}).get('start', {}).get('cpus', '?')} CPUs. Compute-bound rows (DiLoCo, "
+                      "unshaped DP) are slowed by it; link-bound DP rows much less."]
         errors = [abs(r["predicted_s"] / r["wall_s"] - 1) for r in rows if r.get("predicted_s")]
         if errors:
             lines += ["", f"Model error over {len(errors)} measured rows: median {statistics.median(errors):.1%}, "
