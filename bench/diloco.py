@@ -249,8 +249,10 @@ def acceptance(rows: list[dict]) -> list[str]:
             d = [a["val_loss"] - b["val_loss"] for a in six for b in sixteen if a["seed"] == b["seed"]]
             b6 = _mean([r["crossing_bytes"] / r["tokens"] for r in six])
             b16 = _mean([r["crossing_bytes"] / r["tokens"] for r in sixteen])
+            p6, p16 = (_mean([r["counted_bytes"] / r["tokens"] for r in rs]) for rs in (six, sixteen))
             out.append(f"- {rate} Mbit/s, 6-bit minus bf16 pseudo-gradients: validation loss {_mean_sd(d)} (paired "
-                       f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x).")
+                       f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x; "
+                       f"the outer payload alone {p6:.4g} vs {p16:.4g}, {p6 / p16:.3f}x).")
     return out + [""]
 
 

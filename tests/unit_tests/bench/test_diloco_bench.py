@@ -48,7 +48,8 @@ def test_acceptance_ratios_by_hand():
     dp.append(_row("dp bf16", "10", 1, val_loss=4.0, wall_s=400.0, crossing_bytes=800 * MB))
     six = [_row("diloco 6", "10", s, val_loss=4.08, wall_s=40.0, crossing_bytes=16 * MB, counted_bytes=4 * MB)
            for s in (1, 2)]
-    sixteen = [_row("diloco 16", "10", s, val_loss=v, crossing_bytes=24 * MB) for s, v in ((1, 4.0), (2, 4.04))]
+    sixteen = [_row("diloco 16", "10", s, val_loss=v, crossing_bytes=24 * MB, counted_bytes=16 * MB)
+               for s, v in ((1, 4.0), (2, 4.04))]
     text = "\n".join(B.acceptance(dp + six + sixteen))
     assert "equals its unshaped run's in 1 of 1" in text
     assert "validation loss is +2.00% against bf16 DP's (2 and 2 seeds" in text
@@ -56,4 +57,4 @@ def test_acceptance_ratios_by_hand():
     assert "bytes per token 0.0200x DP's (target <= 0.01: NOT; the outer payload alone" in text
     assert "start-up broadcasts: 0.0050x)" in text
     assert "validation loss 0.06 +- 0.028 (paired over 2 seeds)" in text
-    assert "(0.667x)" in text
+    assert "(0.667x; the outer payload alone 9.766 vs 39.06, 0.250x)" in text
