@@ -332,6 +332,7 @@ def plot(res: dict, path: str) -> None:
         axes[0].plot(tokens, r["losses"], lw=0.8, label=label)
         axes[1].plot(wall, r["losses"], lw=0.8, label=label)
     axes[0].set(xlabel="tokens", ylabel="training loss (last island)", title="loss vs tokens")
+    axes[0].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     axes[1].set(xlabel="wall s", xscale="log", title="loss vs wall time")
     axes[0].legend(fontsize=6)
     fig.tight_layout()
