@@ -243,7 +243,7 @@ def acceptance(rows: list[dict]) -> list[str]:
                    f"({len(six)} and {len(dp_losses)} seeds; target within 2%: {verdict[abs(loss_gap) <= 0.02]}), "
                    f"its wall time {wall:.3f}x DP's (target <= 0.2: {verdict[wall <= 0.2]}), its slow-link "
                    f"bytes per token {by:.4f}x DP's (target <= 0.01: {verdict[by <= 0.01]}; the outer payload alone, "
-                   f"without the run's other traffic over the link such as its start-up broadcasts: {payload:.4f}x).")
+                   f"without the run's other traffic over the link (start-up, per-step logging): {payload:.4f}x).")
         sixteen = at("diloco 16")
         if sixteen:
             d = [a["val_loss"] - b["val_loss"] for a in six for b in sixteen if a["seed"] == b["seed"]]

@@ -55,6 +55,6 @@ def test_acceptance_ratios_by_hand():
     assert "validation loss is +2.00% against bf16 DP's (2 and 2 seeds" in text
     assert "wall time 0.100x DP's (target <= 0.2: holds)" in text
     assert "bytes per token 0.0200x DP's (target <= 0.01: NOT; the outer payload alone" in text
-    assert "start-up broadcasts: 0.0050x)" in text
+    assert "(start-up, per-step logging): 0.0050x)" in text
     assert "validation loss 0.06 +- 0.028 (paired over 2 seeds)" in text
     assert "(0.667x; the outer payload alone 9.766 vs 39.06, 0.250x)" in text
