@@ -60,6 +60,11 @@ OUTER_RE = re.compile(r"diloco outer .*?bytes sent (\d+) .*?inner loop waited ([
 
 
 # ------------------------------------------------------------------------------------------ part 1
+# Options a finished row does not depend on (a row's key names its configuration, rate and seed): a run with
+# another subset of them takes the rows an earlier one finished.
+ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seeds", "dp_link_seeds", "projection_only")
+
+
 def configurations(opts) -> dict[str, list[str]]:
     diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
               str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
@@ -115,14 +120,18 @@ def measure(opts, results: H.Results) -> list[dict]:
     rows = []
     configs = configurations(opts)
     names = opts.configs or list(configs)
+    over_link = opts.link_configs if opts.link_configs is not None else names
     try:
         for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
             for seed in opts.seeds:
                 for name in names:
+                    if rate is not None and name not in over_link:
+                        continue
                     if rate is not None and name.startswith("dp") and seed not in opts.seeds[:opts.dp_link_seeds]:
                         continue  # DP's losses do not depend on the link: its unshaped run has them (see acceptance)
                     key = f"{name}|{link.rate_key(rate)}|{seed}"
-                    rows.append(results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data)))
+                    row = results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data))
+                    rows.append({**row, **results.meta.get(key, {})})  # the load average it ran under, when
     finally:
         link.teardown_link()
     return rows
@@ -134,7 +143,11 @@ def predict(row: dict, rows: list[dict], opts) -> float | None:
     if row["rate"] == "unshaped":
         return None
     steps = len(row["times_s"])
-    per_direction = row["counted_bytes"] / 2  # each island sends its half over its own direction
+    # DiLoCo: the outer payload its ranks logged (the link's other traffic, start-up broadcasts, falls outside the
+    # windows). DP: what crossed the link (the rank byte counts of --squinch-hierarchical include its uncompressed
+    # traffic inside an island, which never crosses).
+    moved = row["counted_bytes"] if row["name"].startswith("diloco") else row["crossing_bytes"]
+    per_direction = moved / 2  # each island sends its half over its own direction
     bytes_per_s = float(row["rate"]) * 1e6 / 8
     if row["name"].startswith("diloco"):
         inner_s = (row["wall_s"] - row["wait_s"]) / steps
@@ -223,18 +236,23 @@ def acceptance(rows: list[dict]) -> list[str]:
         wall = _mean([r["wall_s"] for r in six]) / _mean([r["wall_s"] for r in dp])
         by = _mean([r["crossing_bytes"] / r["tokens"] for r in six]) / _mean([r["crossing_bytes"] / r["tokens"]
                                                                               for r in dp])
+        payload = _mean([r["counted_bytes"] / r["tokens"] for r in six]) / _mean([r["crossing_bytes"] / r["tokens"]
+                                                                                 for r in dp])
         verdict = {True: "holds", False: "NOT"}
         out.append(f"- {rate} Mbit/s: Squinch-DiLoCo's validation loss is {loss_gap:+.2%} against bf16 DP's "
                    f"({len(six)} and {len(dp_losses)} seeds; target within 2%: {verdict[abs(loss_gap) <= 0.02]}), "
                    f"its wall time {wall:.3f}x DP's (target <= 0.2: {verdict[wall <= 0.2]}), its slow-link "
-                   f"bytes per token {by:.4f}x DP's (target <= 0.01: {verdict[by <= 0.01]}).")
+                   f"bytes per token {by:.4f}x DP's (target <= 0.01: {verdict[by <= 0.01]}; the outer payload alone, "
+                   f"without the run's other traffic over the link (start-up, per-step logging): {payload:.4f}x).")
         sixteen = at("diloco 16")
         if sixteen:
             d = [a["val_loss"] - b["val_loss"] for a in six for b in sixteen if a["seed"] == b["seed"]]
             b6 = _mean([r["crossing_bytes"] / r["tokens"] for r in six])
             b16 = _mean([r["crossing_bytes"] / r["tokens"] for r in sixteen])
+            p6, p16 = (_mean([r["counted_bytes"] / r["tokens"] for r in rs]) for rs in (six, sixteen))
             out.append(f"- {rate} Mbit/s, 6-bit minus bf16 pseudo-gradients: validation loss {_mean_sd(d)} (paired "
-                       f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x).")
+                       f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x; "
+                       f"the outer payload alone {p6:.4g} vs {p16:.4g}, {p6 / p16:.3f}x).")
     return out + [""]
 
 
@@ -261,6 +279,12 @@ def render(res: dict) -> str:
                              f"{_mean_sd([r['wall_s'] for r in group])} | "
                              f"{_mean_sd([r['crossing_bytes'] / r['tokens'] for r in group])} | "
                              f"{_mean_sd(util)} | {err} |")
+        loads = [r["load_average"][0] for r in rows if "load_average" in r]
+        if loads:
+            lines += ["", f"The machine's 1-minute load average as each row finished: {min(loads):.1f} to "
+                      f"{max(loads):.1f} (median {statistics.median(loads):.1f}) on "
+                      f"{res.get('machine', {}).get('start', {}).get('cpus', '?')} CPUs. Compute-bound rows (DiLoCo, "
+                      "unshaped DP) are slowed by it; link-bound DP rows much less."]
         errors = [abs(r["predicted_s"] / r["wall_s"] - 1) for r in rows if r.get("predicted_s")]
         if errors:
             lines += ["", f"Model error over {len(errors)} measured rows: median {statistics.median(errors):.1%}, "
@@ -308,6 +332,7 @@ def plot(res: dict, path: str) -> None:
         axes[0].plot(tokens, r["losses"], lw=0.8, label=label)
         axes[1].plot(wall, r["losses"], lw=0.8, label=label)
     axes[0].set(xlabel="tokens", ylabel="training loss (last island)", title="loss vs tokens")
+    axes[0].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     axes[1].set(xlabel="wall s", xscale="log", title="loss vs wall time")
     axes[0].legend(fontsize=6)
     fig.tight_layout()
@@ -320,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     H.add(p, iters=400, lr=2e-3, seeds=[1, 2, 3], eval_iters=8)
     p.add_argument("--rates", type=float, nargs="+", default=[10, 30, 100], help="slow-link rates, Mbit/s")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
+    p.add_argument("--link-configs", nargs="*", default=None,
+                   help="the configurations run over the shaped links too (default: all of --configs; the others "
+                        "run unshaped only)")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
@@ -332,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
                                        overlap=1, configs=["dp bf16", "diloco 6"]))
     link.use_namespaces(not opts.no_netns)
-    results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ("out", "from_json")})
+    results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ROW_INDEPENDENT})
     if opts.from_json:
         results.rewrite(render, plot)
         return
@@ -340,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
     payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds")},
+                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds",
+                                                         "link_configs")},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
 

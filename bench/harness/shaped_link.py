@@ -22,6 +22,8 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 
 from harness.flags import BENCH
 from harness.results import load_line
@@ -103,24 +105,52 @@ def spawn_ranks(argv: list[str], per_ns: int, extra_env: dict | None = None, *, 
     """Run ``python argv...`` as ``namespaces * per_ns`` ranks (torch.distributed env variables set;
     ranks [k*per_ns, (k+1)*per_ns) in namespace k, gloo bound to its veth end). Returns every rank's
     output; raises naming the first rank that failed. ``namespaces=1``: every rank in the first one
-    (their traffic stays on its loopback)."""
-    world, port, procs = namespaces * per_ns, PORTS.next(), []
-    for rank in range(world):
-        ns, dev, _ = NS[rank // per_ns]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
-        netns = NETNS[0]
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
-                    "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2] if netns else "127.0.0.1",
-                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if netns else "lo", "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": ROOT, **(extra_env or {})})
-        prefix = ["ip", "netns", "exec", ns] if netns else []
-        procs.append(subprocess.Popen([*prefix, sys.executable, *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    (their traffic stays on its loopback).
+
+    Each rank writes to its own file, never to a pipe: a pipe read one rank after another fills (64 KiB)
+    under a rank that logs every iteration, which then blocks in ``write`` outside the collective its peers
+    wait in. Past ``timeout`` every rank still running is killed and the job raises."""
+    world, port, procs, stuck = namespaces * per_ns, PORTS.next(), [], []
+    with tempfile.TemporaryDirectory(prefix="mcai_ranks_") as tmp:
+        logs = [open(os.path.join(tmp, f"rank{rank}.log"), "w+") for rank in range(world)]
+        try:
+            for rank in range(world):
+                procs.append(_start_rank(argv, rank, world, per_ns, port, extra_env, logs[rank]))
+            deadline = time.monotonic() + timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            outs = []
+            for f in logs:
+                f.seek(0)
+                outs.append(f.read())
+                f.close()
+    if stuck:
+        raise RuntimeError(f"rank(s) {stuck} of {' '.join(argv)} still ran after {timeout:g} s; killed:\n"
+                           f"{outs[stuck[0]][-3000:]}")
     if any(p.returncode for p in procs):
         bad = next(i for i, p in enumerate(procs) if p.returncode)
         raise RuntimeError(f"rank {bad} of {' '.join(argv)} failed:\n{outs[bad][-3000:]}")
     return outs
+
+
+def _start_rank(argv: list[str], rank: int, world: int, per_ns: int, port: int, extra_env: dict | None,
+                log) -> subprocess.Popen:
+    ns, dev, _ = NS[rank // per_ns]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
+    netns = NETNS[0]
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_ns),
+                "LOCAL_WORLD_SIZE": str(per_ns), "MASTER_ADDR": NS[0][2] if netns else "127.0.0.1",
+                "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": dev if netns else "lo", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": ROOT, **(extra_env or {})})
+    prefix = ["ip", "netns", "exec", ns] if netns else []
+    return subprocess.Popen([*prefix, sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 COMMON = ["--mock-data", "--micro-batch-size", "4", "--global-batch-size", "8", "--hidden-dropout", "0",
