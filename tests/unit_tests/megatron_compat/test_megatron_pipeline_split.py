@@ -124,7 +124,7 @@ def test_a_checkpoint_of_another_split_is_told_apart():
     would give layers the wrong weights, so it is refused; a split that holds the same layers (or an old
     checkpoint without the split fields, at an even split) is not."""
     from megatron_cai.core.models.gpt.config import GPTConfig
-    from megatron_cai.training.checkpoint.torch_format import same_stage_layers
+    from megatron_cai.training.checkpoint import same_stage_layers
 
     even, uneven = GPTConfig(num_layers=4), GPTConfig(num_layers=4, num_layers_in_first_pipeline_stage=1)
     saved_even = {"model_config": {k: v for k, v in even.to_dict().items() if "pipeline" not in k}}  # an old one
