@@ -104,6 +104,8 @@ def format_known_error(exc: BaseException, rank: int, world: int) -> str | None:
 # that sees no report within the grace prints it itself.
 PEER_REPORT_GRACE_S = 5.0
 _REPORTED_KEY = "megatron_cai/error_reported"
+_SEEN_KEY = "megatron_cai/error_report_seen"  # how many other ranks saw the mark: rank 0 (the store's host) stays
+# until they all have, or the grace is over, so that a waiting rank never loses the store and prints a second line
 
 
 def _default_store():
@@ -128,9 +130,23 @@ def _rank0_reported(grace_s: float) -> bool:
         import datetime
 
         store.wait([_REPORTED_KEY], datetime.timedelta(seconds=grace_s))
-        return True
     except Exception:  # noqa: BLE001 - timed out, or rank 0 (the store's host) is gone
         return False
+    try:
+        store.add(_SEEN_KEY, 1)
+    except Exception:  # noqa: BLE001 - rank 0 left already: it printed
+        pass
+    return True
+
+
+def _wait_until_peers_saw_the_report(store, peers: int, grace_s: float) -> None:
+    """Rank 0, after marking its report: keep the store up until ``peers`` ranks saw the mark (or the grace)."""
+    deadline = time.monotonic() + grace_s
+    try:
+        while store.add(_SEEN_KEY, 0) < peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - reporting another error: never fail here
+        pass
 
 
 def report_known_error(exc: BaseException) -> int:
@@ -148,7 +164,9 @@ def report_known_error(exc: BaseException) -> int:
         try:
             store.set(_REPORTED_KEY, "1")
         except Exception:  # noqa: BLE001
-            pass
+            return EXIT_KNOWN_ERROR
+        if not isinstance(exc, RankLocalError):  # every rank found it: the others wait for this mark
+            _wait_until_peers_saw_the_report(store, world - 1, PEER_REPORT_GRACE_S)
     return EXIT_KNOWN_ERROR
 
 

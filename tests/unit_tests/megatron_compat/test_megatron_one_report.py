@@ -56,6 +56,11 @@ def test_sequence_parallel_at_tp1_is_disabled_with_megatrons_warning(tp, disable
 class _Store:
     def __init__(self, reported: bool) -> None:
         self.keys = {"megatron_cai/error_reported"} if reported else set()
+        self.counts: dict[str, int] = {}
+
+    def add(self, key, amount):
+        self.counts[key] = self.counts.get(key, 0) + amount
+        return self.counts[key]
 
     def set(self, key, value):
         self.keys.add(key)
@@ -75,6 +80,7 @@ def test_with_a_process_group_rank_0_marks_its_report(monkeypatch, reported):
     errors.report_known_error(ArgumentError("--x: bad"))
     assert err.getvalue() == ("" if reported else "error: --x: bad\n")  # silent once rank 0 has printed
     monkeypatch.setattr(errors, "current_rank", lambda: 0)
+    monkeypatch.setattr(errors, "PEER_REPORT_GRACE_S", 0.2)  # no other rank acknowledges here
     fresh = _Store(False)
     monkeypatch.setattr(errors, "_default_store", lambda: fresh)
     errors.report_known_error(ArgumentError("--x: bad"))
@@ -92,3 +98,35 @@ def test_other_ranks_print_the_report_after_the_grace(monkeypatch):
         assert errors.report_known_error(ArgumentError("--x: bad")) == 2
         assert slept == expect_sleep
     assert err.getvalue() == "error: --x: bad\nerror: --x: bad\n"
+
+
+def test_rank_0_keeps_the_store_until_the_other_ranks_saw_its_report(monkeypatch):
+    """Rank 0 hosts the store: had it exited at once after printing, a rank that reaches the error a little later
+    would lose the store while waiting for the mark, and print the report a second time."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    local, out = threading.local(), io.StringIO()
+    monkeypatch.setattr(errors, "_default_store", lambda: local.store)
+    monkeypatch.setattr(errors, "current_rank", lambda: local.rank)
+    monkeypatch.setattr(errors, "world_size", lambda: 2)
+    monkeypatch.setattr(errors.sys, "stderr", out)
+    host = TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+    def rank_1():
+        local.rank = 1
+        local.store = TCPStore("127.0.0.1", host.port, 2, False, timeout=timedelta(seconds=30))
+        time.sleep(0.5)  # reaches the error after rank 0 printed
+        errors.report_known_error(ArgumentError("--x: bad"))
+
+    other = threading.Thread(target=rank_1)
+    other.start()
+    local.rank, local.store = 0, host
+    errors.report_known_error(ArgumentError("--x: bad"))
+    seen_when_rank_0_left = host.add("megatron_cai/error_report_seen", 0)
+    other.join()
+    assert seen_when_rank_0_left == 1
+    assert out.getvalue() == "error: --x: bad\n"
