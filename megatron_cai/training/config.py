@@ -358,6 +358,7 @@ FLAG_RANGES: dict[str, Range] = {
                      "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2", "sgd_momentum"], _DROPOUT),
     **dict.fromkeys(["lr_warmup_fraction", "distill_alpha"], _FRACTION),
+    **dict.fromkeys(["fim_rate", "fim_spm_rate", "fim_fragment_rate"], _FRACTION),  # training/flags/fim.py
     **dict.fromkeys(["diloco_islands", "diloco_fragments", "diloco_outer_bits"], _AT_LEAST_1),
     **dict.fromkeys(["diloco_inner_steps", "diloco_overlap_steps"], _AT_LEAST_0),
     "diloco_outer_lr": _POSITIVE, "diloco_outer_momentum": _DROPOUT, "diloco_local_weight": _FRACTION,

@@ -79,10 +79,8 @@ def check(args: argparse.Namespace, problems: FlagProblems) -> None:
     if args.mock_data:
         problems.conflict("--fim-data with --mock-data: the FIM transform needs text (Megatron-LM's rule)")
     for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate)):
-        if not value:
+        if not value:  # a value outside [0, 1] is FLAG_RANGES' problem
             problems.conflict(f"--fim-data needs a non-zero {flag} (Megatron-LM's rule), got {value}")
-        elif not 0 <= value <= 1:
-            problems.invalid(f"{flag} {value} is not a probability in [0, 1]")
     if args.fim_split_sample is not None and args.fim_fragment_rate is None:
         problems.conflict(
             "--fim-split-sample needs --fim-fragment-rate (megatron-core fails at the first sample without it)"
