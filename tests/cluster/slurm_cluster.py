@@ -55,6 +55,14 @@ class JobEnd:
         return f"{self.state} {self.exit_code}"
 
 
+def _end_with_parent() -> None:
+    """In a daemon's child before exec: SIGTERM when the test process dies (even by SIGKILL, when no ``finally``
+    runs), so no daemon of the test cluster outlives its test run (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 @dataclass
 class SlurmCluster:
     root: str
@@ -179,9 +187,10 @@ StorageLoc=slurm_acct_db
         self._wait(lambda: os.path.exists(self.path("munge", "munge.socket")), "munged's socket", deadline)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        """Start a daemon in the foreground; it gets SIGTERM if this process dies without :meth:`stop`."""
         log = open(self.path("log", f"{name}.stdout"), "ab")  # noqa: SIM115 - kept open for the daemon's life
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env(), start_new_session=True)
+                                env=self.env(), start_new_session=True, preexec_fn=_end_with_parent)
         self.procs.append((name, proc))
 
     def _wait(self, ready, what: str, deadline: float) -> None:
