@@ -126,18 +126,16 @@ class CoreAttention(nn.Module):
         with get_rng_tracker().fork() if dropout else contextlib.nullcontext():
             if visibility is None and not cfg.attention_zreg_coeff and self.window is None:
                 # Plain causal attention (or decoding one step past a causal prefix).
-                # A branch, not a computed flag: Dynamo guards on it where a compiled layer has dynamic
-                # lengths, and SDPA's is_causal must be a plain bool.
-                gqa = q.shape[1] != k.shape[1]
-                if q.shape[2] == k.shape[2]:
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
-                else:
+                # The mask decided by a branch (Dynamo guards on it where a compiled layer has dynamic lengths):
+                # SDPA's is_causal must be a plain bool, never a symbolic comparison of lengths.
+                mask = None
+                if q.shape[2] != k.shape[2]:
                     offset = k.shape[2] - q.shape[2]
                     mask = (torch.arange(k.shape[2], device=q.device)[None, :]
                             <= torch.arange(q.shape[2], device=q.device)[:, None] + offset)
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False,
-                                                         enable_gqa=gqa)
-                return out, None
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                      is_causal=mask is None,
+                                                      enable_gqa=q.shape[1] != k.shape[1]), None
             return self._interval_attention(q, k, v, visibility, position_ids, dropout)
 
     def _interval_attention(self, q, k, v, visibility, position_ids, dropout) -> tuple[torch.Tensor, torch.Tensor]:
