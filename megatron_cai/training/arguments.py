@@ -28,7 +28,7 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
-from .flags import fim, kaiju, optimizer_and_fp8, pipeline_split
+from .flags import fim, kaiju, mup, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
@@ -390,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
                 add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
-                kaiju.add_arguments, fim.add_arguments):
+                kaiju.add_arguments, fim.add_arguments, mup.add_arguments):
         add(p)
     add_compat_arguments(p)
     return p
@@ -531,7 +531,7 @@ def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) ->
         recompute_num_layers=args.recompute_num_layers,
         qat=_qat_config(args),
         moe=moe_config(args),
-        **kaiju.model_fields(args),
+        **kaiju.model_fields(args), **mup.model_fields(args),
         **pipeline_split.model_fields(args),
     )
 
@@ -614,11 +614,10 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
         adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        optimizer=args.optimizer,
-        sgd_momentum=args.sgd_momentum,
-        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer, optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum, overlap_param_gather=args.overlap_param_gather,
         apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm or args.no_weight_decay_cond_type is not None,
+        **mup.optimizer_fields(args),
     )
 
 
@@ -646,7 +645,7 @@ def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerCon
         lr_wsd_decay_samples=wsd,
         lr_wsd_decay_style=args.lr_wsd_decay_style,
         decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
+        decoupled_min_lr=args.decoupled_min_lr, **mup.scheduler_fields(args),
         use_checkpoint_values=args.use_checkpoint_opt_param_scheduler,
     )
 

@@ -387,7 +387,8 @@ class Trainer:
         if self.divergence.cfg.check_for_nan_in_loss_and_grad:  # a non-finite loss on any rank skips the step
             finite = finite and not read.nonfinite_loss
         if finite:
-            self.optimizer.step(self.scheduler.get_lr(), self.scheduler.get_lr(decoupled=True))
+            sched = self.scheduler
+            self.optimizer.step(sched.get_lr(), sched.get_lr(decoupled=True), sched.get_lr(mup=True))
             self.scheduler.step(self.microbatches.running_global_batch_size)  # in samples, as Megatron's
         else:
             for m in self.model:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..mup import mup_lr_scaled
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
@@ -23,8 +25,13 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     overlap_param_gather: bool = False       # distributed optimizer: all-gather overlapped with the next forward
     apply_wd_to_qk_layernorm: bool = False   # weight decay on the QK-layernorm's parameters too (Qwen3-Next)
+    # --use-mup: m = hidden / base hidden size (1: no MuP rescaling); core.mup.mup_lr_scaled names the parameters
+    # whose learning rate the scheduler's get_lr(mup=True) gives, and whose Adam epsilon is divided by m
+    mup_width_mult: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.mup_width_mult > 0:
+            raise ValueError(f"the MuP width multiplier must be > 0, got {self.mup_width_mult}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
@@ -40,6 +47,20 @@ class OptimizerConfig:
     @property
     def betas(self) -> tuple[float, float]:
         return (self.adam_beta1, self.adam_beta2)
+
+    def lr_kind(self, name: str, ndim: int) -> str:
+        """The learning-rate group of a parameter: ``mup`` (MuP-rescaled, see core.mup), ``decoupled``
+        (--decoupled-lr: the input embedding and output layer, Megatron's is_embedding_or_output_parameter) or
+        ``base``."""
+        if self.mup_width_mult != 1.0 and mup_lr_scaled(name, ndim, self.optimizer):
+            return "mup"
+        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+            return "decoupled"
+        return "base"
+
+    def eps_of(self, lr_kind: str) -> float:
+        """Adam's epsilon for a learning-rate group (MuP: the hidden parameters' is divided by m)."""
+        return self.adam_eps / self.mup_width_mult if lr_kind == "mup" else self.adam_eps
 
 
 @dataclass
@@ -57,6 +78,7 @@ class SchedulerConfig:
     lr_wsd_decay_style: str = "exponential"
     decoupled_lr: float | None = None        # the input embedding and output layer's own peak ...
     decoupled_min_lr: float | None = None    # ... and minimum (default: min_lr)
+    mup_lr_mult: float = 1.0                 # --use-mup: the MuP group's peak and minimum x this (Adam 1/m, SGD m)
     # on resume: True takes the schedule's values (peak / minimum LR, warmup, decay length and style, WSD anneal)
     # from the checkpoint (--use-checkpoint-opt-param-scheduler); False keeps these flags' values
     use_checkpoint_values: bool = False

@@ -21,20 +21,21 @@ class FullyShardedAdamW(GlobalNormClipping):
     def __init__(self, chunks: list[FullyShardedChunk], config: OptimizerConfig) -> None:
         self.model_chunks = chunks
         self.grad_scaler = None  # set by the trainer (--fp16 is refused with FSDP2 at start-up)
-        groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}  # (decay, decoupled) -> parameters
+        self.config = config
+        groups: dict[tuple[bool, str], list[nn.Parameter]] = {}  # (decay, lr kind) -> parameters
         self.counted: list[nn.Parameter] = []
         for c in chunks:
             for name, p in c.module.named_parameters():
-                # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
-                decoupled = name.endswith(("word_embeddings.weight", "output_layer.weight"))
+                kind = config.lr_kind(name, len(p.shape))  # --decoupled-lr, --use-mup (OptimizerConfig.lr_kind)
                 decay = applies_weight_decay(name, c.meta[name].decay, config.apply_wd_to_qk_layernorm)
-                groups.setdefault((decay, decoupled), []).append(p)
+                groups.setdefault((decay, kind), []).append(p)
                 if c.counted_in_norm(name):
                     self.counted.append(p)
         # PyTorch's fused kernel over the local shards (one pass, no per-step host read of the step counts)
         self.optimizer = torch.optim.AdamW(
-            [{"params": ps, "weight_decay": config.weight_decay if decay else 0.0, "decoupled": decoupled}
-             for (decay, decoupled), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
+            [{"params": ps, "weight_decay": config.weight_decay if decay else 0.0, "kind": kind,
+              "eps": config.eps_of(kind)}
+             for (decay, kind), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][1]))],
             lr=config.lr, betas=config.betas, eps=config.adam_eps, fused=True)
         self.all_params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -56,11 +57,15 @@ class FullyShardedAdamW(GlobalNormClipping):
         return local(self.all_params[0]).device
 
     @torch.no_grad()
-    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
-        """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr)."""
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None, mup_lr: float | None = None) -> None:
+        """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr),
+        the MuP group at `mup_lr` (optimizer.group_lrs)."""
         if lr is not None:
+            from .optimizer import group_lrs  # the DDP optimizer's module imports this one
+
+            lrs = group_lrs(self.config, lr, decoupled_lr, mup_lr)
             for g in self.optimizer.param_groups:
-                g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
+                g["lr"] = lrs[g["kind"]]
         self.optimizer.step()
 
     def finish_param_sync(self) -> None:

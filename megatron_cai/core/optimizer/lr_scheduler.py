@@ -6,7 +6,8 @@ and warmup / decay / WSD-anneal lengths are given in samples (``--lr-*-iters`` x
 warmup starts at ``--lr-warmup-init``. Decay styles: constant, linear, cosine, inverse-square-root, and WSD
 (warmup-stable-decay: constant until the last ``lr_wsd_decay_samples``, then an exponential / linear / cosine /
 minus_sqrt anneal to ``min_lr``). ``--decoupled-lr`` / ``--decoupled-min-lr`` give the input embedding and
-output layer their own peak and minimum (``get_lr(decoupled=True)``).
+output layer their own peak and minimum (``get_lr(decoupled=True)``); ``--use-mup`` scales the MuP group's peak
+and minimum (``get_lr(mup=True)``, megatron-core's ``max_lr`` / ``min_lr`` overrides of that group).
 """
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ class OptimizerParamScheduler:
     def min_lr(self) -> float:
         return self.cfg.min_lr
 
-    def get_lr(self, decoupled: bool = False, num_steps: float | None = None) -> float:
+    def get_lr(self, decoupled: bool = False, num_steps: float | None = None, mup: bool = False) -> float:
         """The rate at `num_steps` samples (default: now, i.e. for the next optimizer step)."""
         c = self.cfg
         max_lr, min_lr = c.lr, c.min_lr
         if decoupled and c.decoupled_lr is not None:
             max_lr = c.decoupled_lr
             min_lr = c.decoupled_min_lr if c.decoupled_min_lr is not None else c.min_lr
+        if mup:
+            max_lr, min_lr = max_lr * c.mup_lr_mult, min_lr * c.mup_lr_mult
         n = self.num_steps if num_steps is None else num_steps
         if c.lr_warmup_samples > 0 and n <= c.lr_warmup_samples:
             return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * float(n) / float(c.lr_warmup_samples)

@@ -7,7 +7,8 @@ for owned elements. No weight decay on 1-D parameters (norm weights and biases),
 
 The update is PyTorch's fused kernel (``torch._fused_adamw_``, ``torch._fused_sgd_``: one pass over
 memory, on CUDA and on the CPU), called once per parameter group of an owned range: the contiguous runs
-that share a learning rate (``--decoupled-lr`` for the embedding and output layer) and a weight decay.
+that share a learning rate (``--decoupled-lr`` for the embedding and output layer, ``--use-mup``'s rescaled group:
+``OptimizerConfig.lr_kind``) and a weight decay.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class _Chunk:
     """One owned contiguous buffer range of one model chunk, with its Adam state."""
 
     def __init__(self, ddp: DistributedDataParallel, lo: int, hi: int, decay_segments, norm_segments,
-                 decoupled_segments=()) -> None:
+                 kind_segments: dict[str, list[tuple[int, int]]]) -> None:
         buf = ddp.buffer
         self.lo, self.hi = lo, hi
         self.param = buf.param_data[lo:hi]
@@ -38,21 +39,23 @@ class _Chunk:
         self.exp_avg = torch.zeros(hi - lo, dtype=torch.float32, device=buf.param_data.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.norm = [(s - lo, e - lo) for s, e in _intersect(norm_segments, lo, hi)]
-        # --decoupled-lr: the input embedding and output layer (Megatron's is_embedding_or_output_parameter)
         self.runs = _runs(hi - lo, [(s - lo, e - lo) for s, e in _intersect(decay_segments, lo, hi)],
-                          [(s - lo, e - lo) for s, e in _intersect(list(decoupled_segments), lo, hi)])
+                          {k: [(s - lo, e - lo) for s, e in _intersect(segs, lo, hi)]
+                           for k, segs in kind_segments.items()})
 
 
-def _runs(n: int, decay: list[tuple[int, int]], decoupled: list[tuple[int, int]]) -> list[tuple[int, int, bool, bool]]:
-    """``[0, n)`` cut into maximal runs ``(start, end, decoupled, decay)`` of one learning rate and decay."""
-    cuts = sorted({0, n, *(x for seg in decay + decoupled for x in seg)})
+def _runs(n: int, decay: list[tuple[int, int]], kinds: dict[str, list[tuple[int, int]]]
+          ) -> list[tuple[int, int, str, bool]]:
+    """``[0, n)`` cut into maximal runs ``(start, end, lr kind, decay)`` of one learning rate and decay
+    (``kinds``: the segments of each non-base learning-rate kind, see OptimizerConfig.lr_kind)."""
+    cuts = sorted({0, n, *(x for seg in decay + [s for segs in kinds.values() for s in segs] for x in seg)})
 
     def inside(x: int, segments) -> bool:
         return any(s <= x < e for s, e in segments)
 
     runs: list[list] = []
     for s, e in zip(cuts, cuts[1:]):
-        key = (inside(s, decoupled), inside(s, decay))
+        key = (next((k for k, segs in kinds.items() if inside(s, segs)), "base"), inside(s, decay))
         if runs and runs[-1][1] == s and tuple(runs[-1][2:]) == key:
             runs[-1][1] = e
         else:
@@ -63,8 +66,8 @@ def _runs(n: int, decay: list[tuple[int, int]], decoupled: list[tuple[int, int]]
 class _Group:
     """The tensors of one fused call: owned runs with the same learning rate kind and weight decay."""
 
-    def __init__(self, decoupled: bool, decay: bool) -> None:
-        self.decoupled, self.decay = decoupled, decay
+    def __init__(self, kind: str, decay: bool) -> None:
+        self.kind, self.decay = kind, decay
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.exp_avgs: list[torch.Tensor] = []
@@ -104,17 +107,13 @@ class DistributedAdamW(GlobalNormClipping):
         self.chunks: list[list[_Chunk]] = []
         for ddp in model_chunks:
             buf = ddp.buffer
-            # --decoupled-lr applies to these (Megatron's is_embedding_or_output_parameter)
-            special = {id(p) for name, p in ddp.module.named_parameters()
-                       if name.endswith(("word_embeddings.weight", "output_layer.weight"))}
-
-            def decoupled(p, special=special) -> bool:
-                return id(p) in special
-
+            # the learning-rate kind of each parameter (--decoupled-lr, --use-mup): segments per non-base kind
+            kind_of = {id(p): config.lr_kind(name, p.dim()) for name, p in ddp.module.named_parameters()}
+            kind_segments = {k: buf.segments(lambda p, k=k, kind_of=kind_of: kind_of.get(id(p)) == k)
+                             for k in ("decoupled", "mup")}
             decayed = {id(p) for name, p in ddp.module.named_parameters()
                        if applies_weight_decay(name, p.dim() > 1, config.apply_wd_to_qk_layernorm)}
             decay = buf.segments(lambda p, decayed=decayed: id(p) in decayed)
-            decoupled_all = buf.segments(decoupled)
 
             def counts(p, ddp=ddp) -> bool:
                 # Each distinct gradient element counted once in the global norm: TP-replicated tensors on TP
@@ -130,12 +129,12 @@ class DistributedAdamW(GlobalNormClipping):
                 return getattr(p, "is_expert", False) and counts(p)
 
             norm = buf.segments(counts if self.distributed or dp_rank == 0 else expert_counts)
-            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, decoupled_all)
+            self.chunks.append([_Chunk(ddp, lo, hi, decay, norm, kind_segments)
                                 for lo, hi in buf.owned_ranges(self.distributed)])
-        self.groups: dict[tuple[bool, bool], _Group] = {}
+        self.groups: dict[tuple[str, bool], _Group] = {}
         for c in (c for chunk_list in self.chunks for c in chunk_list):
-            for s, e, dec, wd in c.runs:
-                self.groups.setdefault((dec, wd), _Group(dec, wd)).add(c, s, e)
+            for s, e, kind, wd in c.runs:
+                self.groups.setdefault((kind, wd), _Group(kind, wd)).add(c, s, e)
         self._step = torch.zeros((), dtype=torch.float32, device=self.grad_device())  # the kernels read it
         self.overlap_param_gather = config.overlap_param_gather and self.distributed
         self._pending: dict[tuple[int, int], tuple] = {}  # (chunk, bucket) -> (work, local shard)
@@ -160,22 +159,23 @@ class DistributedAdamW(GlobalNormClipping):
 
     # --------------------------------------------------------------------------------------- update
     @torch.no_grad()
-    def step(self, lr: float | None = None, decoupled_lr: float | None = None) -> None:
+    def step(self, lr: float | None = None, decoupled_lr: float | None = None, mup_lr: float | None = None) -> None:
         """One AdamW (or SGD) update at `lr`; the embedding / output parameters at `decoupled_lr` when given
-        (AdamW only, as before: SGD updates everything at `lr`)."""
-        lr = self.lr if lr is None else lr
-        lr_emb = lr if decoupled_lr is None else decoupled_lr
+        (AdamW only, as before: SGD updates them at `lr`); the MuP group at `mup_lr` (default: `lr` x the
+        scheduler's multiplier for it, see group_lrs)."""
+        lrs = group_lrs(self.config, self.lr if lr is None else lr, decoupled_lr, mup_lr)
         self.step_count += 1
         self._step.fill_(self.step_count)
         for g in self.groups.values():
             wd = self.weight_decay if g.decay else 0.0
             if self.kind == "sgd":
-                self._sgd(g, lr, wd)
+                self._sgd(g, lrs[g.kind], wd)
             else:
                 b1, b2 = self.betas
                 torch._fused_adamw_(g.params, g.fp32_grads(), g.exp_avgs, g.exp_avg_sqs, [],
-                                    [self._step] * len(g.params), lr=lr_emb if g.decoupled else lr, beta1=b1,
-                                    beta2=b2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
+                                    [self._step] * len(g.params), lr=lrs[g.kind], beta1=b1,
+                                    beta2=b2, weight_decay=wd, eps=self.config.eps_of(g.kind), amsgrad=False,
+                                    maximize=False)
         if self.distributed:
             self._all_gather_params()
 
@@ -284,6 +284,23 @@ class DistributedAdamW(GlobalNormClipping):
             for c in chunk_list:
                 c.exp_avg.copy_(full_ea[c.lo:c.hi])
                 c.exp_avg_sq.copy_(full_eas[c.lo:c.hi])
+
+
+def group_lrs(config: OptimizerConfig, lr: float, decoupled_lr: float | None, mup_lr: float | None
+              ) -> dict[str, float]:
+    """The rate of each learning-rate kind (OptimizerConfig.lr_kind). SGD takes `lr` for the decoupled kind; a
+    missing `mup_lr` is `lr` x megatron-core's MuP multiplier (exact for schedules linear in the peak)."""
+    if mup_lr is None:
+        mup_lr = lr * mup_lr_mult(config)
+    sgd = config.optimizer == "sgd"
+    return {"base": lr, "decoupled": lr if sgd or decoupled_lr is None else decoupled_lr, "mup": mup_lr}
+
+
+def mup_lr_mult(config: OptimizerConfig) -> float:
+    """megatron-core's MuP learning-rate multiplier of the MuP group: 1/m for Adam's hidden parameters, m for
+    SGD's vector-like ones."""
+    m = config.mup_width_mult
+    return m if config.optimizer == "sgd" else 1.0 / m
 
 
 def build_optimizer(model_chunks: list[ModelChunk], config: OptimizerConfig) -> DistributedAdamW | FullyShardedAdamW:

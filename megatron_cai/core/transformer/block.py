@@ -8,8 +8,6 @@ produced it (``NormOutputRMS``); only quantizers with ``--qat-clamp weight-rms``
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,8 +28,8 @@ class TransformerLayer(nn.Module):
     def __init__(self, config, layer_number: int, lse_stats: LseStatsCollector | None = None) -> None:
         super().__init__()
         self.config = config
-        init = normal_init(config.init_method_std)
-        out_init = normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
+        hidden_std, out_std = config.mup.init_stds(config.init_method_std, config.num_layers, config.hidden_size)
+        init, out_init = normal_init(hidden_std), normal_init(out_std)  # MuP divides both by sqrt(m)
         sp = config.sequence_parallel
         eps, one_p = config.layernorm_epsilon, config.apply_layernorm_1p
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, eps, sp, one_p)

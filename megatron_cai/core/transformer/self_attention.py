@@ -171,6 +171,7 @@ class SelfAttention(CoreAttention):
         self.config = config
         self.layer_number = layer_number
         self.head_dim = config.kv_channels
+        self.q_scale = config.mup.q_scale(self.head_dim)
         self.num_heads = divide(config.num_attention_heads, tp, "num-attention-heads")
         groups = config.num_query_groups
         self.kv_replicated = groups % tp != 0
@@ -220,6 +221,8 @@ class SelfAttention(CoreAttention):
             q = self.q_layernorm(q)
         if rotary is not None:
             q = apply_rotary(q, *rotary, self.config.rotary_interleaved)
+        if self.q_scale != 1.0:  # --use-mup's softmax scale, folded into q (the backends divide by sqrt(d))
+            q = q * self.q_scale
         q = q.transpose(1, 2)  # [b, heads, s, d]
         if self.linear_kv is None:
             k, v = shared_kv.get(self.kv_source)

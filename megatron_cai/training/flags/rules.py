@@ -10,7 +10,7 @@ import re
 from ..config import ArgumentError
 from ..divergence import rerun_mode_note
 from ..features.determinism import check_deterministic_flags
-from . import optimizer_and_fp8
+from . import mup, optimizer_and_fp8
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .pipeline_split import virtual_pipeline_size
@@ -186,6 +186,7 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
     _check_eval_batch(args, problems)
     _check_context_parallel(args, problems)
     optimizer_and_fp8.check(args, virtual_pipeline_size(args), problems)
+    mup.check(args, problems)
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
@@ -222,9 +223,6 @@ def _check_context_parallel(args: argparse.Namespace, problems: FlagProblems) ->
     elif args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp != 0:
         problems.conflict(f"--sequence-parallel with --context-parallel-size {cp} needs --seq-length / CP = "
                           f"{args.seq_length // cp} divisible by TP {tp}")
-    if args.attention_dropout > 0:
-        problems.conflict(f"--context-parallel-size {cp} needs --attention-dropout 0 (got {args.attention_dropout}): "
-                          f"attention dropout runs only the dense single-rank path")
     if attention_backend_for(args.attention_backend) == "flex":
         problems.conflict(f"--attention-backend flex does not run with --context-parallel-size {cp}: use triton "
                           f"(CUDA) or blocked (CPU), or leave it unset")

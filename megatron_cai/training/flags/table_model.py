@@ -17,10 +17,6 @@ _FSDP = (
     "a Megatron-FSDP tuning knob (buffers, NCCL registration, meta-device init); --use-megatron-fsdp runs "
     "on PyTorch FSDP2 here, which manages its own buffers"
 )
-_MUP = (
-    "Maximal Update Parameterization is not implemented here (megatron-core's MuP rescales initialisation, "
-    "per-layer learning rates, attention scaling and output logits across model, optimizer and config)"
-)
 _TE_FP8 = "a Transformer Engine FP8 knob; --fp8-format runs our FP8 QAT (dynamic clamps) here"
 _FP4 = "FP4 training is not implemented here; --fp8-format runs FP8 QAT"
 _CUDA_GRAPH = "CUDA graph capture is a launch optimisation; kernels run eagerly here, with the same math"
@@ -37,6 +33,8 @@ _CP_COMM = (
 TABLE = FlagTable(
     topic="model",
     no_op=[
+        CompatFlag("--mup-width-mult", "recomputed as --hidden-size / --mup-base-hidden-size under --use-mup, as "
+                   "megatron-core's TransformerConfig overwrites it (no effect there either)", None, float, 1.0),
         CompatFlag(
             "--pipeline-model-parallel-comm-backend",
             ("point-to-point pipeline transfers use the run's process-group backend (--distributed- backend)"),
@@ -262,13 +260,6 @@ TABLE = FlagTable(
             float,
             None,
         ),
-        CompatFlag("--use-mup", _MUP),
-        CompatFlag("--mup-width-mult", _MUP, None, float, 1.0),
-        CompatFlag("--mup-base-hidden-size", _MUP, None, int, None),
-        CompatFlag("--mup-embedding-mult", _MUP, None, float, 1.0),
-        CompatFlag("--mup-output-mult", _MUP, None, float, 1.0),
-        CompatFlag("--mup-base-head-dim", _MUP, None, float, None),
-        CompatFlag("--mup-attn-scale-power", _MUP, None, float, 1.0),
         CompatFlag(
             "--disable-bf16-reduced-precision-matmul",
             "bf16 GEMMs use PyTorch's default reduced-precision reduction here",

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...mup import MupConfig
 from ...pipeline_parallel.layer_split import PipelineSplit
 from ...quantization.qat_config import QATConfig
 from ...transformer.layer_pattern import validate_patterns
@@ -77,6 +78,7 @@ class GPTConfig:
     kv_share_pattern: int | list[int] | None = None  # K/V source of each layer (int N: groups of N); list after init
     qat: QATConfig = field(default_factory=QATConfig)  # quantization-aware training (fmt "none": off)
     moe: MoEConfig | None = None           # Mixture of Experts in the MLP slot (None: dense)
+    mup: MupConfig = field(default_factory=MupConfig)  # Maximal Update Parameterization (core.mup; off by default)
     # Megatron's uneven pipeline split (core.pipeline_parallel.layer_split); None / False: layers split evenly
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
@@ -111,6 +113,11 @@ class GPTConfig:
                              "implemented here (they apply to standard self-attention)")
         if isinstance(self.qat, dict):  # the settings dict of checkpoints saved before QATConfig
             self.qat = QATConfig.from_dict(self.qat)
+        if isinstance(self.mup, dict):
+            self.mup = MupConfig.from_dict(self.mup)
+        if self.mup.enabled and (self.moe is not None or self.multi_latent_attention):
+            raise ValueError("--use-mup with MoE or --multi-latent-attention is not implemented here (MuP applies to "
+                             "dense GPT layers with standard self-attention)")
         if self.activation == "gelu":
             raise ValueError("activation 'gelu' is ambiguous: 'gelu_erf' (Megatron-LM's GeLU) or 'gelu_tanh' "
                              "(--openai-gelu)")
@@ -130,7 +137,7 @@ class GPTConfig:
                            "add_qkv_bias", "rope_scaling", "rope_scaling_factor", "rotary_interleaved",
                            "attention_output_gate", "kv_share_pattern",
                            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                           "qk_pos_emb_head_dim", "v_head_dim", "moe_architecture")
+                           "qk_pos_emb_head_dim", "v_head_dim", "moe_architecture", "mup")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -50,6 +50,8 @@ class GPTEmbedding(nn.Module):
         x = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(position_ids)
+        if self.config.mup.input_mult() != 1.0:  # --mup-embedding-mult
+            x = x * self.config.mup.input_mult()
         if self.config.sequence_parallel:
             x = mappings.scatter_to_sequence_parallel_region(x)
         p = self.config.hidden_dropout if self.training else 0.0
@@ -141,7 +143,9 @@ class GPTModel(nn.Module):
             x = mappings.copy_to_tensor_model_parallel_region(x)
         if label_positions is not None:
             x = x.gather(1, label_positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        return nn.functional.linear(x, self.output_weight())
+        logits = nn.functional.linear(x, self.output_weight())
+        mult = self.config.mup.logit_mult(self.config.hidden_size)  # --use-mup's output multiplier
+        return logits * mult if mult != 1.0 else logits
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits (gathered over TP, padding rows dropped) for sampling and export."""
