@@ -17,12 +17,17 @@ the same step (and are added to the owner's own dK/dV).
 Attention Z-Reg: ``dlse_i`` includes ``2 w CP lse_i / N`` with N the rows with a finite lse summed over
 the CP group: each rank injects its rows' share of ``w * mean(lse^2)`` over the whole sequence, scaled by
 CP because the DP x CP gradient mean divides by it. The sliding window and GQA/MQA are the kernels'.
+
+Attention dropout (``dropout``, a :class:`PositionalDropout`): every key set runs the eager kernel with the
+keep scale of its (global query position, global key position) pairs, recomputed from the seed in backward;
+the dropped probabilities are exactly those a single process with the same seed drops.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..transformer.attention_dropout import PositionalDropout
 from .exchange import CommStats, Peers, start_transfer
 from .kernels import chunk_attention
 from .plan import KeySetPlan, RankPlan
@@ -58,6 +63,14 @@ def lse_merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, part_lse: t
     return out * a + o.to(out.dtype) * b, new
 
 
+def _keep_scale(dropout: PositionalDropout | None, q: torch.Tensor, plan: RankPlan, step: KeySetPlan | None):
+    """The dropout keep scale of the local queries against one key set (the local one when ``step`` is None)."""
+    if dropout is None:
+        return None
+    keys = plan.local_index.expand(q.shape[0], -1) if step is None else step.key_index
+    return dropout.scale(q.shape[1], plan.local_index, keys)
+
+
 def _fetch(peers: Peers, step: KeySetPlan, k, v, tag: int):
     """Post this step's K/V transfer: send the keys ``step.send_to`` needs, receive ours from ``recv_from``."""
     send = None
@@ -72,12 +85,13 @@ def _fetch(peers: Peers, step: KeySetPlan, k, v, tag: int):
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan: RankPlan, peers: Peers, stats: CommStats, backend: str, window, coeff: float,
-                block):
+                block, dropout: PositionalDropout | None):
         ctx.set_materialize_grads(False)
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         n_local = q.shape[2]
         kernel = chunk_attention(backend, q, k, v, plan.start, plan.limit, window=window,
-                                 position_ids=plan.position_ids, block=block)
+                                 position_ids=plan.position_ids, block=block,
+                                 dropout=_keep_scale(dropout, q, plan, None))
         out, lse = kernel.forward()
         out, lse = out.to(cd), lse.to(cd)
         pending = _fetch(peers, plan.steps[0], k, v, _TAG_FORWARD) if plan.steps else None
@@ -90,7 +104,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                 continue
             ks, vs = received_key_set(recv, step, n_local)
             part = chunk_attention(backend, q, ks, vs, step.start, step.limit, window=window,
-                                   position_ids=step.position_ids, block=block)
+                                   position_ids=step.position_ids, block=block,
+                                   dropout=_keep_scale(dropout, q, plan, step))
             out, lse = lse_merge(out, lse, *part.forward())
         n_rows = None
         if coeff:
@@ -98,8 +113,8 @@ class _ContextParallelAttention(torch.autograd.Function):
             dist.all_reduce(n_rows, group=peers.group)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, n_rows)
-        ctx.plan, ctx.peers, ctx.stats, ctx.backend, ctx.window, ctx.coeff, ctx.block = (
-            plan, peers, stats, backend, window, coeff, block)
+        ctx.plan, ctx.peers, ctx.stats, ctx.backend, ctx.window, ctx.coeff, ctx.block, ctx.dropout = (
+            plan, peers, stats, backend, window, coeff, block, dropout)
         return out, lse.float()
 
     @staticmethod
@@ -116,7 +131,8 @@ class _ContextParallelAttention(torch.autograd.Function):
             zreg = 2.0 * ctx.coeff * plan.cp_size * lse / n_rows.clamp_min(1).to(cd)
             delta = delta - torch.where(finite, zreg, torch.zeros_like(delta))
         kernel = chunk_attention(backend, q, k, v, plan.start, plan.limit, window=window,
-                                 position_ids=plan.position_ids, block=ctx.block)
+                                 position_ids=plan.position_ids, block=ctx.block,
+                                 dropout=_keep_scale(ctx.dropout, q, plan, None))
         dq, dk, dv = (t.to(cd) for t in kernel.backward(do, lse, delta))
         n_local = q.shape[2]
         pending = _fetch(peers, plan.steps[0], k, v, _TAG_REFETCH) if plan.steps else None
@@ -131,7 +147,8 @@ class _ContextParallelAttention(torch.autograd.Function):
             if recv is not None:
                 ks, vs = received_key_set(recv, step, n_local)
                 part = chunk_attention(backend, q, ks, vs, step.start, step.limit, window=window,
-                                       position_ids=step.position_ids, block=ctx.block)
+                                       position_ids=step.position_ids, block=ctx.block,
+                                       dropout=_keep_scale(ctx.dropout, q, plan, step))
                 dq_s, dk_s, dv_s = part.backward(do, lse, delta)
                 dq += dq_s.to(cd)
                 grads = torch.stack([_pack(dk_s, step.recv_rows, step.recv_slots),
@@ -146,13 +163,14 @@ class _ContextParallelAttention(torch.autograd.Function):
             if back is not None:
                 dk_rows.index_put_((step.send_rows, step.send_cols), back[0].to(cd), accumulate=True)
                 dv_rows.index_put_((step.send_rows, step.send_cols), back[1].to(cd), accumulate=True)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RankPlan, peers: Peers,
                                stats: CommStats, *, backend: str = "blocked", window: int | None = None,
-                               zreg_coeff: float = 0.0, block: int | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               zreg_coeff: float = 0.0, block: int | None = None,
+                               dropout: PositionalDropout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, T/CP, D] in q.dtype, lse [B, H, T/CP] fp32)`` of this rank's queries over every key
     of the sequence they can see (module docstring). Collective over the CP group."""
-    return _ContextParallelAttention.apply(q, k, v, plan, peers, stats, backend, window, float(zreg_coeff), block)
+    return _ContextParallelAttention.apply(q, k, v, plan, peers, stats, backend, window, float(zreg_coeff), block,
+                                           dropout)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import parallel_state as ps
+from ..transformer.attention_dropout import PositionalDropout
 from .attention import context_parallel_attention
 from .exchange import CommStats, Peers
 from .plan import RankPlan, build_rank_plan
@@ -59,10 +60,13 @@ class ContextParallelVisibility:
         return self._plans[window]
 
     def attend(self, q, k, v, *, backend: str, zreg_coeff: float = 0.0, window: int | None = None,
-               block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context-parallel attention of this rank's ``q`` over the sequence: ``(out, lse fp32)``."""
+               block: int | None = None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context-parallel attention of this rank's ``q`` over the sequence: ``(out, lse fp32)``.
+        ``dropout_p > 0``: attention dropout with a mask of global positions (:class:`PositionalDropout`, its
+        seed drawn from the current generator stream, which the CP ranks share)."""
+        dropout = PositionalDropout.draw(dropout_p, q.device) if dropout_p > 0 else None
         return context_parallel_attention(q, k, v, self.plan(window), self.peers, self.stats, backend=backend,
-                                          window=window, zreg_coeff=zreg_coeff, block=block)
+                                          window=window, zreg_coeff=zreg_coeff, block=block, dropout=dropout)
 
 
 def split_for(batch: dict, cp_size: int) -> SequenceSplit:

@@ -5,7 +5,10 @@ keys received from each peer) and merges the partial results by log-sum-exp. The
 is an ordinary attention call; its backward needs the *merged* softmax's ``lse`` and
 ``D_i = rowsum(dO_i * O_i) - dlse_i`` so that every key set gets its exact share of the gradient. The
 blocked (CPU) and Triton (CUDA) launchers expose exactly that split (``*_forward`` / ``*_backward``); the
-``eager`` kernel is the same contract over a dense mask (O(queries x keys) memory; small sizes only).
+``eager`` kernel is the same contract over a dense mask (O(queries x keys) memory; small sizes only), and the
+one that takes attention dropout: a ``[B, H, Sq, Sk]`` keep scale (0 or ``1 / (1 - p)``) on the probabilities,
+with lse that of the undropped softmax (so the key sets still merge by lse, and ``D_i = rowsum(dO_i * O_i)``
+of the dropped output is still the softmax backward's row term).
 
 Key sets follow the kernels' convention: queries are the last ``seq_q`` of the ``seq_k`` key positions
 and query row r (absolute position ``seq_k - seq_q + r``) sees key j iff ``start[j] <= seq_k - seq_q + r
@@ -78,9 +81,10 @@ class _Triton:
 
 
 class _Eager:
-    """Dense reference: explicit scores and mask for this key set (fp32, fp64 for fp64 inputs)."""
+    """Dense reference: explicit scores and mask for this key set (fp32, fp64 for fp64 inputs); ``dropout``: the
+    keep scale on the probabilities (None: no dropout)."""
 
-    def __init__(self, q, k, v, start, limit, window, position_ids) -> None:
+    def __init__(self, q, k, v, start, limit, window, position_ids, dropout: torch.Tensor | None = None) -> None:
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         self.group = q.shape[1] // k.shape[1]
         self.q, self.k, self.v = q.to(cd), k.to(cd), v.to(cd)
@@ -88,6 +92,7 @@ class _Eager:
         queries = torch.arange(seq_k - seq_q, seq_k, device=q.device)
         self.mask = attention_tiling.dense_mask(start, limit, window, position_ids, queries=queries).unsqueeze(1)
         self.scale = 1.0 / math.sqrt(q.shape[-1])
+        self.dropout = None if dropout is None else dropout.to(cd)
 
     def _scores(self) -> torch.Tensor:
         k = self.k.repeat_interleave(self.group, dim=1)
@@ -98,6 +103,8 @@ class _Eager:
         s = self._scores()
         lse = torch.logsumexp(s, -1)
         p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+        if self.dropout is not None:
+            p = p * self.dropout
         out = torch.matmul(p, self.v.repeat_interleave(self.group, dim=1))
         return out, lse
 
@@ -107,10 +114,14 @@ class _Eager:
         p = torch.exp(self._scores() - lse_safe.unsqueeze(-1))
         do = grad_out.to(cd)
         v = self.v.repeat_interleave(self.group, dim=1)
-        ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta.to(cd).unsqueeze(-1)) * self.scale
+        dp = torch.matmul(do, v.transpose(-1, -2))
+        kept = p
+        if self.dropout is not None:  # out = (P * M) V: dV = (P * M)^T dO, dP = M * (dO V^T)
+            kept, dp = p * self.dropout, dp * self.dropout
+        ds = p * (dp - delta.to(cd).unsqueeze(-1)) * self.scale
         dq = torch.matmul(ds, self.k.repeat_interleave(self.group, dim=1))
         dk = torch.matmul(ds.transpose(-1, -2), self.q)
-        dv = torch.matmul(p.transpose(-1, -2), do)
+        dv = torch.matmul(kept.transpose(-1, -2), do)
         b, h, t, d = dk.shape
         fold = (b, h // self.group, self.group, t, d)
         return dq, dk.view(fold).sum(2), dv.view(fold).sum(2)
@@ -118,8 +129,11 @@ class _Eager:
 
 def chunk_attention(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor,
                     limit: torch.Tensor, *, window: int | None = None, position_ids: torch.Tensor | None = None,
-                    block: int | None = None) -> ChunkAttention:
-    """The per-chunk kernel ``backend`` names (:data:`CHUNK_BACKENDS`); shapes as ``attention.attend``."""
+                    block: int | None = None, dropout: torch.Tensor | None = None) -> ChunkAttention:
+    """The per-chunk kernel ``backend`` names (:data:`CHUNK_BACKENDS`); shapes as ``attention.attend``.
+    ``dropout`` (the keep scale ``[B, H, Sq, Sk]``) runs the eager kernel whatever ``backend`` says."""
+    if dropout is not None:
+        return _Eager(q, k, v, start, limit, window, position_ids, dropout)
     if backend == "blocked":
         return _Blocked(q, k, v, start, limit, window, position_ids, block or 128)
     if backend == "triton":

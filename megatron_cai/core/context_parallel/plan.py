@@ -35,7 +35,8 @@ class KeySetPlan:
 
     ``send_rows``/``send_cols``: batch row and local index of each key sent, in row-major order;
     ``recv_rows``/``recv_slots``: batch row and slot (``< num_slots``) of each key received;
-    ``start``/``limit``/``position_ids``: ``[B, num_slots + T / CP]`` kernel intervals of the key set.
+    ``start``/``limit``/``position_ids``: ``[B, num_slots + T / CP]`` kernel intervals of the key set;
+    ``key_index``: the same shape, each slot's global sequence position (what attention dropout hashes).
     """
 
     send_to: int
@@ -48,6 +49,7 @@ class KeySetPlan:
     start: torch.Tensor
     limit: torch.Tensor
     position_ids: torch.Tensor
+    key_index: torch.Tensor
 
     @property
     def num_sent(self) -> int:
@@ -137,9 +139,13 @@ def build_rank_plan(split: SequenceSplit, rank: int, start: torch.Tensor, limit:
         st = torch.zeros(bsz, width, dtype=torch.int64, device=device)
         li = torch.zeros(bsz, width, dtype=torch.int64, device=device)
         ps_ = torch.zeros(bsz, width, dtype=torch.int64, device=device)
+        key_index = torch.zeros(bsz, width, dtype=torch.int64, device=device)
+        key_index[recv_rows, slots] = recv_keys
+        key_index[:, n_slots:] = idx
         st[recv_rows, slots] = s_rows[recv_rows, recv_keys] + n_slots
         li[recv_rows, slots] = l_rows[recv_rows, recv_keys] + n_slots
         ps_[recv_rows, slots] = pos[recv_rows, recv_keys]
         ps_[:, n_slots:] = pos[:, idx]
-        steps.append(KeySetPlan(send_to, recv_from, send_rows, send_keys, recv_rows, slots, n_slots, st, li, ps_))
+        steps.append(KeySetPlan(send_to, recv_from, send_rows, send_keys, recv_rows, slots, n_slots, st, li, ps_,
+                                key_index))
     return RankPlan(rank, split.cp_size, idx, s_rows[:, idx], l_rows[:, idx], pos[:, idx].contiguous(), steps)

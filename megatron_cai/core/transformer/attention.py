@@ -39,7 +39,7 @@ class SplitSequenceAttention(Protocol):
     of its queries over every key of the sequence they can see: ``(out in q.dtype, lse fp32)``."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str, zreg_coeff: float = 0.0,
-               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+               window: int | None = None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def default_backend(device: torch.device) -> str:

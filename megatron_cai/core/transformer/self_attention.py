@@ -146,7 +146,7 @@ class CoreAttention(nn.Module):
         if isinstance(visibility, SplitSequenceAttention):  # the sequence is split over CP ranks
             backend = cfg.attention_backend or default_backend(q.device)
             out, lse = visibility.attend(q, k, v, backend=ALIASES.get(backend, backend), zreg_coeff=zreg,
-                                         window=self.window)
+                                         window=self.window, dropout_p=dropout)
             return out, lse
         if visibility is None:
             t = k.shape[2]
