@@ -1,7 +1,9 @@
 """DistributedAdamW's fused update against torch.optim's single-tensor AdamW / SGD on the unsharded
 parameters: 20 steps with a changing learning rate and --decoupled-lr (embedding and output layer), weight
 decay on matrices only, at DP = 1 and DP = 2 with the distributed optimizer (several buckets), bf16
-gradient buffers, and a resume from the optimizer's state dict after 10 steps."""
+gradient buffers, and a resume from the optimizer's state dict after 10 steps; with --use-mup (m = 4) the hidden
+matrix at learning rate and epsilon / m (Adam), the vector-like parameters at learning rate x m (SGD), as
+megatron-core's get_mup_config_overrides sets them."""
 import pytest
 import torch
 from testlib.distributed import run_distributed
@@ -14,7 +16,7 @@ from megatron_cai.core.distributed.reducers import build_reducer
 from megatron_cai.core.optimizer.config import OptimizerConfig
 from megatron_cai.core.optimizer.optimizer import DistributedAdamW
 
-STEPS, RESUME_AT, WD = 20, 10, 0.1
+STEPS, RESUME_AT, WD, EPS = 20, 10, 0.1, 1e-3  # eps large enough that its MuP scaling shows
 
 
 class _Net(nn.Module):
@@ -40,7 +42,7 @@ def _grads(step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen) for n, p in _Net().named_parameters()}
 
 
-def _build(kind: str, distributed: bool, bf16_grads: bool):
+def _build(kind: str, distributed: bool, bf16_grads: bool, mup: float = 1.0):
     net = _Net()
     ddp_cfg = DDPConfig(reducer="reducescatter" if distributed else "allreduce", overlap_grad_reduce=True,
                         bucket_size=700, use_distributed_optimizer=distributed, grad_reduce_in_bf16=bf16_grads)
@@ -48,21 +50,26 @@ def _build(kind: str, distributed: bool, bf16_grads: bool):
     ddp = DistributedDataParallel(net, build_reducer(ddp_cfg, ps.get_data_parallel_group(), dp), ddp_cfg,
                                   device=torch.device("cpu"))
     opt = DistributedAdamW([ddp], OptimizerConfig(lr=1e-2, weight_decay=WD, optimizer=kind, sgd_momentum=0.9,
-                                                  adam_beta2=0.95, use_distributed_optimizer=distributed))
+                                                  adam_beta2=0.95, use_distributed_optimizer=distributed,
+                                                  adam_eps=EPS, mup_width_mult=mup))
     return net, ddp, opt
 
 
-def _reference(kind: str, bf16_grads: bool) -> list[dict[str, torch.Tensor]]:
-    """torch.optim over the full parameters; the same groups and learning rates, step by step."""
+def _reference(kind: str, bf16_grads: bool, mup: float = 1.0) -> list[dict[str, torch.Tensor]]:
+    """torch.optim over the full parameters; the same groups and learning rates, step by step (MuP, written out:
+    Adam's proj.weight at lr / m and eps / m; SGD's vector-like parameters (all but proj.weight) at lr x m)."""
     net = _Net()
     named = dict(net.named_parameters())
     decoupled = {"embedding.word_embeddings.weight", "output_layer.weight"}
-    groups = [{"params": [p for n, p in named.items() if (n in decoupled) == dec and (p.dim() > 1) == decay],
-               "weight_decay": WD if decay else 0.0, "decoupled": dec}
-              for dec in (False, True) for decay in (False, True)]
+    scaled = set() if mup == 1.0 else {"proj.weight"} if kind == "adam" else set(named) - {"proj.weight"}
+    groups = [{"params": [p for n, p in named.items()
+                          if (n in decoupled) == dec and (p.dim() > 1) == decay and (n in scaled) == mu],
+               "weight_decay": WD if decay else 0.0, "decoupled": dec, "mup": mu,
+               "eps": EPS / mup if mu and kind == "adam" else EPS}
+              for dec in (False, True) for decay in (False, True) for mu in (False, True)]
     groups = [g for g in groups if g["params"]]
     if kind == "adam":
-        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), foreach=False)
     else:
         opt = torch.optim.SGD(groups, lr=1e-2, momentum=0.9, foreach=False)
     out = []
@@ -70,6 +77,8 @@ def _reference(kind: str, bf16_grads: bool) -> list[dict[str, torch.Tensor]]:
         lr, lr_emb = _lrs(step)
         for g in opt.param_groups:
             g["lr"] = lr_emb if g["decoupled"] and kind == "adam" else lr
+            if g["mup"]:
+                g["lr"] = lr / mup if kind == "adam" else lr * mup
         for n, grad in _grads(step).items():
             named[n].grad = grad.bfloat16().float() if bf16_grads else grad
         opt.step()
@@ -77,16 +86,16 @@ def _reference(kind: str, bf16_grads: bool) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _worker(rank, world_size, kind, distributed, bf16_grads):
+def _worker(rank, world_size, kind, distributed, bf16_grads, mup=1.0):
     ps.initialize_model_parallel()
-    net, ddp, opt = _build(kind, distributed, bf16_grads)
+    net, ddp, opt = _build(kind, distributed, bf16_grads, mup)
     names = [{id(p): n for n, p in net.named_parameters()}]
     out = []
     for step in range(STEPS):
         if step == RESUME_AT:  # a fresh optimizer from the state dict (the checkpoint's), same parameters
             state = opt.state_dict(names)
             params = {n: p.detach().clone() for n, p in net.named_parameters()}
-            net, ddp, opt = _build(kind, distributed, bf16_grads)
+            net, ddp, opt = _build(kind, distributed, bf16_grads, mup)
             with torch.no_grad():
                 for n, p in net.named_parameters():
                     p.copy_(params[n])
@@ -101,12 +110,13 @@ def _worker(rank, world_size, kind, distributed, bf16_grads):
     return out
 
 
-@pytest.mark.parametrize("kind,world,distributed,bf16_grads", [
-    ("adam", 1, False, False), ("adam", 2, True, False), ("adam", 1, False, True), ("sgd", 2, True, False),
-], ids=["adam_dp1", "adam_dp2_distributed", "adam_dp1_bf16_grads", "sgd_dp2_distributed"])
-def test_fused_update_matches_torch_optim(kind, world, distributed, bf16_grads):
-    expected = _reference(kind, bf16_grads)
-    for rank, got in enumerate(run_distributed(_worker, world, (kind, distributed, bf16_grads))):
+@pytest.mark.parametrize("kind,world,distributed,bf16_grads,mup", [
+    ("adam", 1, False, False, 1.0), ("adam", 2, True, False, 1.0), ("adam", 1, False, True, 1.0),
+    ("sgd", 2, True, False, 1.0), ("adam", 1, False, False, 4.0), ("sgd", 1, False, False, 4.0),
+], ids=["adam_dp1", "adam_dp2_distributed", "adam_dp1_bf16_grads", "sgd_dp2_distributed", "adam_mup", "sgd_mup"])
+def test_fused_update_matches_torch_optim(kind, world, distributed, bf16_grads, mup):
+    expected = _reference(kind, bf16_grads, mup)
+    for rank, got in enumerate(run_distributed(_worker, world, (kind, distributed, bf16_grads, mup))):
         for step, (g, e) in enumerate(zip(got, expected)):
             for n in e:
                 torch.testing.assert_close(g[n], e[n], rtol=1e-6, atol=1e-6,

@@ -12,14 +12,27 @@ BASE = ["--squared-relu", "--mock-data", "--vocab-size", "64", "--num-layers", "
         "--num-attention-heads", "2", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-5"]
 
 
-def _megatron_lrs(cfg: SchedulerConfig, increments: list[int]) -> list[tuple[float, float]]:
-    """The (default, decoupled) rate that megatron-core's scheduler sets for each iteration."""
+def _megatron_mup_group(cfg: SchedulerConfig, width_mult: float) -> dict:
+    """The peak and minimum rate of megatron-core's MuP group (get_mup_config_overrides, Adam)."""
+    moptim = pytest.importorskip("megatron.core.optimizer")
+    overrides = moptim.get_mup_config_overrides(moptim.OptimizerConfig(lr=cfg.lr, min_lr=cfg.min_lr), width_mult,
+                                                "adam")
+    if not overrides:  # m = 1
+        return {"params": []}
+    (group,) = overrides.values()
+    return {"params": [], "max_lr": group["max_lr"], "min_lr": group["min_lr"]}
+
+
+def _megatron_lrs(cfg: SchedulerConfig, increments: list[int], width_mult: float = 1.0
+                  ) -> list[tuple[float, float, float]]:
+    """The (default, decoupled, MuP) rate that megatron-core's scheduler sets for each iteration."""
     mcore = pytest.importorskip("megatron.core.optimizer_param_scheduler")
 
     class _Opt:
         param_groups = [{"params": []},
                         {"params": [], "max_lr": cfg.decoupled_lr if cfg.decoupled_lr is not None else cfg.lr,
-                         "min_lr": cfg.decoupled_min_lr if cfg.decoupled_min_lr is not None else cfg.min_lr}]
+                         "min_lr": cfg.decoupled_min_lr if cfg.decoupled_min_lr is not None else cfg.min_lr},
+                        _megatron_mup_group(cfg, width_mult)]
 
     sched = mcore.OptimizerParamScheduler(
         _Opt(), init_lr=cfg.lr_warmup_init, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_samples,
@@ -28,7 +41,7 @@ def _megatron_lrs(cfg: SchedulerConfig, increments: list[int]) -> list[tuple[flo
         lr_wsd_decay_style=cfg.lr_wsd_decay_style)
     out = []
     for inc in increments:  # Megatron: the step uses the rate set by the previous scheduler.step(increment)
-        out.append((_Opt.param_groups[0]["lr"], _Opt.param_groups[1]["lr"]))
+        out.append(tuple(g["lr"] for g in _Opt.param_groups))
         sched.step(increment=inc)
     return out
 
@@ -37,7 +50,7 @@ def _ours(cfg: SchedulerConfig, increments: list[int]) -> list[tuple[float, floa
     s = OptimizerParamScheduler(cfg)
     out = []
     for inc in increments:
-        out.append((s.get_lr(), s.get_lr(decoupled=True)))
+        out.append((s.get_lr(), s.get_lr(decoupled=True), s.get_lr(mup=True)))
         s.step(inc)
     return out
 
@@ -55,6 +68,12 @@ CASES = {
                                   "--decoupled-min-lr", "2e-4", "--lr-warmup-fraction", "0.1"], 40),
     "samples_cosine_warmup_init": (["--train-samples", "300", "--lr-warmup-samples", "37", "--lr-decay-samples",
                                     "250", "--lr-decay-style", "cosine", "--lr-warmup-init", "1e-4"], None),
+    # --use-mup, m = 16 / 4: the MuP group's peak and minimum / 4 (the warmup still starts at --lr-warmup-init)
+    "mup_samples_cosine_warmup_init": (["--train-samples", "300", "--lr-warmup-samples", "37", "--lr-decay-samples",
+                                        "250", "--lr-decay-style", "cosine", "--lr-warmup-init", "1e-4",
+                                        "--use-mup", "--mup-base-hidden-size", "4"], None),
+    "mup_linear_decoupled": (["--train-iters", "40", "--lr-warmup-iters", "5", "--lr-decay-style", "linear",
+                              "--decoupled-lr", "3e-3", "--use-mup", "--mup-base-hidden-size", "8"], 40),
     "samples_wsd_linear_decoupled": (["--train-samples", "300", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples",
                                       "90", "--lr-wsd-decay-style", "linear", "--decoupled-lr", "5e-4"], None),
 }
@@ -66,10 +85,13 @@ def test_schedule_matches_megatron_core(name):
     config = parse_config(BASE + ["--global-batch-size", "8"] + flags, world_size=1)
     cfg = config.scheduler
     increments = [8] * config.training.train_iters
-    ours, theirs = _ours(cfg, increments), _megatron_lrs(cfg, increments)
+    width_mult = 16 / config.flags["mup_base_hidden_size"] if config.flags["use_mup"] else 1.0
+    ours, theirs = _ours(cfg, increments), _megatron_lrs(cfg, increments, width_mult)
     assert len(set(ours)) > 3  # the schedule moves
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert a == pytest.approx(b, rel=1e-12, abs=1e-15), f"iteration {i + 1}"
+    if width_mult == 1.0:  # no MuP: the MuP group is the default one
+        assert all(a[2] == a[0] for a in ours)
 
 
 @pytest.mark.parametrize("flags,expected", [
