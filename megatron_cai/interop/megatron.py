@@ -52,6 +52,7 @@ import torch
 
 from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import WORD_EMBEDDINGS, GPTModel
+from ..core.mup import MupConfig
 from ..core.pipeline_parallel.layer_split import PipelineSplit, stage_layer_numbers
 from ..training.checkpoint import (
     OUTPUT_WEIGHT,
@@ -160,7 +161,10 @@ def config_from_megatron_args(args: Any) -> GPTConfig:
         untie_embeddings_and_output_weights=bool(_get(args, "untie_embeddings_and_output_weights", False)),
         add_bias_linear=bias, hidden_dropout=float(_get(args, "hidden_dropout", 0.1)),
         attention_dropout=float(_get(args, "attention_dropout", 0.1)),
-        init_method_std=float(_get(args, "init_method_std", 0.02)), moe=moe)
+        init_method_std=float(_get(args, "init_method_std", 0.02)), moe=moe,
+        mup=MupConfig(bool(_get(args, "use_mup", False)), _get(args, "mup_base_hidden_size"),
+                      float(_get(args, "mup_embedding_mult", 1.0)), float(_get(args, "mup_output_mult", 1.0)),
+                      _get(args, "mup_base_head_dim"), float(_get(args, "mup_attn_scale_power", 1.0))))
 
 
 def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int, divisible: int,
@@ -205,6 +209,9 @@ def megatron_args(config: GPTConfig, *, tp: int, pp: int, padded_vocab_size: int
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None, transformer_impl=spec, ckpt_format=ckpt_format,
         params_dtype=torch.float32, tokenizer_type=tokenizer_type, **megatron_moe_args(c),
+        use_mup=c.mup.enabled, mup_base_hidden_size=c.mup.base_hidden_size, mup_embedding_mult=c.mup.embedding_mult,
+        mup_output_mult=c.mup.output_mult, mup_base_head_dim=c.mup.base_head_dim,
+        mup_attn_scale_power=c.mup.attn_scale_power,
         data_parallel_random_init=False,
         iteration=iteration, consumed_train_samples=int(counters.get("consumed_train_samples", 0)),
         consumed_valid_samples=int(counters.get("consumed_valid_samples", 0)))
