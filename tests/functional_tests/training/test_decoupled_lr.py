@@ -38,3 +38,17 @@ def test_embedding_and_output_use_decoupled_lr(untie, fsdp):
         assert d == pytest.approx(4e-3 if n in special else 1e-3, rel=1e-2), n
     plain = run_distributed(_worker, 1, (ARGS + extra,))[0]
     assert all(d == pytest.approx(1e-3, rel=1e-2) for d in plain.values())
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_mup_hidden_matrices_step_at_lr_over_m(fsdp):
+    """--use-mup with m = 32 / 8: Adam's first step moves every hidden matrix by about lr / 4 and the embedding,
+    output layer and 1-D parameters by lr (megatron-core's get_mup_config_overrides), through the trainer, with the
+    DDP optimizer and with FSDP2."""
+    extra = ["--untie-embeddings-and-output-weights", "--use-mup", "--mup-base-hidden-size", "8"]
+    change = run_distributed(_worker, 1, (ARGS + extra + (["--use-torch-fsdp2"] if fsdp else []),))[0]
+    hidden = [n for n in change if n.endswith("weight") and "layernorm" not in n and "norm." not in n
+              and "embedding" not in n and "output_layer" not in n]
+    assert len(hidden) == 5 * 4  # per layer: linear_q, linear_kv, linear_proj, linear_fc1, linear_fc2
+    for n, d in change.items():
+        assert d == pytest.approx(1e-3 / 4 if n in hidden else 1e-3, rel=5e-2), n  # Adam eps: tiny bias grads
