@@ -70,6 +70,8 @@ def unsupported_reasons(config: GPTConfig, arch: str) -> list[str]:
     if arch != "megatron_cai" and c.window_size is not None:
         why.append(f"{arch} has no sliding-window attention (window_size={c.window_size})")
     # options no exported architecture (nor the megatron_cai remote code) implements
+    if c.mup.enabled:
+        why.append(f"{arch} has no MuP multipliers (the model was trained with --use-mup)")
     if c.position_embedding_type == "none":
         why.append(f"{arch} needs position embeddings (the model has --position-embedding-type none)")
     if c.rotary_percent != 1.0:
