@@ -69,7 +69,7 @@ ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seed
 def configurations(opts) -> dict[str, list[str]]:
     diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
               str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
-              str(opts.outer_lr), "--diloco-outer-momentum", "0.9"]
+              str(opts.outer_lr), "--diloco-outer-momentum", str(opts.outer_momentum)]
     return {"dp fp32": [], "dp bf16": ["--grad-reduce-in-bf16"],
             "dp squinch": ["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
             "diloco 6": diloco + ["--diloco-outer-bits", "6"], "diloco 16": diloco + ["--diloco-outer-bits", "16"]}
@@ -92,6 +92,7 @@ def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str
     argv = ["pretrain_gpt.py", *(QUICK_MODEL if opts.quick else MODEL), *flags, "--data-path", prefix,
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--split", "949,50,1",
             "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10), "--lr-decay-style", "cosine", "--seed", str(seed),
+            "--lr-warmup-iters", str(opts.warmup_iters),
             "--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval", str(opts.iters),
             "--eval-iters", str(opts.eval_iters), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--position-embedding-type", "rope", "--num-workers", "0"]
@@ -277,8 +278,11 @@ def render(res: dict) -> str:
     rows = res.get("measured", [])
     if rows:
         o = res["options"]
+        mu = o.get("outer_momentum", 0.9)
+        momentum = f"Nesterov momentum {mu}" if mu else "no outer momentum"
         lines += [f"2 islands x 2 ranks; {o['iters']} iterations; DiLoCo H = {o['inner_steps']}, K = {o['fragments']}, "
-                  f"tau = {o['overlap']}, outer lr {o['outer_lr']}, Nesterov 0.9; seeds {o['seeds']}; bytes measured "
+                  f"tau = {o['overlap']}, outer lr {o['outer_lr']}, {momentum}; {o.get('warmup_iters', 0)} warm-up "
+                  f"iterations (every configuration); seeds {o['seeds']}; bytes measured "
                   f"on: {rows[0]['measured_on']}. Model error bound {ERROR_BOUND:.0%}.", "",
                   "| link | configuration | val loss (mean +- sd) | wall s | slow-link bytes / token | utilisation | "
                   "model wall s (error) |", "|---|---|---|---|---|---|---|"]
@@ -364,10 +368,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-configs", nargs="*", default=None,
                    help="the configurations run over the shaped links too (default: all of --configs; the others "
                         "run unshaped only)")
-    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--inner-steps", type=int, default=30)
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
-    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-lr", type=float, default=1.4,
+                   help="the outer SGD's learning rate (above 1 makes up for the averaged islands' shorter steps)")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum of the outer SGD (0: none)")
+    p.add_argument("--warmup-iters", type=int, default=None,
+                   help="linear learning-rate warm-up of every configuration (default: a tenth of --iters)")
     p.add_argument("--dp-link-seeds", type=int, default=None,
                    help="synchronous DP over a shaped link at the first N seeds only (its losses equal the unshaped "
                         "run's, which the report checks; over a 10 Mbit/s link one DP run takes tens of minutes)")
@@ -378,6 +386,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
                                        overlap=1, configs=["dp bf16", "diloco 6"]))
+    if opts.warmup_iters is None:
+        opts.warmup_iters = opts.iters // 10
     link.use_namespaces(not opts.no_netns)
     results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ROW_INDEPENDENT})
     if opts.from_json:
@@ -387,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
     payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds",
+                                                         "outer_lr", "outer_momentum", "warmup_iters", "seeds", "rates",
+                                                         "quick", "dp_link_seeds",
                                                          "link_seeds", "link_configs")},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
