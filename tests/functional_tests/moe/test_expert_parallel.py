@@ -113,10 +113,10 @@ def reference():
     return _reference([])
 
 
-def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = ()):
+def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = (), worker=_worker):
     ref_hist, ref_grads = reference
     argv = _argv(extra) + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
-    results = run_distributed(_worker, world, args=(argv,))
+    results = run_distributed(worker, world, args=(argv,))
     hist = [r for r in results if r["last_stage"]][0]["history"]
     for a, b in zip(ref_hist, hist):
         assert a.keys() == b.keys()
@@ -133,6 +133,7 @@ def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = ())
     worst = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
     assert worst < 1e-6, worst
     assert {r["ep_rank"] for r in results} == set(range(ep))
+    return results
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -149,6 +150,52 @@ def test_ep4_equals_one_process(reference, dispatcher):
 def test_ep2_with_expert_data_parallel_2_equals_one_process(reference):
     """World 4: each expert lives on two ranks (expert DP 2): their gradients reduce over that group."""
     _compare(reference, 2, 4, "allgather")
+
+
+def _capture_fsdp_grads(trainer):
+    """FSDP2: each parameter's reduced gradient before the last optimizer step, gathered from its shards (over
+    DP for dense parameters, over expert DP for experts; every rank gathers in the same order)."""
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    captured = {}
+    step = trainer.optimizer.step
+    first = ps.get_expert_model_parallel_rank() * 4 // ps.get_expert_model_parallel_world_size()
+
+    def recording_step(*a, **k):
+        captured.clear()
+        for chunk in trainer.model:
+            for name, p in chunk.module.named_parameters():
+                where = (first if chunk.meta[name].expert else None, None, 1, 0)
+                captured[name] = (where, p.grad.full_tensor().detach().clone())
+        return step(*a, **k)
+
+    trainer.optimizer.step = recording_step
+    trainer.captured = captured
+
+
+def _fsdp_worker(rank, world, argv):
+    holder = {}
+
+    def hook(trainer):
+        _capture_fsdp_grads(trainer)
+        holder["t"] = trainer
+
+    out = train(argv, world_size=world, trainer_hook=hook)
+    model = holder["t"].model[0]
+    experts = [m for n, m in model.module.named_modules() if n.endswith("mlp.experts")]
+    out.update(grads=holder["t"].captured, ep_rank=ps.get_expert_model_parallel_rank(), sharded=False,
+               expert_mesh={m.fc1_weight.device_mesh.size() for m in experts},
+               dense_mesh=model.module.decoder.layers["0"].mlp.linear_fc1.weight.device_mesh.size())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,dispatcher", [(4, "alltoall"), (2, "allgather")])
+def test_ep2_with_fsdp2_equals_one_process(reference, world, dispatcher):
+    """FSDP2: dense parameters sharded over DP (world), each layer's experts over expert DP (world / 2): losses,
+    grad norm and every gradient equal one DDP process holding every expert."""
+    results = _compare(reference, 2, world, dispatcher, ("--use-torch-fsdp2", "--ckpt-format", "torch_dist"),
+                       _fsdp_worker)
+    assert [(r["expert_mesh"], r["dense_mesh"]) for r in results] == [({world // 2}, world)] * world
 
 
 def _packed_docs(tmp) -> list[str]:
