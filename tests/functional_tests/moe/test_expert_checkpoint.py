@@ -1,6 +1,7 @@
 """torch_dist checkpoints of experts split over ranks: saved at EP 2 x TP 2 (sequence parallel, expert TP 2,
 the distributed optimizer, swiglu's [gate, up] expert fc1 split in sections), resumed at EP 4 x TP 1 and at EP 1
-(one process): the 3 resumed iterations equal the uninterrupted single-process run to 1e-5, and every expert
+(one process) and at EP 2 under FSDP2; saved under FSDP2 at EP 2 (experts sharded over expert DP) and resumed
+in one process: the 3 resumed iterations equal the uninterrupted single-process run to 1e-5, and every expert
 appears in the checkpoint once, with its global shape."""
 from __future__ import annotations
 
@@ -63,10 +64,21 @@ def test_experts_saved_with_global_shape(saved):
 @pytest.mark.parametrize("world,extra", [
     (4, ["--expert-model-parallel-size", "4"]),
     (1, []),
-], ids=["ep4_tp1", "ep1"])
+    (4, ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"]),
+], ids=["ep4_tp1", "ep1", "ep2_fsdp2"])
 def test_resume_at_another_expert_layout(saved, reference, world, extra):
     resumed = _run(world, BASE + extra + ["--load", saved, "--ckpt-step", str(HALF)])
     _close(resumed, reference[HALF:])
+
+
+@pytest.mark.slow
+def test_saved_under_fsdp2_at_ep2_resumes_at_ep1(reference, tmp_path):
+    """FSDP2 at EP 2 (world 4: experts sharded over expert DP 2, dense parameters over DP 4) saves each expert's
+    shards at their global place: one process resumes from it as from the uninterrupted run."""
+    save = str(tmp_path / "ckpt")
+    fsdp = ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"]
+    _close(_run(4, BASE + fsdp + ["--save", save, "--save-interval", str(HALF)]), reference)
+    _close(_run(1, BASE + ["--load", save, "--ckpt-step", str(HALF)]), reference[HALF:])
 
 
 def _refused_worker(rank, world, argv):
