@@ -198,6 +198,35 @@ def test_ep2_with_fsdp2_equals_one_process(reference, world, dispatcher):
     assert [(r["expert_mesh"], r["dense_mesh"]) for r in results] == [({world // 2}, world)] * world
 
 
+def _fsdp_squinch_worker(rank, world, argv):
+    from megatron_cai.core.distributed.fsdp import local
+
+    holder = {}
+    out = train(argv, world_size=world, trainer_hook=lambda t: holder.setdefault("t", t))
+    chunk = holder["t"].model[0]
+    experts = {n: m for n, m in chunk.module.named_modules() if n.endswith("mlp.experts")}
+    out["experts"] = {n: (type(chunk.comms[n]).__name__, chunk.comms[n].bytes_sent,
+                          sum(local(p).numel() for p in m.parameters())) for n, m in experts.items()}
+    out["edp"] = ps.get_expert_data_parallel_world_size()
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_squinch_reduce_scatters_experts_over_expert_dp():
+    """FSDP2 at EP 2, world 4, --squinch: each layer's experts reduce-scatter over expert DP 2 in Squinch's wire
+    format: per iteration (n - 1) wire rows of their shard's elements (docs/squinch-format.md), n = 2 (over DP 4
+    it would be 3 rows of half as many)."""
+    argv = RUN + ["--expert-model-parallel-size", "2", "--use-torch-fsdp2", "--ckpt-format", "torch_dist",
+                  "--squinch", "--train-iters", "2"]
+    results = run_distributed(_fsdp_squinch_worker, 4, args=(argv,))
+    for r in results:
+        assert r["edp"] == 2 and len(r["experts"]) == 3
+        for kind, sent, shard in r["experts"].values():
+            assert kind == "SquinchReduceScatter"
+            assert shard % 8 == 0  # whole Squinch blocks of 8: no row padding
+            assert sent == 2 * (2 - 1) * 16 * -(-(6 * shard // 8 + 1) // 16), (sent, shard)
+
+
 def _packed_docs(tmp) -> list[str]:
     import json
     import os
