@@ -106,9 +106,11 @@ def test_torch_format_checkpoint_refused_when_experts_are_split(tmp_path):
 
 
 @pytest.mark.slow
-def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path):
-    """tools/convert_checkpoint.py --target-ckpt-format torch --target-tensor-parallel-size 1 gathers the experts
-    saved over EP 2 x expert TP 2 into full tensors: a torch-format EP 1 run resumes from it as from the original."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path, tp):
+    """tools/convert_checkpoint.py --target-ckpt-format torch --target-tensor-parallel-size TP gathers the experts
+    saved over EP 2 x expert TP 2 into full tensors, whole on every TP rank (a torch-format run holds experts at
+    expert TP 1): a torch-format EP 1 run at TP resumes from it as from the original."""
     import contextlib
     import io
     import sys
@@ -121,6 +123,9 @@ def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path):
     out = str(tmp_path / "torch")
     with contextlib.redirect_stdout(io.StringIO()):
         assert convert_checkpoint.main(["--load", saved, "--save", out, "--ckpt-step", str(HALF),
-                                        "--target-ckpt-format", "torch", "--target-tensor-parallel-size", "1"]) == 0
-    resumed = _run(1, BASE[:-4] + ["--train-iters", str(ITERS), "--ckpt-format", "torch", "--load", out])
+                                        "--target-ckpt-format", "torch", "--target-tensor-parallel-size",
+                                        str(tp)]) == 0
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    resumed = _run(tp, BASE[:-4] + ["--train-iters", str(ITERS), "--ckpt-format", "torch", "--load", out]
+                   + (layout if tp == 2 else []))
     _close(resumed, reference[HALF:])
