@@ -62,17 +62,22 @@ def _owned(ddp, p, distributed: bool) -> torch.Tensor:
     return (g.reshape(-1) * keep).view_as(g)
 
 
-def _worker(rank, world, argv):
+def _train_capturing(argv, world, capture):
+    """Train with ``capture(trainer)`` installed; (the run's result, the trainer)."""
     holder = {}
 
     def hook(trainer):
-        _capture_grads(trainer)
+        capture(trainer)
         holder["t"] = trainer
 
-    out = train(argv, world_size=world, trainer_hook=hook)
-    out["grads"] = holder["t"].captured
+    return train(argv, world_size=world, trainer_hook=hook), holder["t"]
+
+
+def _worker(rank, world, argv):
+    out, trainer = _train_capturing(argv, world, _capture_grads)
+    out["grads"] = trainer.captured
     out["ep_rank"] = ps.get_expert_model_parallel_rank()
-    out["sharded"] = holder["t"].optimizer.distributed
+    out["sharded"] = trainer.optimizer.distributed
     return out
 
 
@@ -173,16 +178,10 @@ def _capture_fsdp_grads(trainer):
 
 
 def _fsdp_worker(rank, world, argv):
-    holder = {}
-
-    def hook(trainer):
-        _capture_fsdp_grads(trainer)
-        holder["t"] = trainer
-
-    out = train(argv, world_size=world, trainer_hook=hook)
-    model = holder["t"].model[0]
+    out, trainer = _train_capturing(argv, world, _capture_fsdp_grads)
+    model = trainer.model[0]
     experts = [m for n, m in model.module.named_modules() if n.endswith("mlp.experts")]
-    out.update(grads=holder["t"].captured, ep_rank=ps.get_expert_model_parallel_rank(), sharded=False,
+    out.update(grads=trainer.captured, ep_rank=ps.get_expert_model_parallel_rank(), sharded=False,
                expert_mesh={m.fc1_weight.device_mesh.size() for m in experts},
                dense_mesh=model.module.decoder.layers["0"].mlp.linear_fc1.weight.device_mesh.size())
     return out
