@@ -160,17 +160,25 @@ def test_ep2_with_expert_data_parallel_2_equals_one_process(reference):
 def _capture_fsdp_grads(trainer):
     """FSDP2: each parameter's reduced gradient before the last optimizer step, gathered from its shards (over
     DP for dense parameters, over expert DP for experts; every rank gathers in the same order)."""
-    assert ps.get_tensor_model_parallel_world_size() == 1
     captured = {}
     step = trainer.optimizer.step
     first = ps.get_expert_model_parallel_rank() * 4 // ps.get_expert_model_parallel_world_size()
+    tp, tp_rank, etp_rank = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                             ps.get_expert_tensor_parallel_rank())
+    layout = trainer.checkpointer.param_layout  # each parameter's (expert-)TP split, read before FSDP2 wrapped it
+
+    def where(name):
+        m = layout[name]
+        sections = len(m["tp_sections"] or [0])
+        if m.get("expert"):
+            return first, m["tp_dim"], sections, etp_rank
+        return None, m["tp_dim"] if tp > 1 else None, sections, tp_rank
 
     def recording_step(*a, **k):
         captured.clear()
         for chunk in trainer.model:
             for name, p in chunk.module.named_parameters():
-                where = (first if chunk.meta[name].expert else None, None, 1, 0)
-                captured[name] = (where, p.grad.full_tensor().detach().clone())
+                captured[name] = (where(name), p.grad.full_tensor().detach().clone())
         return step(*a, **k)
 
     trainer.optimizer.step = recording_step
@@ -187,14 +195,22 @@ def _fsdp_worker(rank, world, argv):
     return out
 
 
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,dispatcher", [(4, "alltoall"), (2, "allgather")])
-def test_ep2_with_fsdp2_equals_one_process(reference, world, dispatcher):
-    """FSDP2: dense parameters sharded over DP (world), each layer's experts over expert DP (world / 2): losses,
-    grad norm and every gradient equal one DDP process holding every expert."""
-    results = _compare(reference, 2, world, dispatcher, ("--use-torch-fsdp2", "--ckpt-format", "torch_dist"),
+@pytest.mark.parametrize("world,dispatcher,extra,meshes", [
+    (4, "alltoall", (), (2, 4)),
+    (2, "allgather", (), (1, 2)),
+    (4, "allgather", TP2_SP, (1, 2)),  # expert TP 2: expert DP 1
+    (4, "alltoall", (*TP2_SP, "--expert-tensor-parallel-size", "1"), (2, 2)),  # expert DP spans the TP pair
+], ids=["dp4", "dp2", "tp2_sp", "tp2_sp_etp1"])
+def test_ep2_with_fsdp2_equals_one_process(reference, world, dispatcher, extra, meshes):
+    """FSDP2: dense parameters sharded over DP, each layer's experts over expert DP: losses, grad norm and every
+    gradient equal one DDP process holding every expert."""
+    results = _compare(reference, 2, world, dispatcher, ("--use-torch-fsdp2", "--ckpt-format", "torch_dist", *extra),
                        _fsdp_worker)
-    assert [(r["expert_mesh"], r["dense_mesh"]) for r in results] == [({world // 2}, world)] * world
+    assert [(r["expert_mesh"], r["dense_mesh"]) for r in results] == [({meshes[0]}, meshes[1])] * world
 
 
 def _fsdp_squinch_worker(rank, world, argv):
