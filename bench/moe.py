@@ -17,10 +17,14 @@ over training (fraction of the routed tokens per expert, first seed, bf16 run).
     python bench/moe.py --seeds 1 2 3 --iters 400      # results/moe.{json,md,png}
     python bench/moe.py --quick                        # 2 iterations of a toy model, every variant
 
-Run time: 9 trainings (3 variants x 3 seeds) of --iters 400 on 4 gloo ranks, one after another; each row is saved
-as it finishes (an interrupted run resumes from bench/results/moe.rows.json). Each row's wall time is recorded
-("wall_s") and the table ends with the run's total; no quiet-machine figure is recorded yet (the --quick run takes
-about a minute on a shared 2-core machine).
+The report also sets the MoE's final validation loss with Squinch gradients against bf16 gradients, seed by seed,
+and says whether the Squinch arm's mean lies within the bf16 arm's seed spread (min-max over seeds).
+
+Run time: 9 trainings (3 variants x 3 seeds) of --iters 400 on 4 gloo ranks, one after another, the two MoE arms
+at every seed first, then the dense baseline; each row is saved as it finishes (an interrupted run resumes from
+bench/results/moe.rows.json). Each row's wall time is recorded ("wall_s") and the table ends with the run's total
+and the machine's load; the committed results were measured on a shared, loaded 2-core machine (about 45 min), so
+their tokens/s and times are not performance figures.
 """
 from __future__ import annotations
 
