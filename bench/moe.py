@@ -129,8 +129,8 @@ def render(payload: dict) -> str:
     wall = payload.get("wall_s")
     took = f"\n\nRun time: {wall / 60:.1f} min (the trainings' wall time, one after another)." if wall else ""
     machine = payload.get("machine")
-    load = (f" Machine at the start: {load_line(machine['start'])} (shared: tokens/s and run time are "
-            "not performance figures)." if machine else "")
+    load = (f" Machine at the start: {load_line(machine['start'])}; at the end: {load_line(machine['end'])} "
+            "(shared: tokens/s and run time are not performance figures)." if machine else "")
     return "\n".join(lines) + took + load + f"\n\n![expert load]({payload['name']}.png)\n"
 
 
@@ -149,10 +149,14 @@ def _squinch_vs_bf16(runs: dict, seeds: list[int]) -> list[str]:
         return ["Squinch vs bf16 (MoE): not enough finished seeds yet.", "", *rows]
     lo, hi, mean = min(bf16), max(bf16), statistics.mean(squinch)
     verdict = "within" if lo <= mean <= hi else "outside"
+    gaps = [finals["moe squinch"][s] - finals["moe"][s] for s in seeds
+            if s in finals["moe"] and s in finals["moe squinch"]]
+    paired = (f" Paired by seed, Squinch is above bf16 at {sum(g > 0 for g in gaps)} of {len(gaps)} seeds (mean gap "
+              f"{statistics.mean(gaps):+.4f})." if gaps else "")
     return [f"Squinch vs bf16 gradients (MoE, final validation loss, {len(squinch)} and {len(bf16)} seeds): Squinch "
             f"mean {mean:.4f}, bf16 mean {statistics.mean(bf16):.4f}, bf16 seed spread [{lo:.4f}, {hi:.4f}] (std "
-            f"{statistics.stdev(bf16):.4f}): the Squinch mean is **{verdict}** the bf16 run's seed spread.", "",
-            *rows]
+            f"{statistics.stdev(bf16):.4f}): the Squinch mean is **{verdict}** the bf16 run's seed spread.{paired}",
+            "", *rows]
 
 
 def plot(payload: dict, path: str) -> None:
