@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 
 from .. import device as device_mod
 
@@ -66,3 +67,30 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, pp_rank: int, device: to
     device_mod.manual_seed(stage_seed)
     _TRACKER.reset(device)
     _TRACKER.add("model-parallel-rng", stage_seed + _MODEL_PARALLEL_OFFSET + tp_rank)
+
+
+def _recompute_context_fn():
+    """``torch.utils.checkpoint``'s ``context_fn``: the recomputation runs with the tracker's streams as they were
+    at the original forward."""
+    states = _TRACKER.get_states()
+
+    @contextlib.contextmanager
+    def recompute():
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(states)
+        try:
+            yield
+        finally:
+            _TRACKER.set_states(current)
+
+    return contextlib.nullcontext(), recompute()
+
+
+def checkpoint(fn, *args):
+    """``torch.utils.checkpoint`` (non-reentrant) whose recomputation draws the same dropout masks in ``fork()``
+    regions (attention probabilities, sequence-parallel hidden states): checkpoint restores only the default
+    generator, so the tracker's streams are restored here, as Megatron's own checkpoint function restores its
+    tracker. Inside a compiled region the compiler's own RNG handling applies (it takes no such context)."""
+    if torch.compiler.is_compiling():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_context_fn)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..quantization.dynamic_clamp import NormOutputRMS
 from ..tensor_parallel.layers import normal_init
-from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.random import checkpoint, get_rng_tracker
 from .layer_pattern import check_stage_kv_sources
 from .lse_stats import LseStatsCollector
 from .mla import MLASelfAttention
@@ -99,7 +99,7 @@ class TransformerBlock(nn.Module):
 
         for idx, recompute in self.recompute_groups():
             if recompute and self.training and kv_cache is None:
-                x = torch.utils.checkpoint.checkpoint(run, x, idx, use_reentrant=False)
+                x = checkpoint(run, x, idx)
             else:
                 x = run(x, idx)
         if kv_cache is not None and new_positions is not None:

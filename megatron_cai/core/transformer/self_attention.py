@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import parallel_state as ps
 from ..tensor_parallel.layers import ColumnParallelLinear, InitMethod, RowParallelLinear
-from ..tensor_parallel.random import get_rng_tracker
+from ..tensor_parallel.random import checkpoint, get_rng_tracker
 from ..tensor_parallel.utils import divide
 from .layer_pattern import kv_source, layer_window
 from .lse_stats import LseStatsCollector
@@ -110,8 +110,7 @@ class CoreAttention(nn.Module):
         """The attention output ``[b, heads, s_q, d]``; the core attention is recomputed in backward under
         ``--recompute-granularity selective`` (training, no cache)."""
         if self.config.recompute_granularity == "selective" and self.training and recomputable:
-            out, lse = torch.utils.checkpoint.checkpoint(self._core_attention, q, k, v, visibility, position_ids,
-                                                         use_reentrant=False)
+            out, lse = checkpoint(self._core_attention, q, k, v, visibility, position_ids)
         else:
             out, lse = self._core_attention(q, k, v, visibility, position_ids)
         if lse is not None and self.lse_slot is not None:  # outside the recomputed region: recorded once
