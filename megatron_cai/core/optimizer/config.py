@@ -111,3 +111,20 @@ def applies_weight_decay(name: str, is_matrix: bool, apply_wd_to_qk_layernorm: b
     if apply_wd_to_qk_layernorm and ("q_layernorm." in name or "k_layernorm." in name):
         return True
     return is_matrix
+
+
+def group_lrs(config: OptimizerConfig, lr: float, decoupled_lr: float | None, mup_lr: float | None
+              ) -> dict[str, float]:
+    """The rate of each learning-rate kind (OptimizerConfig.lr_kind). SGD takes `lr` for the decoupled kind; a
+    missing `mup_lr` is `lr` x megatron-core's MuP multiplier (exact for schedules linear in the peak)."""
+    if mup_lr is None:
+        mup_lr = lr * mup_lr_mult(config)
+    sgd = config.optimizer == "sgd"
+    return {"base": lr, "decoupled": lr if sgd or decoupled_lr is None else decoupled_lr, "mup": mup_lr}
+
+
+def mup_lr_mult(config: OptimizerConfig) -> float:
+    """megatron-core's MuP learning-rate multiplier of the MuP group: 1/m for Adam's hidden parameters, m for
+    SGD's vector-like ones."""
+    m = config.mup_width_mult
+    return m if config.optimizer == "sgd" else 1.0 / m

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..distributed.fsdp import FullyShardedChunk, local
 from .clip_grads import GlobalNormClipping
-from .config import OptimizerConfig, applies_weight_decay
+from .config import OptimizerConfig, applies_weight_decay, group_lrs
 
 
 class FullyShardedAdamW(GlobalNormClipping):
@@ -59,10 +59,8 @@ class FullyShardedAdamW(GlobalNormClipping):
     @torch.no_grad()
     def step(self, lr: float | None = None, decoupled_lr: float | None = None, mup_lr: float | None = None) -> None:
         """One AdamW step at `lr`; the embedding and output layer at `decoupled_lr` when given (--decoupled-lr),
-        the MuP group at `mup_lr` (optimizer.group_lrs)."""
+        the MuP group at `mup_lr` (config.group_lrs)."""
         if lr is not None:
-            from .optimizer import group_lrs  # the DDP optimizer's module imports this one
-
             lrs = group_lrs(self.config, lr, decoupled_lr, mup_lr)
             for g in self.optimizer.param_groups:
                 g["lr"] = lrs[g["kind"]]

@@ -19,7 +19,7 @@ from .. import parallel_state as ps
 from ..distributed.contracts import ModelChunk
 from ..distributed.ddp import DistributedDataParallel
 from .clip_grads import GlobalNormClipping
-from .config import OptimizerConfig, applies_weight_decay
+from .config import OptimizerConfig, applies_weight_decay, group_lrs
 from .fsdp_adamw import FullyShardedAdamW
 
 
@@ -284,23 +284,6 @@ class DistributedAdamW(GlobalNormClipping):
             for c in chunk_list:
                 c.exp_avg.copy_(full_ea[c.lo:c.hi])
                 c.exp_avg_sq.copy_(full_eas[c.lo:c.hi])
-
-
-def group_lrs(config: OptimizerConfig, lr: float, decoupled_lr: float | None, mup_lr: float | None
-              ) -> dict[str, float]:
-    """The rate of each learning-rate kind (OptimizerConfig.lr_kind). SGD takes `lr` for the decoupled kind; a
-    missing `mup_lr` is `lr` x megatron-core's MuP multiplier (exact for schedules linear in the peak)."""
-    if mup_lr is None:
-        mup_lr = lr * mup_lr_mult(config)
-    sgd = config.optimizer == "sgd"
-    return {"base": lr, "decoupled": lr if sgd or decoupled_lr is None else decoupled_lr, "mup": mup_lr}
-
-
-def mup_lr_mult(config: OptimizerConfig) -> float:
-    """megatron-core's MuP learning-rate multiplier of the MuP group: 1/m for Adam's hidden parameters, m for
-    SGD's vector-like ones."""
-    m = config.mup_width_mult
-    return m if config.optimizer == "sgd" else 1.0 / m
 
 
 def build_optimizer(model_chunks: list[ModelChunk], config: OptimizerConfig) -> DistributedAdamW | FullyShardedAdamW:

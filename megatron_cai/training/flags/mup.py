@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ...core.mup import MupConfig
-from ...core.optimizer.optimizer import mup_lr_mult
+from ...core.optimizer.config import OptimizerConfig, mup_lr_mult
 from .report import FlagProblems
 
 __all__ = ["add_arguments", "check", "model_fields", "optimizer_fields", "scheduler_fields"]
@@ -60,7 +60,5 @@ def optimizer_fields(args: argparse.Namespace) -> dict:
 
 def scheduler_fields(args: argparse.Namespace) -> dict:
     """The MuP group's multiplier of peak and minimum learning rate (megatron-core's max_lr / min_lr overrides)."""
-    from ...core.optimizer.config import OptimizerConfig
-
     opt = OptimizerConfig(optimizer=args.optimizer, **optimizer_fields(args))
     return {"mup_lr_mult": mup_lr_mult(opt)}
