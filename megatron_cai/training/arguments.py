@@ -13,7 +13,6 @@ from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
-from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
 from . import divergence
 from .config import (
@@ -31,16 +30,10 @@ from .config import (
 from .flags import fim, kaiju, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
-from .flags.megatron_features import (
-    add_megatron_features,
-    add_megatron_numerics,
-    batch_schedule,
-    check_megatron_numerics,
-    loss_scale_config,
-    step_schedule_global_batch,
-)
+from .flags.megatron_features import add_megatron_features, add_megatron_numerics, check_megatron_numerics, loss_scale_config
 from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
+from .layout import Layout
 from .flags.rules import check_flags, check_machine, normalize_split, resolve_megatron_flags
 from .tokenizer import vocab_size_with_padding
 
@@ -426,53 +419,6 @@ def parse_config(argv: list[str] | None = None, world_size: int | None = None,
 
 
 # ------------------------------------------------------------------------------------------ builder
-class _Layout:
-    """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
-
-    def __init__(self, args: argparse.Namespace, world_size: int) -> None:
-        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-        if world_size < 1:
-            raise ArgumentError(f"the world size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
-        self.global_batch_size = (args.global_batch_size or step_schedule_global_batch(args)
-                                  or args.micro_batch_size * dp_guess)
-        problems = pipeline_split.layout_problems(args)
-        try:  # the split module checks the layers per stage and chunk
-            self.data_parallel_size = check_layout(
-                world_size, tp, pp, num_layers=args.num_layers if pipeline_split.pipeline_split(args).even else None,
-                num_attention_heads=args.num_attention_heads, num_query_groups=self.num_query_groups,
-                global_batch_size=self.global_batch_size, micro_batch_size=args.micro_batch_size, cp=cp)
-        except ParallelLayoutError as e:
-            problems.insert(0, str(e))
-        if problems:
-            raise ArgumentError("; ".join(problems))
-        self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
-        eval_gbs = args.eval_global_batch_size
-        if eval_gbs is not None and (eval_gbs < 1 or eval_gbs % (args.micro_batch_size * self.data_parallel_size)):
-            raise ArgumentError(f"--eval-global-batch-size {eval_gbs} is not a positive multiple of micro batch x DP "
-                                f"= {args.micro_batch_size * self.data_parallel_size}")
-        self.vpp = pipeline_split.virtual_pipeline_size(args)
-        if self.vpp is not None and self.num_microbatches % pp != 0:
-            raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
-                                f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
-        if (args.train_iters is None) == (args.train_samples is None):
-            raise ArgumentError("set exactly one of --train-iters and --train-samples")
-        if args.train_iters is not None:
-            self.train_iters = args.train_iters
-        else:  # Megatron's update_train_iters: whole global batches only (floor)
-            self.train_iters = args.train_samples // self.global_batch_size
-            if self.train_iters == 0:
-                raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
-                                    f"(--global-batch-size {self.global_batch_size}): nothing to train")
-        self.microbatches = batch_schedule(args, self.global_batch_size, args.micro_batch_size,
-                                          self.data_parallel_size)
-        ramp = self.microbatches.rampup is not None or self.microbatches.step_schedule is not None
-        if ramp and args.train_samples is not None:
-            self.train_iters = self.microbatches.train_iters(args.train_samples)
-
-
 def _qat_config(args: argparse.Namespace) -> QATConfig:
     if args.qat == "none":
         return QATConfig()
@@ -488,7 +434,7 @@ def _qat_config(args: argparse.Namespace) -> QATConfig:
     )
 
 
-def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) -> GPTConfig:
+def _model_config(args: argparse.Namespace, layout: Layout, vocab_size: int) -> GPTConfig:
     tp = args.tensor_model_parallel_size
     return GPTConfig(
         num_layers=args.num_layers,
@@ -541,7 +487,7 @@ def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
     return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
-def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
+def _parallel_config(args: argparse.Namespace, layout: Layout) -> ParallelConfig:
     return ParallelConfig(
         world_size=layout.world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -550,6 +496,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         data_parallel_size=layout.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel,
         distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
@@ -561,7 +508,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
     )
 
 
-def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfig:
+def _training_config(args: argparse.Namespace, layout: Layout) -> TrainingConfig:
     return TrainingConfig(
         micro_batch_size=args.micro_batch_size,
         global_batch_size=layout.global_batch_size,
@@ -622,7 +569,7 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
-def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerConfig:
+def _scheduler_config(args: argparse.Namespace, layout: Layout) -> SchedulerConfig:
     """Megatron's get_optimizer_param_scheduler: lengths in samples, from --lr-*-iters x global batch size with
     --train-iters, or from the --lr-*-samples flags with --train-samples."""
     if args.train_samples is not None:
@@ -780,7 +727,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     fim.check(args, problems)
     check_megatron_numerics(args, problems)
     try:
-        layout = _Layout(args, world_size)
+        layout = Layout(args, world_size)
         optimizer_and_fp8.check_instances(args, layout.data_parallel_size * args.context_parallel_size, problems)
     except ArgumentError as e:
         problems.record(e)

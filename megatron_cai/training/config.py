@@ -59,6 +59,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
+    microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule's micro-batch groups (None: PP)
     sequence_parallel: bool = False           # only effective with TP > 1 (see GPTConfig.sequence_parallel)
     distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10

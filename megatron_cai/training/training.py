@@ -261,7 +261,8 @@ class Trainer:
         self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
-        self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
+        self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp,
+                                                          config.parallel.microbatch_group_size_per_vp_stage)
         tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
         seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
         seq = seq // tp if model_cfg.sequence_parallel else seq
