@@ -369,11 +369,11 @@ class Trainer:
         level = self.config.training.empty_unused_memory_level
         if level >= 2:
             empty_device_cache(self.device)
-        if self.grad_scaler is not None:
-            self.optimizer.scale_grads(self.grad_scaler.inv_scale)
+        found_inf = (self.optimizer.unscale_and_check(self.grad_scaler.inv_scale)  # before the norm and clipping
+                     if self.grad_scaler is not None else None)
         read = read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None, self.device,
-                         time_up=self.deadline.passed())
-        finite = math.isfinite(read.grad_norm)
+                         time_up=self.deadline.passed(), found_inf=found_inf)
+        finite = math.isfinite(read.grad_norm) and not read.found_inf
         if finite:
             self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
         # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective, one more read)

@@ -171,9 +171,6 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
     if args.check_weight_hash_across_dp_replicas_interval is not None and args.use_torch_fsdp2:
         problems.conflict("--check-weight-hash-across-dp-replicas-interval does not run with --use-torch-fsdp2: its "
                           "data-parallel ranks hold shards, not replicas (megatron-core's rule for Megatron-FSDP)")
-    if args.use_torch_fsdp2 and args.fp16:
-        problems.conflict("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
-                          "use --bf16")
     if args.use_torch_fsdp2 and args.save and args.ckpt_format != "torch_dist":
         problems.conflict("--use-torch-fsdp2 saves only --ckpt-format torch_dist: FSDP2 parameters are DTensor "
                           f"shards; the per-rank torch format is refused (got --ckpt-format {args.ckpt_format})")

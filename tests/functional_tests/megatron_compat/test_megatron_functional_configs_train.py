@@ -1,6 +1,7 @@
 """Acceptance 2 (training): Megatron-LM's GPT functional-test configurations train 2 iterations on CPU with only
 their sizes, paths, world size and --distributed-backend changed (gloo: there is no NCCL on CPU). The layouts
-shrink to what 1 or 2 CPU ranks hold: TP 1; PP 2 where the configuration interleaves (VPP) or splits unevenly;
+shrink to what 1, 2 or 4 CPU ranks hold: TP 1; PP 2 where the configuration interleaves (VPP) or splits unevenly,
+but PP 4 with its 5 micro-batches for the tunable-overlap one (--microbatch-group-size-per-virtual-pipeline-stage 5);
 CP 2 for the CP configuration; PP 1 otherwise. Three run in CI; the rest with -m slow."""
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["
          "--global-batch-size": ["2"], "--train-iters": ["2"], "--eval-iters": ["1"], "--vocab-size": ["1024"],
          "--tensor-model-parallel-size": ["1"], "--pipeline-model-parallel-size": ["1"],
          "--context-parallel-size": ["1"], "--num-workers": ["0"], "--distributed-backend": ["gloo"]}
-LAYOUTS = {"vp1": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["4"]},
+LAYOUTS = {"tunable_overlap": {"--pipeline-model-parallel-size": ["4"], "--num-layers": ["8"],  # PP 4 x VP 2
+                               "--global-batch-size": ["5"]},  # 5 micro-batches in one group of 5, as at 8 GPUs
+           "vp1": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["4"]},
            "vp2": {"--pipeline-model-parallel-size": ["2"], "--num-layers": ["2"]},  # +embedding +loss: 4 slots
            "cp2": {"--context-parallel-size": ["2"]}}
 
