@@ -74,3 +74,17 @@ def test_inf_on_one_ranks_uncounted_shard_skips_everywhere():
     # the TP-replicated weight stays one weight: both TP ranks of each DP pair hold the same values
     assert torch.equal(results[0]["replicated"], results[1]["replicated"])
     assert torch.equal(results[2]["replicated"], results[3]["replicated"])
+
+
+@pytest.mark.slow
+def test_loss_scale_resumes_from_a_torch_dist_checkpoint(tmp_path):
+    """The scaler's state travels with FSDP2's optimizer state: 3 + 3 iterations through a torch_dist checkpoint
+    give the straight run's loss scales and losses."""
+    args = BASE + FP16 + FSDP + ["--train-iters", "6", "--ckpt-format", "torch_dist"]
+    straight = last_stage_history(run_distributed(_worker, 2, (args,)))
+    save = str(tmp_path / "ckpt")
+    run_distributed(_worker, 2, (args + ["--save", save, "--exit-interval", "3"],))
+    second = last_stage_history(run_distributed(_worker, 2, (args + ["--load", save],)))
+    assert [h["loss scale"] for h in straight] == [1024, 2048, 2048, 4096, 4096, 8192]
+    assert [h["loss scale"] for h in second] == [h["loss scale"] for h in straight[3:]]
+    assert [h["lm loss"] for h in second] == [h["lm loss"] for h in straight[3:]]
