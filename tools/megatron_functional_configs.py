@@ -169,14 +169,17 @@ def main() -> None:
     failing = {n: p for n, p in verdicts.items() if p}
     for name, problems in verdicts.items():
         if problems or opts.verbose:
-            theirs = f" [megatron-core's own parser rejects it too: {megatron_rejects[name]}]" \
-                if name in megatron_rejects else ""
+            theirs = (
+                f" [megatron-core's own parser rejects it too: {megatron_rejects[name]}]"
+                if name in megatron_rejects
+                else ""
+            )
             print(f"{name}: {'; '.join(problems) or 'parses'}{theirs}")
     reasons = Counter(re.sub(r"^(\w+ --[\w-]+).*", r"\1", p) for ps in failing.values() for p in ps)
     for reason, count in reasons.most_common():
         print(f"  {count:3d}  {reason}")
-    print(f"{len(verdicts) - len(failing)} of {len(verdicts)} parse"
-          + (f"; megatron-core's own parser rejects {len(megatron_rejects)} of the rest too" if megatron_rejects else ""))
+    also = f"; megatron-core's own parser rejects {len(megatron_rejects)} of the rest too" if megatron_rejects else ""
+    print(f"{len(verdicts) - len(failing)} of {len(verdicts)} parse{also}")
 
 
 if __name__ == "__main__":

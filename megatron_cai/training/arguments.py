@@ -30,11 +30,16 @@ from .config import (
 from .flags import fim, kaiju, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
-from .flags.megatron_features import add_megatron_features, add_megatron_numerics, check_megatron_numerics, loss_scale_config
+from .flags.megatron_features import (
+    add_megatron_features,
+    add_megatron_numerics,
+    check_megatron_numerics,
+    loss_scale_config,
+)
 from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
-from .layout import Layout
 from .flags.rules import check_flags, check_machine, normalize_split, resolve_megatron_flags
+from .layout import Layout
 from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.

@@ -26,9 +26,9 @@ def test_functional_config_parses_and_builds(name, tmp_path: Path):
 
 
 def test_a_spaced_value_stays_one_word_which_megatron_core_rejects_too():
-    """gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic's ``--hierarchical-context-parallel-sizes: 2 2``: Megatron-LM's
-    launcher (_run_training.sh) passes a value with spaces quoted, one word; megatron-core's own parser (nargs='+',
-    type=int) rejects that word as ours does, and accepts the two words."""
+    """gpt3_mcore_te_tp1_pp2_cp4_a2a_p2p_nondeterministic's ``--hierarchical-context-parallel-sizes: 2 2``:
+    Megatron-LM's launcher (_run_training.sh) passes a value with spaces quoted, one word; megatron-core's own
+    parser (nargs='+', type=int) rejects that word as ours does, and accepts the two words."""
     import sys
 
     from testlib import TOOLS

@@ -28,7 +28,8 @@ def test_five_microbatches_in_a_group_of_five():
 @pytest.mark.parametrize("extra,message", [
     # the default group (PP 4) with 5 micro-batches: a remainder of 1
     (["--global-batch-size", "5"], "unset \\(= --pipeline-model-parallel-size 4\\) with 5 micro-batches per "
-                                   "iteration.*should be 0, or larger than or equal to the pipeline-parallel size, but it is 1"),
+                                   "iteration.*should be 0, or larger than or equal to the pipeline-parallel size, "
+                                   "but it is 1"),
     (["--global-batch-size", "5", GROUP, "6"], "should range in \\[PP=4 , M=5\\]"),
     (["--global-batch-size", "5", GROUP, "3"], "should range in \\[PP=4 , M=5\\]"),
     (["--global-batch-size", "7", GROUP, "5"], "but it is 2"),
