@@ -20,15 +20,19 @@ def _worker(rank, world_size, argv):
 
 def test_fsdp2_dp2_matches_ddp_dp1():
     """The same global batch, fp16 autocast, fp32 master weights: DDP on one rank and FSDP2 over two agree
-    within fp16 rounding, step for step, with the same loss-scale trajectory (it grows every 2 clean steps)."""
+    within fp16 rounding, step for step, with the same loss-scale trajectory (it grows every 2 clean steps); both
+    stay near the fp32 run (the scale is undone before the norm, the clipping and the update)."""
     ddp = last_stage_history(run_distributed(_worker, 1, (BASE + FP16,)))
     fsdp = last_stage_history(run_distributed(_worker, 2, (BASE + FP16 + FSDP,)))
+    fp32 = last_stage_history(run_distributed(_worker, 1, (BASE,)))
     assert len(ddp) == len(fsdp) == 5
     assert [h["loss scale"] for h in fsdp] == [h["loss scale"] for h in ddp] == [1024, 2048, 2048, 4096, 4096]
     assert not any(h["skipped"] for h in ddp + fsdp)
-    for i, (a, b) in enumerate(zip(fsdp, ddp)):
+    for i, (a, b, c) in enumerate(zip(fsdp, ddp, fp32)):
         assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-3), i
         assert a["grad norm"] == pytest.approx(b["grad norm"], rel=1e-2), i
+        assert a["lm loss"] == pytest.approx(c["lm loss"], rel=1e-2), i
+        assert a["grad norm"] == pytest.approx(c["grad norm"], rel=5e-2), i
 
 
 POISONED_RANK = 3  # TP rank 1, DP rank 1 of TP 2 x DP 2
