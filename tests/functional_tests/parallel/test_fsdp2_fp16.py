@@ -29,10 +29,10 @@ def test_fsdp2_dp2_matches_ddp_dp1():
     assert [h["loss scale"] for h in fsdp] == [h["loss scale"] for h in ddp] == [1024, 2048, 2048, 4096, 4096]
     assert not any(h["skipped"] for h in ddp + fsdp)
     for i, (a, b, c) in enumerate(zip(fsdp, ddp, fp32)):
-        assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-3), i
-        assert a["grad norm"] == pytest.approx(b["grad norm"], rel=1e-2), i
-        assert a["lm loss"] == pytest.approx(c["lm loss"], rel=1e-2), i
-        assert a["grad norm"] == pytest.approx(c["grad norm"], rel=5e-2), i
+        assert a["lm loss"] == pytest.approx(b["lm loss"], rel=1e-4), i  # measured: 1.5e-6
+        assert a["grad norm"] == pytest.approx(b["grad norm"], rel=1e-3), i  # 4e-5
+        assert a["lm loss"] == pytest.approx(c["lm loss"], rel=1e-3), i  # 1.6e-5
+        assert a["grad norm"] == pytest.approx(c["grad norm"], rel=5e-3), i  # 5e-4
 
 
 POISONED_RANK = 3  # TP rank 1, DP rank 1 of TP 2 x DP 2
