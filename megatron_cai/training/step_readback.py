@@ -10,9 +10,9 @@ iteration that does not log reads once, after the gradient-norm reduction::
 
 Everything the loop needs follows from it: the global grad norm (non-finite when any gradient is, including
 Squinch's non-finite flag, which fills the reduced bucket with NaN on the device), the fp16 overflow (also of a
-gradient the norm does not count), the divergence check over every rank's losses (accumulated on the device per micro-batch), the loss values
-for the log window, the spike check and the history, whether any rank received an exit signal, and whether
-the run's time is up (``--exit-duration-in-mins``).
+gradient the norm does not count), the divergence check over every rank's losses (accumulated on the device per
+micro-batch), the loss values for the log window, the spike check and the history, whether any rank received
+an exit signal, and whether the run's time is up (``--exit-duration-in-mins``).
 
 Time is one clock: only rank 0 reads its monotonic clock against the deadline (:class:`Deadline`), every
 other rank contributes 0, so a stepped or skewed clock on any other host cannot make one rank save and
