@@ -1,0 +1,58 @@
+"""Megatron-LM's rerun-engine flags (megatron-core's ``RerunStateMachineConfig``): ``--rerun-mode``,
+``--error-injection-rate``, ``--error-injection-type`` and ``--result-rejected-tracker-filename``, with
+megatron-core's defaults and its checks. The machine is ``training/rerun.py``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from ..rerun import INJECTION_TYPES, MODES, RerunConfig
+
+if TYPE_CHECKING:  # report.py imports the configuration, which imports this module's config
+    from .report import FlagProblems
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("rerun engine (Megatron-LM's rerun state machine; docs/rerun.md)")
+    g.add_argument("--rerun-mode", choices=MODES, default="validate_results",
+                   help="validate_results: a rejected result re-runs its iteration in place and stops the job with "
+                        "Megatron's verdict (exit 16: resume elsewhere, 17: failed); report_stats (or "
+                        "report_determinism_stats): every iteration runs twice and the differences are reported; "
+                        "disabled: neither. A real non-finite loss or gradient is handled by "
+                        "--check-for-nan-in-loss-and-grad in every mode")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="with validate_results, reject a validated result once every this many validation calls "
+                        "(0: never)")
+    g.add_argument("--error-injection-type", choices=INJECTION_TYPES, default="transient_error",
+                   help="what the re-runs of an injected rejection find")
+    g.add_argument("--result-rejected-tracker-filename", type=str, default=None,
+                   help="append a line for every rejected result and re-run verdict (megatron-core's format)")
+
+
+def rerun_config(args: argparse.Namespace) -> RerunConfig:
+    return RerunConfig(mode=args.rerun_mode, error_injection_rate=args.error_injection_rate,
+                       error_injection_type=args.error_injection_type,
+                       result_rejected_tracker_filename=args.result_rejected_tracker_filename)
+
+
+def check(args: argparse.Namespace, problems: FlagProblems) -> None:
+    """Value rules, and the start-up line of a mode that re-runs nothing."""
+    cfg = rerun_config(args)
+    if cfg.error_injection_rate < 0:
+        problems.invalid(f"--error-injection-rate {cfg.error_injection_rate}: must be >= 0 (0: no injection)")
+    reruns = cfg.reports_stats or (cfg.validates and cfg.error_injection_rate > 0)
+    if reruns and args.num_experts:
+        why = f"--rerun-mode {cfg.mode}" if cfg.reports_stats else f"--error-injection-rate {cfg.error_injection_rate}"
+        problems.conflict(f"{why} with --num-experts: a re-run would count the MoE router's token loads twice "
+                          f"(its counters are not restored); drop one")
+    path = cfg.result_rejected_tracker_filename
+    if path is not None:
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            problems.missing(f"--result-rejected-tracker-filename {path}: cannot be appended to ({e.strerror})")
+    if cfg.mode == "disabled":
+        args.megatron_notes.append(" > --rerun-mode disabled: no iteration is re-run; non-finite losses and "
+                                   "gradients are still handled by --check-for-nan-in-loss-and-grad")
