@@ -82,6 +82,8 @@ class RerunConfig:
     error_injection_rate: int = 0
     error_injection_type: str = "transient_error"
     result_rejected_tracker_filename: str | None = None
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_large_grads: bool = False
 
     @property
     def reports_stats(self) -> bool:
@@ -101,7 +103,7 @@ class Check:
     result: float | None
     tolerance: float = 0.0
     fatal: bool = True
-    rejected: bool = False  # rejected on its own merits (the same on every rank)
+    reject: Callable[[float], bool] | None = None  # megatron-core's rejection_func (None: injection only)
 
 
 @dataclass(frozen=True)
@@ -118,19 +120,6 @@ class Snapshot(Protocol):
     def save(self) -> object: ...
 
     def restore(self, saved: object) -> None: ...
-
-
-def step_checks(check_for_nan: bool, read: StepReadback) -> list[Check]:
-    """One iteration's validation calls (with --check-for-nan-in-loss-and-grad), in megatron-core's order: the
-    loss's (its loss function), then the gradients' (before the optimizer); never rejected on their own."""
-    if not check_for_nan:
-        return []
-    loss, grad_norm = read.losses.get("lm loss"), read.grad_norm
-    grads = "global grad norm after the data-parallel reduction"
-    return [Check("found NaN in local forward loss calculation", loss),
-            Check("found Inf in local forward loss calculation", loss),
-            Check(f"found NaN in {grads}", grad_norm, tolerance=0.001),  # megatron-core's tolerance for grads
-            Check(f"found Inf in {grads}", grad_norm, tolerance=0.001)]
 
 
 def compare_floats(a: float | None, b: float | None) -> float:
@@ -248,6 +237,8 @@ class RerunStateMachine:
         self.initial_result: float | None = None
         self.suspicious: list[tuple[str, int]] | None = None  # (host, device) of every rank at the first re-run
         self.stats: dict[str, QuickStats] = {}
+        self.large_value_counts: dict[str, int] = {}
+        self.max_values: dict[str, float] = {}
         self._reset_requests()
         self._calls: dict[str, int] = {}
         self._saved_results: dict[tuple[str, int], float | None] = {}
@@ -260,11 +251,43 @@ class RerunStateMachine:
     def log(self, level: str, message: str) -> None:
         self._say(f"{level}:{_LOGGER}:{message}")
 
+    def step_checks(self, read: StepReadback) -> list[Check]:
+        """One iteration's validation calls, in megatron-core's order: the loss's (its loss function), then the
+        gradients' (DDP's ``check_grads``). A real non-finite value is not rejected (module docstring)."""
+        grads = "global grad norm after the data-parallel reduction"
+        checks = []
+        if self.cfg.check_for_nan_in_loss_and_grad:
+            loss = read.losses.get("lm loss")
+            checks += [Check("found NaN in local forward loss calculation", loss),
+                       Check("found Inf in local forward loss calculation", loss),
+                       Check(f"found NaN in {grads}", read.grad_norm, tolerance=0.001),  # megatron-core's for grads
+                       Check(f"found Inf in {grads}", read.grad_norm, tolerance=0.001)]
+        if self.cfg.check_for_large_grads:
+            large = functools.partial(self.is_unexpectedly_large, threshold=10.0, context="grads")
+            checks.append(Check(f"found unexpected large grads in {grads}", read.grad_norm, tolerance=0.001,
+                                fatal=False, reject=large))
+        return checks
+
+    def is_unexpectedly_large(self, value: float, threshold: float, context: str, num_samples: int = 100) -> bool:
+        """megatron-core's rule: the max of the first ``num_samples`` finite values of ``context`` is the
+        reference; a later value at or above ``threshold`` x it is unexpectedly large."""
+        value = math.fabs(value)
+        if not math.isfinite(value):
+            return False
+        count = self.large_value_counts.get(context, 0)
+        if count < num_samples:
+            self.large_value_counts[context] = count + 1
+            self.max_values[context] = max(self.max_values.get(context, 0.0), value)
+            if count + 1 == num_samples:
+                self.log("WARNING", f"Max value for {context}: {self.max_values[context]}")
+            return False
+        return value >= self.max_values[context] * threshold
+
     @property
     def may_rerun(self) -> bool:
         """Whether this iteration can run twice (so its starting state is worth saving)."""
         return self.cfg.reports_stats or (self.cfg.validates and self.first_iteration_complete
-                                          and self.cfg.error_injection_rate > 0)
+                                          and (self.cfg.error_injection_rate > 0 or self.cfg.check_for_large_grads))
 
     # ------------------------------------------------------------------------------------- the loop
     def run_iteration(self, iteration: int, run: Callable[[], _R], checks: Callable[[_R], list[Check]],
@@ -350,8 +373,13 @@ class RerunStateMachine:
     # ------------------------------------------------------------------------------- validation
     def validate(self, check: Check) -> None:
         """megatron-core's ``validate_result`` for one call of this run."""
-        if self.cfg.mode == "disabled":
-            return  # a real rejection is left to the divergence policy (module docstring)
+        if self.cfg.mode == "disabled":  # a non-fatal rejection is logged; the rest is the divergence policy's
+            if not check.fatal and check.reject is not None and check.reject(check.result):
+                host, device = self.identity
+                self.log("WARNING", f"Rank {self.rank}, node {host}, device {device}, iteration "
+                                    f"{self.iteration + 1}: Unexpected result {check.result} "
+                                    f"(message='{check.message}')")
+            return
         sequence = self._calls[check.message] = self._calls.get(check.message, 0) + 1
         call = (check.message, sequence)
         if self.cfg.reports_stats:
@@ -378,7 +406,7 @@ class RerunStateMachine:
     def _validate_initial(self, check: Check, call: tuple[str, int], index: int) -> None:
         if self.injector.maybe_inject(self.iteration, index):
             self.log("WARNING", f"Injecting error type {_ERROR_NAMES[self.injector.kind]}")
-        elif not check.rejected:
+        elif check.reject is None or not check.reject(check.result):
             return
         self.failed_call, self.initial_result, self.rerun_requested = call, check.result, True
         self._track("initial_run", check)

@@ -359,8 +359,7 @@ class Trainer:
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
         read, verdict = self.rerun.run_iteration(  # once, or twice on the same batches (rerun.py)
-            self.state.iteration, functools.partial(self._forward_backward, batches),
-            functools.partial(rerun.step_checks, self.divergence.cfg.check_for_nan_in_loss_and_grad),
+            self.state.iteration, functools.partial(self._forward_backward, batches), self.rerun.step_checks,
             self.rerun_snapshot)
         if verdict is not None:  # Megatron's should_checkpoint_and_exit: no optimizer step
             return StepResult(read.losses, read.grad_norm, False, read.exit_requested, read.time_up, verdict)

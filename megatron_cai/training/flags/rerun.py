@@ -28,12 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="what the re-runs of an injected rejection find")
     g.add_argument("--result-rejected-tracker-filename", type=str, default=None,
                    help="append a line for every rejected result and re-run verdict (megatron-core's format)")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="validate the gradient norm: from the 101st iteration on, one at or above 10 x the largest "
+                        "of the first 100 is re-run and judged (not fatal: training goes on)")
 
 
 def rerun_config(args: argparse.Namespace) -> RerunConfig:
     return RerunConfig(mode=args.rerun_mode, error_injection_rate=args.error_injection_rate,
                        error_injection_type=args.error_injection_type,
-                       result_rejected_tracker_filename=args.result_rejected_tracker_filename)
+                       result_rejected_tracker_filename=args.result_rejected_tracker_filename,
+                       check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+                       check_for_large_grads=args.check_for_large_grads)
 
 
 def check(args: argparse.Namespace, problems: FlagProblems) -> None:
@@ -41,9 +46,9 @@ def check(args: argparse.Namespace, problems: FlagProblems) -> None:
     cfg = rerun_config(args)
     if cfg.error_injection_rate < 0:
         problems.invalid(f"--error-injection-rate {cfg.error_injection_rate}: must be >= 0 (0: no injection)")
-    reruns = cfg.reports_stats or (cfg.validates and cfg.error_injection_rate > 0)
+    reruns = cfg.reports_stats or (cfg.validates and (cfg.error_injection_rate > 0 or cfg.check_for_large_grads))
     if reruns and args.num_experts:
-        why = f"--rerun-mode {cfg.mode}" if cfg.reports_stats else f"--error-injection-rate {cfg.error_injection_rate}"
+        why = f"--rerun-mode {cfg.mode}" if cfg.reports_stats else "--error-injection-rate / --check-for-large-grads"
         problems.conflict(f"{why} with --num-experts: a re-run would count the MoE router's token loads twice "
                           f"(its counters are not restored); drop one")
     path = cfg.result_rejected_tracker_filename

@@ -123,9 +123,6 @@ TABLE = FlagTable(
         ),
         CompatFlag("--iterations-to-skip", "skipping iterations is not implemented here", "+", int, []),
         CompatFlag("--batch-size", _DEPRECATED, None, int, None),
-        CompatFlag(
-            "--check-for-large-grads", "the large-gradient check of Megatron's rerun machinery is not implemented here"
-        ),
         CompatFlag("--checkpoint-activations", _DEPRECATED),
         CompatFlag("--dump-param-to-param-group-map", "a parameter-group map file is not read here", None, str, None),
         CompatFlag(
