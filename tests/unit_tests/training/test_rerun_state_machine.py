@@ -60,7 +60,7 @@ def _run_ours(m: RerunStateMachine, iterations: range, fatal: bool) -> list[tupl
     out = []
     for it in iterations:
         runs = []
-        _, verdict = m.run_iteration(it, lambda: runs.append(1) or 2.5,
+        _, verdict = m.run_iteration(it, lambda runs=runs: runs.append(1) or 2.5,
                                      lambda v: [Check(MESSAGE, v, tolerance=0.0, fatal=fatal)], _NoState())
         out.append((len(runs), None if verdict is None else (verdict.checkpoint, verdict.exit_code)))
         if verdict is not None:
