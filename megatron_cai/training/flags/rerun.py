@@ -5,12 +5,20 @@ megatron-core's defaults and its checks. The machine is ``training/rerun.py``.""
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..rerun import INJECTION_TYPES, MODES, RerunConfig
 
-if TYPE_CHECKING:  # report.py imports the configuration, which imports this module's config
-    from .report import FlagProblems
+
+class Problems(Protocol):
+    """What :func:`check` records into (``report.FlagProblems``, which this module cannot import: the
+    configuration it imports holds this module's config)."""
+
+    def invalid(self, text: str) -> None: ...
+
+    def conflict(self, text: str) -> None: ...
+
+    def missing(self, text: str) -> None: ...
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--result-rejected-tracker-filename", type=str, default=None,
                    help="append a line for every rejected result and re-run verdict (megatron-core's format)")
     g.add_argument("--check-for-large-grads", action="store_true",
-                   help="validate the gradient norm: from the 101st iteration on, one at or above 10 x the largest "
-                        "of the first 100 is re-run and judged (not fatal: training goes on)")
+                   help="validate the gradient norm: after 100 sampled norms (iterations 2 to 101), one at or above "
+                        "10 x their largest is re-run and judged (not fatal: training goes on)")
 
 
 def rerun_config(args: argparse.Namespace) -> RerunConfig:
@@ -41,7 +49,7 @@ def rerun_config(args: argparse.Namespace) -> RerunConfig:
                        check_for_large_grads=args.check_for_large_grads)
 
 
-def check(args: argparse.Namespace, problems: FlagProblems) -> None:
+def check(args: argparse.Namespace, problems: Problems) -> None:
     """Value rules, and the start-up line of a mode that re-runs nothing."""
     cfg = rerun_config(args)
     if cfg.error_injection_rate < 0:
