@@ -7,8 +7,9 @@
   last good checkpoint (printed as one ``error:`` line, exit status 2).
 - A save is refused (with a warning) while the last iteration was skipped, or when any parameter or
   Adam state holds a non-finite value, so the tracker stays on the last good checkpoint.
-- ``--rerun-mode`` (Megatron's rerun state machine, ``rerun.py``) re-runs iterations whose validated results are
-  rejected by error injection; it leaves real non-finite values to the policy above.
+- ``--rerun-mode`` (Megatron's rerun state machine, ``features/rerun.py``) re-runs iterations whose validated
+  results are rejected (by error injection, or ``--check-for-large-grads``); it leaves real non-finite values to
+  the policy above.
 - ``--check-for-spiky-loss``: a finite loss above ``--spiky-loss-factor`` x the running median of the
   last ``--spiky-loss-window`` finite losses is logged and counted (training goes on).
 """
@@ -26,8 +27,8 @@ from torch.distributed.tensor import DTensor
 from ..core.distributed.contracts import ModelChunk
 from ..core.optimizer.clip_grads import GlobalNormClipping
 from .errors import UserError
+from .features.rerun import RerunConfig
 from .flags import rerun as rerun_flags
-from .rerun import RerunConfig
 
 
 class DivergenceError(UserError, RuntimeError):
@@ -41,7 +42,7 @@ class DivergenceConfig:
     check_for_spiky_loss: bool = False
     spiky_loss_factor: float = 10.0
     spiky_loss_window: int = 100
-    rerun: RerunConfig = RerunConfig()  # Megatron's rerun state machine (rerun.py)
+    rerun: RerunConfig = RerunConfig()  # Megatron's rerun state machine (features/rerun.py)
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skipped_iterations < 0:

@@ -42,11 +42,12 @@ from ..core.optimizer.optimizer import build_optimizer
 from ..core.pipeline_parallel.schedules import get_forward_backward_func
 from ..core.transformer.compile import compile_transformer_layers
 from ..core.transformer.lse_stats import LseStatsCollector
-from . import divergence, rerun
+from . import divergence
 from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
 from .errors import DataError
+from .features import rerun
 from .features.diloco import DilocoCheckpoint, DilocoSeam
 from .features.distill import setup_distillation
 from .features.moe import MoEMetrics
@@ -358,7 +359,7 @@ class Trainer:
         self.microbatches.update(self.state.consumed_train_samples)
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
-        read, verdict = self.rerun.run_iteration(  # once, or twice on the same batches (rerun.py)
+        read, verdict = self.rerun.run_iteration(  # once, or twice on the same batches (features/rerun.py)
             self.state.iteration, functools.partial(self._forward_backward, batches), self.rerun.step_checks,
             self.rerun_snapshot)
         if verdict is not None:  # Megatron's should_checkpoint_and_exit: no optimizer step

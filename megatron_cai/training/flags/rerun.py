@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Protocol
 
-from ..rerun import INJECTION_TYPES, MODES, RerunConfig
+from ..features.rerun import INJECTION_TYPES, MODES, RerunConfig
 
 
 class Problems(Protocol):

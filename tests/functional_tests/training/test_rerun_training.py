@@ -1,9 +1,11 @@
-"""Megatron's rerun state machine in real trainings (training/rerun.py): an injected transient error on a non-fatal
-check is re-run and training goes on with the losses and weights of a run without injection (dropout on, so the
-restored RNG matters); an injected persistent error saves the iteration's start and exits 16, a resume on the same
-device exits 16 again and one elsewhere ends with "Possible persistent error" and exit 17; a transient error on a
-fatal check exits 17 without saving; validate_results without injection and disabled change nothing;
-report_stats re-runs every iteration and reports identical results (the CPU path is deterministic)."""
+"""Megatron's rerun state machine in real trainings (training/features/rerun.py).
+
+An injected transient error on a non-fatal check is re-run and training goes on with the losses and weights of a
+run without injection (dropout on, so the restored RNG matters); an injected persistent error saves the
+iteration's start and exits 16, a resume on the same device exits 16 again and one elsewhere ends with "Possible
+persistent error" and exit 17; a transient error on a fatal check exits 17 without saving; validate_results
+without injection and disabled change nothing; report_stats re-runs every iteration and reports identical
+results (the CPU path is deterministic)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from testlib.train import TINY_MODEL
 
 import pretrain_gpt
 from megatron_cai.core import parallel_state as ps
-from megatron_cai.training.rerun import STATE_FILE
+from megatron_cai.training.features.rerun import STATE_FILE
 from megatron_cai.training.training import Trainer, pretrain
 
 BASE = ["--mock-data", *TINY_MODEL, "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",

@@ -8,7 +8,7 @@ import typing
 import pytest
 
 from megatron_cai.training.arguments import ArgumentError, parse_config
-from megatron_cai.training.rerun import RerunConfig
+from megatron_cai.training.features.rerun import RerunConfig
 
 BASE = ["--mock-data", "--vocab-size", "64", "--train-iters", "2"]
 FLAGS = ("--rerun-mode", "--error-injection-rate", "--error-injection-type", "--result-rejected-tracker-filename",

@@ -1,5 +1,5 @@
-"""The rerun state machine (training/rerun.py) against megatron-core 0.19.2's own ``RerunStateMachine``: the same
-validation calls, with each injected error type, fatal or not, re-run from a checkpoint on the same or another
+"""The rerun state machine (training/features/rerun.py) against megatron-core 0.19.2's own ``RerunStateMachine``: the
+same validation calls, with each injected error type, fatal or not, re-run from a checkpoint on the same or another
 device, give the same number of runs per iteration, the same verdicts (checkpoint, exit code) and megatron-core's
 log messages; its QuickStats report and comparison rule; the tracker file in megatron-core's format."""
 
@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from megatron_cai.training.rerun import (
+from megatron_cai.training.features.rerun import (
     Check,
     QuickStats,
     RerunConfig,
@@ -159,7 +159,7 @@ def test_disabled_mode_injects_nothing_and_reruns_nothing():
 def test_injection_rate_is_one_in_n_calls_and_the_same_on_every_rank():
     """--error-injection-rate 10: over many iterations' first calls, about 1 in 10 is injected; the draw depends
     only on (seed, iteration, call), so every rank (and a resumed run) makes the same."""
-    from megatron_cai.training.rerun import ErrorInjector
+    from megatron_cai.training.features.rerun import ErrorInjector
 
     hits = []
     for it in range(4000):

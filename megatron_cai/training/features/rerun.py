@@ -41,13 +41,13 @@ from typing import Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..core import device as device_mod
-from ..core import parallel_state as ps
-from ..core.distributed.contracts import GradReducer
-from ..core.tensor_parallel.random import get_rng_tracker
-from .errors import UserError
-from .logging import print_rank_last
-from .step_readback import StepReadback
+from ...core import device as device_mod
+from ...core import parallel_state as ps
+from ...core.distributed.contracts import GradReducer
+from ...core.tensor_parallel.random import get_rng_tracker
+from ..errors import UserError
+from ..logging import print_rank_last
+from ..step_readback import StepReadback
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16  # megatron-core's: restart (elsewhere) to establish a diagnostic
 EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17  # megatron-core's: the job failed on result validation
