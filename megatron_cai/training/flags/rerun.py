@@ -14,8 +14,6 @@ class Problems(Protocol):
     """What :func:`check` records into (``report.FlagProblems``, which this module cannot import: the
     configuration it imports holds this module's config)."""
 
-    def invalid(self, text: str) -> None: ...
-
     def conflict(self, text: str) -> None: ...
 
     def missing(self, text: str) -> None: ...
@@ -52,8 +50,6 @@ def rerun_config(args: argparse.Namespace) -> RerunConfig:
 def check(args: argparse.Namespace, problems: Problems) -> None:
     """Value rules, and the start-up line of a mode that re-runs nothing."""
     cfg = rerun_config(args)
-    if cfg.error_injection_rate < 0:
-        problems.invalid(f"--error-injection-rate {cfg.error_injection_rate}: must be >= 0 (0: no injection)")
     reruns = cfg.reports_stats or (cfg.validates and (cfg.error_injection_rate > 0 or cfg.check_for_large_grads))
     if reruns and args.num_experts:
         why = f"--rerun-mode {cfg.mode}" if cfg.reports_stats else "--error-injection-rate / --check-for-large-grads"

@@ -57,7 +57,7 @@ def test_disabled_says_so_once():
 
 
 @pytest.mark.parametrize("extra,start", [
-    (["--error-injection-rate", "-1"], "--error-injection-rate -1: invalid: must be >= 0"),
+    (["--error-injection-rate", "-1"], "--error-injection-rate -1: must be finite and >= 0"),
     (["--error-injection-rate", "10", "--num-experts", "4"], "--error-injection-rate / --check-for-large-grads with"),
     (["--rerun-mode", "report_stats", "--num-experts", "4"], "--rerun-mode report_stats with --num-experts"),
     (["--result-rejected-tracker-filename", "/nonexistent-dir/x.txt"],
