@@ -228,7 +228,25 @@ def test_large_grads_rule_is_megatron_cores(core):
     ours = _ours("transient_error", lines)
     theirs = mcore.RerunStateMachine()
     rng = random.Random(3)
-    values = [rng.uniform(0.5, 2.0) for _ in range(100)] + [19.0, 25.0, 1.0, 21.0]
+    values = [rng.uniform(0.5, 2.0) for _ in range(100)]
+    values += [19.0, 25.0, 1.0, 10 * max(values), 21.0]  # 10 x the max: at the threshold, large
     got = [ours.is_unexpectedly_large(v, 10.0, "grads") for v in values]
     want = [theirs.is_unexpectedly_large(torch.tensor(v), 10.0, "grads") for v in values]
     assert got == want and got[100:] == [v >= 10 * max(values[:100]) for v in values[100:]]
+
+
+def test_state_file_round_trips_for_its_iteration_only(tmp_path):
+    from megatron_cai.training.features.rerun import RerunStateError, read_state, write_state
+
+    lines: list[str] = []
+    m = _ours("persistent_error", lines)
+    _run_ours(m, range(3), True)
+    sd = m.state_dict(1, [(HOST, 0), ("other", 1)])
+    write_state(str(tmp_path), sd)
+    assert read_state(str(tmp_path), 1) == sd and read_state(str(tmp_path), 2) is None
+    assert read_state(str(tmp_path / "none"), 1) is None
+    for bad in ('{"iteration": 1}', "not json", '{"iteration": 1, "state": "will_rerun_from_checkpoint", '
+                '"failed_call": ["m", 1], "initial_result": 1.0, "injected_error_type": "rm -rf", "suspicious": []}'):
+        (tmp_path / "rerun_state_machine.json").write_text(bad)
+        with pytest.raises(RerunStateError, match="rerun_state_machine.json"):
+            read_state(str(tmp_path), 1)
