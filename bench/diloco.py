@@ -62,13 +62,14 @@ OUTER_RE = re.compile(r"diloco outer .*?bytes sent (\d+) .*?inner loop waited ([
 # ------------------------------------------------------------------------------------------ part 1
 # Options a finished row does not depend on (a row's key names its configuration, rate and seed): a run with
 # another subset of them takes the rows an earlier one finished.
-ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seeds", "dp_link_seeds", "projection_only")
+ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seeds", "dp_link_seeds", "link_seeds",
+                   "projection_only")
 
 
 def configurations(opts) -> dict[str, list[str]]:
     diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
               str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
-              str(opts.outer_lr), "--diloco-outer-momentum", "0.9"]
+              str(opts.outer_lr), "--diloco-outer-momentum", str(opts.outer_momentum)]
     return {"dp fp32": [], "dp bf16": ["--grad-reduce-in-bf16"],
             "dp squinch": ["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
             "diloco 6": diloco + ["--diloco-outer-bits", "6"], "diloco 16": diloco + ["--diloco-outer-bits", "16"]}
@@ -91,6 +92,7 @@ def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str
     argv = ["pretrain_gpt.py", *(QUICK_MODEL if opts.quick else MODEL), *flags, "--data-path", prefix,
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--split", "949,50,1",
             "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10), "--lr-decay-style", "cosine", "--seed", str(seed),
+            "--lr-warmup-iters", str(opts.warmup_iters),
             "--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval", str(opts.iters),
             "--eval-iters", str(opts.eval_iters), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--position-embedding-type", "rope", "--num-workers", "0"]
@@ -114,6 +116,11 @@ def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str
             "outer_bytes_per_rank": [b for b, _ in outer]}
 
 
+def link_seeds(opts, name: str) -> int | None:
+    """Over how many of the first seeds ``name`` runs over a shaped link (None: all)."""
+    return opts.dp_link_seeds if name.startswith("dp") and opts.dp_link_seeds is not None else opts.link_seeds
+
+
 def measure(opts, results: H.Results) -> list[dict]:
     data = demo_corpus(opts.cache_dir, **({"vocab": QUICK["vocab"], "max_mb": QUICK["corpus_mb"]} if opts.quick
                                           else {"vocab": 2048, "max_mb": 4.0}))
@@ -127,8 +134,8 @@ def measure(opts, results: H.Results) -> list[dict]:
                 for name in names:
                     if rate is not None and name not in over_link:
                         continue
-                    if rate is not None and name.startswith("dp") and seed not in opts.seeds[:opts.dp_link_seeds]:
-                        continue  # DP's losses do not depend on the link: its unshaped run has them (see acceptance)
+                    if rate is not None and seed not in opts.seeds[:link_seeds(opts, name)]:
+                        continue  # the losses do not depend on the link: the unshaped run has them (see acceptance)
                     key = f"{name}|{link.rate_key(rate)}|{seed}"
                     row = results.row(key, lambda n=name, r=rate, s=seed: run(n, configs[n], r, s, opts, data))
                     rows.append({**row, **results.meta.get(key, {})})  # the load average it ran under, when
@@ -218,13 +225,18 @@ def acceptance(rows: list[dict]) -> list[str]:
     unshaped runs, which equal its shaped ones: checked where both ran), wall time and slow-link bytes per token;
     then 6-bit against bf16 pseudo-gradients."""
     out = ["## Acceptance", ""]
-    same = [(r["val_loss"], u["val_loss"]) for r in rows if r["name"].startswith("dp") and r["rate"] != "unshaped"
+    same = [(r["val_loss"], u["val_loss"]) for r in rows if r["rate"] != "unshaped"
             for u in rows if u["rate"] == "unshaped" and u["name"] == r["name"] and u["seed"] == r["seed"]]
     if same:
         equal = sum(a == b for a, b in same)
-        out.append(f"Synchronous DP's validation loss over a shaped link equals its unshaped run's in {equal} of "
-                   f"{len(same)} (configuration, seed) pairs (the link changes its time, not its arithmetic).")
-    dp_loss = [r["val_loss"] for r in rows if r["name"] == "dp bf16" and r["rate"] == "unshaped"]
+        out.append(f"A configuration's validation loss over a shaped link equals its unshaped run's in {equal} of "
+                   f"{len(same)} (configuration, seed) pairs (the link changes its time, not its arithmetic), so the "
+                   "losses below are the unshaped runs' (every seed), and the time and bytes the shaped runs'.")
+
+    def unshaped_losses(name: str) -> list[float]:
+        return [r["val_loss"] for r in rows if r["name"] == name and r["rate"] == "unshaped"]
+
+    dp_loss = unshaped_losses("dp bf16")
     for rate in dict.fromkeys(r["rate"] for r in rows if r["rate"] != "unshaped"):
         def at(name: str) -> list[dict]:
             return [r for r in rows if r["name"] == name and r["rate"] == rate]  # noqa: B023
@@ -232,21 +244,26 @@ def acceptance(rows: list[dict]) -> list[str]:
         if not six or not dp:
             continue
         dp_losses = dp_loss or [r["val_loss"] for r in dp]  # --quick has no unshaped runs
-        loss_gap = _mean([r["val_loss"] for r in six]) / _mean(dp_losses) - 1
+        six_losses = unshaped_losses("diloco 6") or [r["val_loss"] for r in six]
+        loss_gap = _mean(six_losses) / _mean(dp_losses) - 1
         wall = _mean([r["wall_s"] for r in six]) / _mean([r["wall_s"] for r in dp])
         by = _mean([r["crossing_bytes"] / r["tokens"] for r in six]) / _mean([r["crossing_bytes"] / r["tokens"]
                                                                               for r in dp])
         payload = _mean([r["counted_bytes"] / r["tokens"] for r in six]) / _mean([r["crossing_bytes"] / r["tokens"]
                                                                                  for r in dp])
         verdict = {True: "holds", False: "NOT"}
+        seeds = f"{len(six_losses)} and {len(dp_losses)} seeds"
         out.append(f"- {rate} Mbit/s: Squinch-DiLoCo's validation loss is {loss_gap:+.2%} against bf16 DP's "
-                   f"({len(six)} and {len(dp_losses)} seeds; target within 2%: {verdict[abs(loss_gap) <= 0.02]}), "
+                   f"({seeds}; target within 2%: {verdict[abs(loss_gap) <= 0.02]}), "
                    f"its wall time {wall:.3f}x DP's (target <= 0.2: {verdict[wall <= 0.2]}), its slow-link "
                    f"bytes per token {by:.4f}x DP's (target <= 0.01: {verdict[by <= 0.01]}; the outer payload alone, "
-                   f"without the run's other traffic over the link (start-up, per-step logging): {payload:.4f}x).")
+                   f"without the run's other traffic over the link (start-up, exit votes, evaluation): "
+                   f"{payload:.4f}x).")
         sixteen = at("diloco 16")
         if sixteen:
-            d = [a["val_loss"] - b["val_loss"] for a in six for b in sixteen if a["seed"] == b["seed"]]
+            paired = {n: {r["seed"]: r["val_loss"] for r in rows if r["name"] == n and r["rate"] == "unshaped"}
+                      or {r["seed"]: r["val_loss"] for r in at(n)} for n in ("diloco 6", "diloco 16")}
+            d = [v - paired["diloco 16"][s] for s, v in paired["diloco 6"].items() if s in paired["diloco 16"]]
             b6 = _mean([r["crossing_bytes"] / r["tokens"] for r in six])
             b16 = _mean([r["crossing_bytes"] / r["tokens"] for r in sixteen])
             p6, p16 = (_mean([r["counted_bytes"] / r["tokens"] for r in rs]) for rs in (six, sixteen))
@@ -261,8 +278,11 @@ def render(res: dict) -> str:
     rows = res.get("measured", [])
     if rows:
         o = res["options"]
+        mu = o.get("outer_momentum", 0.9)
+        momentum = f"Nesterov momentum {mu}" if mu else "no outer momentum"
         lines += [f"2 islands x 2 ranks; {o['iters']} iterations; DiLoCo H = {o['inner_steps']}, K = {o['fragments']}, "
-                  f"tau = {o['overlap']}, outer lr {o['outer_lr']}, Nesterov 0.9; seeds {o['seeds']}; bytes measured "
+                  f"tau = {o['overlap']}, outer lr {o['outer_lr']}, {momentum}; {o.get('warmup_iters', 0)} warm-up "
+                  f"iterations (every configuration); seeds {o['seeds']}; bytes measured "
                   f"on: {rows[0]['measured_on']}. Model error bound {ERROR_BOUND:.0%}.", "",
                   "| link | configuration | val loss (mean +- sd) | wall s | slow-link bytes / token | utilisation | "
                   "model wall s (error) |", "|---|---|---|---|---|---|---|"]
@@ -348,17 +368,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-configs", nargs="*", default=None,
                    help="the configurations run over the shaped links too (default: all of --configs; the others "
                         "run unshaped only)")
-    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--inner-steps", type=int, default=30)
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
-    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-lr", type=float, default=1.4,
+                   help="the outer SGD's learning rate (above 1 makes up for the averaged islands' shorter steps)")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov momentum of the outer SGD (0: none)")
+    p.add_argument("--warmup-iters", type=int, default=None,
+                   help="linear learning-rate warm-up of every configuration (default: a tenth of --iters)")
     p.add_argument("--dp-link-seeds", type=int, default=None,
                    help="synchronous DP over a shaped link at the first N seeds only (its losses equal the unshaped "
                         "run's, which the report checks; over a 10 Mbit/s link one DP run takes tens of minutes)")
+    p.add_argument("--link-seeds", type=int, default=None,
+                   help="every configuration over a shaped link at the first N seeds only (the losses are the "
+                        "unshaped runs'; the report checks that they equal the shaped ones where both ran)")
     p.add_argument("--no-netns", action="store_true", help="every rank on the loopback, unshaped")
     p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
                                        overlap=1, configs=["dp bf16", "diloco 6"]))
+    if opts.warmup_iters is None:
+        opts.warmup_iters = opts.iters // 10
     link.use_namespaces(not opts.no_netns)
     results = H.Results(opts.out, settings={k: v for k, v in vars(opts).items() if k not in ROW_INDEPENDENT})
     if opts.from_json:
@@ -368,8 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
     payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "seeds", "rates", "quick", "dp_link_seeds",
-                                                         "link_configs")},
+                                                         "outer_lr", "outer_momentum", "warmup_iters", "seeds", "rates",
+                                                         "quick", "dp_link_seeds",
+                                                         "link_seeds", "link_configs")},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
 

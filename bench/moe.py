@@ -17,10 +17,14 @@ over training (fraction of the routed tokens per expert, first seed, bf16 run).
     python bench/moe.py --seeds 1 2 3 --iters 400      # results/moe.{json,md,png}
     python bench/moe.py --quick                        # 2 iterations of a toy model, every variant
 
-Run time: 9 trainings (3 variants x 3 seeds) of --iters 400 on 4 gloo ranks, one after another; each row is saved
-as it finishes (an interrupted run resumes from bench/results/moe.rows.json). Each row's wall time is recorded
-("wall_s") and the table ends with the run's total; no quiet-machine figure is recorded yet (the --quick run takes
-about a minute on a shared 2-core machine).
+The report also sets the MoE's final validation loss with Squinch gradients against bf16 gradients, seed by seed,
+and says whether the Squinch arm's mean lies within the bf16 arm's seed spread (min-max over seeds).
+
+Run time: 9 trainings (3 variants x 3 seeds) of --iters 400 on 4 gloo ranks, one after another, the two MoE arms
+at every seed first, then the dense baseline; each row is saved as it finishes (an interrupted run resumes from
+bench/results/moe.rows.json). Each row's wall time is recorded ("wall_s") and the table ends with the run's total
+and the machine's load; the committed results were measured on a shared, loaded 2-core machine (about 45 min), so
+their tokens/s and times are not performance figures.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import time
 
 import harness as H
 from harness.data import QUICK, demo_corpus
+from harness.results import load_line
 
 from megatron_cai.testing.distributed import run_distributed
 
@@ -120,9 +125,38 @@ def render(payload: dict) -> str:
         grad = f"{rs[0]['grad_bytes_per_iter']:,}" if rs else "-"
         disp = f"{rs[0]['dispatch_bytes_per_iter']:,.0f}" if rs and name != "dense" else "-"
         lines.append(f"| {name} | {mean} | {std} | {tps} | {grad} | {disp} |")
+    lines += ["", *_squinch_vs_bf16(runs, seeds)]
     wall = payload.get("wall_s")
     took = f"\n\nRun time: {wall / 60:.1f} min (the trainings' wall time, one after another)." if wall else ""
-    return "\n".join(lines) + took + f"\n\n![expert load]({payload['name']}.png)\n"
+    machine = payload.get("machine")
+    load = (f" Machine at the start: {load_line(machine['start'])}; at the end: {load_line(machine['end'])} "
+            "(shared: tokens/s and run time are not performance figures)." if machine else "")
+    return "\n".join(lines) + took + load + f"\n\n![expert load]({payload['name']}.png)\n"
+
+
+def _squinch_vs_bf16(runs: dict, seeds: list[int]) -> list[str]:
+    """The MoE's final validation loss with Squinch expert (and dense) gradients against bf16 gradients, seed by
+    seed: is the Squinch arm's mean within the bf16 arm's seed spread (its min-max over seeds)?"""
+    finals = {name: {s: _final(runs[f"{name}@{s}"]) for s in seeds if f"{name}@{s}" in runs}
+              for name in ("moe", "moe squinch")}
+    rows = ["| seed | MoE bf16 | MoE Squinch | Squinch - bf16 |", "|---|---|---|---|"]
+    for s in seeds:
+        a, b = finals["moe"].get(s), finals["moe squinch"].get(s)
+        gap = f"{b - a:+.4f}" if a is not None and b is not None else "-"
+        rows.append(f"| {s} | {a if a is None else f'{a:.4f}'} | {b if b is None else f'{b:.4f}'} | {gap} |")
+    bf16, squinch = list(finals["moe"].values()), list(finals["moe squinch"].values())
+    if len(bf16) < 2 or not squinch:
+        return ["Squinch vs bf16 (MoE): not enough finished seeds yet.", "", *rows]
+    lo, hi, mean = min(bf16), max(bf16), statistics.mean(squinch)
+    verdict = "within" if lo <= mean <= hi else "outside"
+    gaps = [finals["moe squinch"][s] - finals["moe"][s] for s in seeds
+            if s in finals["moe"] and s in finals["moe squinch"]]
+    paired = (f" Paired by seed, Squinch is above bf16 at {sum(g > 0 for g in gaps)} of {len(gaps)} seeds (mean gap "
+              f"{statistics.mean(gaps):+.4f})." if gaps else "")
+    return [f"Squinch vs bf16 gradients (MoE, final validation loss, {len(squinch)} and {len(bf16)} seeds): Squinch "
+            f"mean {mean:.4f}, bf16 mean {statistics.mean(bf16):.4f}, bf16 seed spread [{lo:.4f}, {hi:.4f}] (std "
+            f"{statistics.stdev(bf16):.4f}): the Squinch mean is **{verdict}** the bf16 run's seed spread.{paired}",
+            "", *rows]
 
 
 def plot(payload: dict, path: str) -> None:
@@ -181,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
         return run_distributed(_worker, 4, (argvs, model["hidden"]), env={"OMP_NUM_THREADS": "1"},
                                timeout=6 * 3600)[-1]
 
-    keys = [(name, seed) for seed in opts.seeds for name in VARIANTS]
+    # the two MoE arms (bf16 and Squinch gradients, acceptance 3.2) at every seed first, then the dense baseline
+    order = sorted(VARIANTS, key=lambda name: name == "dense")
+    keys = [(name, seed) for name in order for seed in opts.seeds]
     runs = {}
     if opts.quick:  # every variant in one set of ranks
         runs = dict(zip((f"{n}@{s}" for n, s in keys), run([_argv(n, model, opts, data, tok, s) for n, s in keys])))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -89,12 +90,13 @@ def rate_key(rate: float | None) -> str:
 
 
 class _Ports:
-    def __init__(self) -> None:
-        self.port = 29800
+    """A port for each job's store: one the kernel says is free now (a fixed sequence collided with another bench
+    or test running at the same time: a rank then joined the other job's store and waited there)."""
 
     def next(self) -> int:
-        self.port += 1
-        return self.port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
 
 
 PORTS = _Ports()

@@ -198,6 +198,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     layouts = {name: [[r + i * island_size for r in ranks] for i in range(islands) for ranks in groups]
                for name, groups in one_island.items()}
     layouts["outer"] = [[r + i * island_size for i in range(islands)] for r in range(island_size)]
+    if islands > 1:  # every rank of one island: the inner loop's world (its norm, its skip decisions)
+        layouts["island"] = [list(range(i * island_size, (i + 1) * island_size)) for i in range(islands)]
     for name, groups in layouts.items():
         for ranks in groups:
             pg = new_group(ranks) if world > 1 else None
@@ -465,6 +467,16 @@ def get_island_rank() -> int:
 def get_outer_group():
     """The ranks at this rank's position in every island (None with one island)."""
     return _group("outer") if get_num_islands() > 1 else None
+
+
+def get_island_group():
+    """Every rank of this rank's island: the inner loop's world (None, the whole world, with one island)."""
+    return _group("island") if get_num_islands() > 1 else None
+
+
+def get_island_world_size() -> int:
+    """How many ranks one island holds (the world size with one island)."""
+    return get_world_size() // get_num_islands()
 
 
 def get_outer_global_ranks() -> list[int]:

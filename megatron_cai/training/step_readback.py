@@ -81,12 +81,18 @@ def nonfinite_count(stats: list[dict], device: torch.device) -> torch.Tensor:
 def read_step(norm_sq: torch.Tensor, stats: list[dict], exit_signal: bool, device: torch.device,
               time_up: bool = False) -> StepReadback:
     """The step's one read-back (collective over the world; over DP x CP for the losses). ``time_up`` is this
-    rank's vote (only rank 0 votes, see :class:`Deadline`)."""
+    rank's vote (only rank 0 votes, see :class:`Deadline`).
+
+    With DiLoCo's islands the gradient norm and the non-finite count are the island's own (each island is its
+    own inner-loop job) and only the two exit votes cross the slow link: two all-reduces, the same read."""
     keys, means = loss_means(stats, ps.get_data_parallel_group(with_context_parallel=True),
                              ps.get_data_parallel_world_size(with_context_parallel=True))
     votes = [torch.full((), float(v), dtype=torch.float64, device=device) for v in (exit_signal, time_up)]
     flags = torch.stack([norm_sq.to(torch.float64), nonfinite_count(stats, device), *votes])
-    if ps.get_world_size() > 1:
+    if ps.get_num_islands() > 1:
+        dist.all_reduce(flags[:2], group=ps.get_island_group())
+        dist.all_reduce(flags[2:])
+    elif ps.get_world_size() > 1:
         dist.all_reduce(flags)
     vec = flags if means is None else torch.cat([flags, means.to(torch.float64)])
     total, nonfinite, exits, time_votes, *losses = vec.tolist()  # the one host read

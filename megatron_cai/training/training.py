@@ -729,9 +729,9 @@ class Trainer:
         maxes = maxes.to(torch.float64)
         if memory is not None:
             maxes = torch.cat([maxes, memory.as_tensor(self.device)])
-        if ps.get_world_size() > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        if ps.get_island_world_size() > 1:  # with DiLoCo's islands: the island's (its line), nothing over the link
+            dist.all_reduce(sums, group=ps.get_island_group())
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_island_group())
         values = torch.cat([sums.to(torch.float64).flatten(), maxes]).tolist()
         out = {}
         for layer in range(layers):

@@ -7,6 +7,14 @@ reduce; rank order TP, CP, DP, PP keeps it one mesh dimension): every transforme
 and the chunk itself the root unit (final norm and output layer, which ``GPTModel._logits`` uses outside
 any submodule's forward). Parameters are the TP-local shards, so FSDP2 shards TP shards over DP.
 
+MoE: each layer's routed experts (``GroupedExperts``, this EP rank's experts, expert-TP-local) are a unit of
+their own, sharded over the expert-data-parallel mesh (parallel_state's expert-DP group: the ranks holding the
+same experts), inside their layer's unit, which then holds the dense parameters only (torchtitan's layout).
+Their reduce-scatter runs over expert DP; FSDP2 divides by its size, and the unit's all-reduce hook first
+multiplies by expert-DP / (DP x CP) (``ExpertGradScale``): each expert's gradient already sums what every EP
+rank's tokens contributed, and the result is the same DP x CP mean as the dense gradients' (the DDP path's
+pre-scale, ``expert_reducer.py``).
+
 ``FullyShardedChunk`` offers the interface the schedules and the trainer use on the DDP wrapper:
 ``set_is_last_microbatch`` (FSDP2's ``set_requires_gradient_sync`` / ``set_is_last_backward``: no
 reduce-scatter before the last micro-batch's backward of the chunk), ``zero_grad_buffer``,
@@ -34,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import device as device_mod
 from .. import parallel_state as ps
+from ..transformer.moe.experts import GroupedExperts
 from .config import DDPConfig
 from .contracts import NO_TIMERS
 from .squinch_fsdp import CountingReduceScatter, SquinchReduceScatter
@@ -70,6 +79,7 @@ class ParamMeta:
     tp_replicated: bool
     allreduce_over_tp: bool
     decay: bool
+    expert: bool = False  # MoE routed experts: sharded over the expert-DP mesh
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +110,30 @@ def build_dp_mesh(device: torch.device, hierarchical: bool = False) -> DeviceMes
     return mesh["dp"]
 
 
+def build_expert_dp_mesh(device: torch.device) -> DeviceMesh:
+    """MoE: parallel_state's expert-data-parallel group (the ranks that hold the same experts) as a 1-D mesh
+    (after ``build_dp_mesh``, which starts torch.distributed for a single process)."""
+    group = ps.get_expert_data_parallel_group() if ps.get_world_size() > 1 else dist.group.WORLD
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("edp",))
+
+
+def expert_units(module: nn.Module) -> list[GroupedExperts]:
+    """The routed experts of each MoE layer (each gets its own ``fully_shard`` over the expert-DP mesh)."""
+    return [m for m in module.modules() if isinstance(m, GroupedExperts)]
+
+
+class ExpertGradScale:
+    """An expert unit's all-reduce hook: scale the reduce-scattered shard by expert-DP / (DP x CP) before FSDP2
+    divides it by expert DP (a no-op when the two groups are one)."""
+
+    def __init__(self, expert_dp: int, dp: int) -> None:
+        self.factor = expert_dp / dp
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if self.factor != 1.0:
+            reduce_output.mul_(self.factor)
+
+
 def sharding_units(module: nn.Module) -> list[nn.Module]:
     """Sub-modules that get their own ``fully_shard`` (the chunk itself is the root unit)."""
     units = list(module.decoder.layers.values())
@@ -115,14 +149,20 @@ class FullyShardedChunk(nn.Module):
     data_parallel_kind = "fsdp2"
 
     def __init__(self, module: nn.Module, dp_mesh: DeviceMesh, settings: FSDPSettings,
-                 device: torch.device) -> None:
+                 device: torch.device, expert_mesh: DeviceMesh | None = None) -> None:
+        """``expert_mesh``: the expert-DP mesh of MoE experts (None: experts shard with their layer, over
+        ``dp_mesh``)."""
         super().__init__()
         self.settings = settings
         self.meta = {name: ParamMeta(bool(getattr(p, "shared_embedding", False)),
                                      getattr(p, "tp_dim", None) is None,
-                                     bool(getattr(p, "allreduce_over_tp", False)), p.dim() > 1)
+                                     bool(getattr(p, "allreduce_over_tp", False)), p.dim() > 1,
+                                     bool(getattr(p, "is_expert", False)))
                      for name, p in module.named_parameters()}
         policy = settings.mp_policy()
+        experts = expert_units(module) if expert_mesh is not None else []
+        for unit in experts:  # first: the layers' units then skip the experts' parameters
+            fully_shard(unit, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
         for unit in sharding_units(module):
             fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
         fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
@@ -136,6 +176,8 @@ class FullyShardedChunk(nn.Module):
                 if isinstance(comm, SquinchReduceScatter) and comm.hierarchical:  # nodes, then divide by DP
                     m.set_all_reduce_hook(comm.all_reduce_hook)
                     m.set_gradient_divide_factor(float(ps.get_data_parallel_world_size(True)))
+                if any(m is unit for unit in experts):  # reduced over expert DP: rescale to the DP x CP mean
+                    m.set_all_reduce_hook(ExpertGradScale(expert_mesh.size(), ps.get_data_parallel_world_size(True)))
                 self.comms[name or "root"] = comm
         self.reducer = UnitReducers(self.comms)
         self.reducer.attach(device)  # the gradients' device: Squinch state is restored there
@@ -187,6 +229,8 @@ class FullyShardedChunk(nn.Module):
                 dist.get_rank(ps.get_data_parallel_inter_node_group()) != 0:
             return False
         m = self.meta[name]
+        if m.expert:  # distinct over EP x expert TP, sharded over expert DP
+            return True
         if m.shared_embedding and not self.module.pre_process:
             return False
         return not (m.tp_replicated and ps.get_tensor_model_parallel_rank() != 0)
@@ -239,13 +283,17 @@ class UnitReducers:
 
 def wrap_model_chunks(chunks: list[nn.Module], device: torch.device,
                       settings: FSDPSettings) -> list[FullyShardedChunk]:
-    """Shard every model chunk of this rank over DP (after ``chunk.to(device)``)."""
+    """Shard every model chunk of this rank over DP (after ``chunk.to(device)``); MoE experts over expert DP
+    (except under HSDP, which the flags allow at EP 1 only: there the experts shard with their layer)."""
     mesh = build_dp_mesh(device, settings.hsdp)
-    return [FullyShardedChunk(c, mesh, settings, device) for c in chunks]
+    moe = any(expert_units(c) for c in chunks)
+    expert_mesh = build_expert_dp_mesh(device) if moe and not settings.hsdp else None
+    return [FullyShardedChunk(c, mesh, settings, device, expert_mesh) for c in chunks]
 
 
-__all__: list[str] = ["FSDPSettings", "FullyShardedChunk", "UnitReducers", "build_dp_mesh", "build_fsdp2", "local",
-                      "sharding_units", "wrap_model_chunks"]
+__all__: list[str] = ["ExpertGradScale", "FSDPSettings", "FullyShardedChunk", "UnitReducers", "build_dp_mesh",
+                      "build_expert_dp_mesh", "build_fsdp2", "expert_units", "local", "sharding_units",
+                      "wrap_model_chunks"]
 
 
 def build_fsdp2(chunks: list[nn.Module], device: torch.device, ddp: DDPConfig, *, bf16: bool,

@@ -5,7 +5,8 @@ is the base of ``DistributedAdamW`` and ``FullyShardedAdamW``: no attribute of t
 Each optimizer says which gradient tensors it owns (:meth:`GlobalNormClipping.owned_grads`: what it
 updates, and what clipping and ``--fp16``'s unscaling multiply) and which count in the global norm
 (:meth:`GlobalNormClipping.norm_grads`: each distinct gradient element once over all TP / PP / DP
-ranks). The norm is one fp64 sum of squares, all-reduced over the world; the training loop reads it back
+ranks). The norm is one fp64 sum of squares, all-reduced over the world (over one island with DiLoCo's
+islands: each island is its own inner-loop job); the training loop reads it back
 with the rest of its step decisions (``training/step_readback.py``), once per iteration.
 """
 from __future__ import annotations
@@ -52,8 +53,8 @@ class GlobalNormClipping(ABC):
         total = torch.zeros((), dtype=torch.float64, device=self.grad_device())
         for t in tensors:
             total += fn(t.reshape(-1))
-        if ps.get_world_size() > 1:
-            dist.all_reduce(total)
+        if ps.get_island_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_island_group())
         return total.item()
 
     @torch.no_grad()
@@ -75,12 +76,12 @@ class GlobalNormClipping(ABC):
         return total
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks (nan when non-finite).
+        """Global L2 norm of the DP-mean gradient over all TP/PP/DP ranks of the island (nan when non-finite).
 
         Reads the device (the training loop folds :meth:`local_norm_sq` into its one read-back instead)."""
         total = self.local_norm_sq()
-        if ps.get_world_size() > 1:
-            dist.all_reduce(total)
+        if ps.get_island_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_island_group())
         value = total.item()
         return math.sqrt(value) if math.isfinite(value) else float("nan")
 

@@ -95,7 +95,8 @@ def load_dist_canonical(root: str, step: int | None = None, *, load_optimizer: b
     ck = CanonicalCheckpoint(config=GPTConfig.from_dict(meta["model_config"]), iteration=iteration,
                              args=dict(meta.get("args") or {}), source=src)
     ck.model = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
-    ck.layout_meta = {n: {"tp_dim": m.get("tp_dim"), "tp_sections": m.get("tp_sections")}
+    ck.layout_meta = {n: {"tp_dim": m.get("tp_dim"), "tp_sections": m.get("tp_sections"),
+                          **({"expert": True} if m.get("expert") else {})}
                       for n, m in (meta.get("param_layout") or {}).items() if n in ck.model}
     common = sd.get(COMMON) or {}
     ck.scheduler = common.get("opt_param_scheduler")
@@ -137,6 +138,9 @@ def dist_to_torch(load: str, save: str, step: int | None = None, *, tp: int | No
     import tempfile
 
     ck = load_dist_canonical(load, step, load_optimizer=with_optimizer)
+    for m in ck.layout_meta.values():  # a torch-format run holds every expert whole on each TP rank (expert TP 1)
+        if m.get("expert"):
+            m.update(tp_dim=None, tp_sections=None)
     target = target_layout(ck.config, tp or ck.source.tp, pp or ck.source.pp, vp_layers, dp)
     with tempfile.TemporaryDirectory() as staging:
         for (t, p), by_dp in ck.reducer_states.items():

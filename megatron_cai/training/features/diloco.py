@@ -18,11 +18,10 @@ from __future__ import annotations
 import contextlib
 import time
 
-import torch.distributed as dist
-
 from ...core import device as device_mod
 from ...core import parallel_state as ps
 from ...core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats
+from ...core.diloco.start import start_from_island_0
 from ...core.distributed.ddp import DistributedDataParallel
 from ..checkpoint import param_names
 from ..errors import RankLocalError
@@ -109,9 +108,8 @@ class DilocoSeam:
         loaded, checkpoint.loaded = checkpoint.loaded, None
         if loaded is not None:
             self._load_island_state(loaded)
-        elif groups.islands > 1:  # every island starts from island 0's weights
-            for b in buffers:
-                dist.broadcast(b, src=ps.get_outer_global_ranks()[0], group=groups.outer_group)
+        elif groups.islands > 1:  # every island starts from island 0's weights (sent only where they differ)
+            start_from_island_0(buffers, groups.outer_group, ps.get_outer_global_ranks()[0])
         # with two islands the other one is the lost one; with more, the heartbeats tell which
         self.outer = DilocoOuter(config, FlatWeights(buffers), groups,
                                  lost_island=lost_island_line if groups.islands > 2 else None)

@@ -130,9 +130,10 @@ def expert_sizes(args: argparse.Namespace, world_size: int) -> tuple[int, int | 
     if args.num_experts is not None and tp > 1 and not args.sequence_parallel:
         raise ValueError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
                          "(as Megatron-LM's)")
-    if ep > 1 and args.use_torch_fsdp2:
-        raise ValueError(f"--expert-model-parallel-size {ep} with --use-torch-fsdp2: expert parameters are not "
-                         "sharded over the expert-DP mesh here yet; use DDP or --use-distributed-optimizer")
+    if (ep > 1 or (etp or tp) != tp) and args.use_torch_fsdp2 and args.squinch_hierarchical:
+        raise ValueError(f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp or tp} with "
+                         "--use-torch-fsdp2 --squinch-hierarchical: the experts' expert-DP mesh has no intra-node / "
+                         "inter-node split here; drop --squinch-hierarchical or use DDP")
     split = args.num_experts is not None and (ep > 1 or (etp or tp) > 1)
     if split and (args.save or args.load) and args.ckpt_format != "torch_dist":
         raise ValueError(f"--expert-model-parallel-size {ep} / expert tensor parallel size {etp or tp} with --save / "

@@ -1,6 +1,7 @@
 """torch_dist checkpoints of experts split over ranks: saved at EP 2 x TP 2 (sequence parallel, expert TP 2,
 the distributed optimizer, swiglu's [gate, up] expert fc1 split in sections), resumed at EP 4 x TP 1 and at EP 1
-(one process): the 3 resumed iterations equal the uninterrupted single-process run to 1e-5, and every expert
+(one process) and at EP 2 under FSDP2; saved under FSDP2 at EP 2 (experts sharded over expert DP) and resumed
+in one process: the 3 resumed iterations equal the uninterrupted single-process run to 1e-5, and every expert
 appears in the checkpoint once, with its global shape."""
 from __future__ import annotations
 
@@ -63,10 +64,21 @@ def test_experts_saved_with_global_shape(saved):
 @pytest.mark.parametrize("world,extra", [
     (4, ["--expert-model-parallel-size", "4"]),
     (1, []),
-], ids=["ep4_tp1", "ep1"])
+    (4, ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"]),
+], ids=["ep4_tp1", "ep1", "ep2_fsdp2"])
 def test_resume_at_another_expert_layout(saved, reference, world, extra):
     resumed = _run(world, BASE + extra + ["--load", saved, "--ckpt-step", str(HALF)])
     _close(resumed, reference[HALF:])
+
+
+@pytest.mark.slow
+def test_saved_under_fsdp2_at_ep2_resumes_at_ep1(reference, tmp_path):
+    """FSDP2 at EP 2 (world 4: experts sharded over expert DP 2, dense parameters over DP 4) saves each expert's
+    shards at their global place: one process resumes from it as from the uninterrupted run."""
+    save = str(tmp_path / "ckpt")
+    fsdp = ["--expert-model-parallel-size", "2", "--use-torch-fsdp2"]
+    _close(_run(4, BASE + fsdp + ["--save", save, "--save-interval", str(HALF)]), reference)
+    _close(_run(1, BASE + ["--load", save, "--ckpt-step", str(HALF)]), reference[HALF:])
 
 
 def _refused_worker(rank, world, argv):
@@ -94,9 +106,11 @@ def test_torch_format_checkpoint_refused_when_experts_are_split(tmp_path):
 
 
 @pytest.mark.slow
-def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path):
-    """tools/convert_checkpoint.py --target-ckpt-format torch --target-tensor-parallel-size 1 gathers the experts
-    saved over EP 2 x expert TP 2 into full tensors: a torch-format EP 1 run resumes from it as from the original."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path, tp):
+    """tools/convert_checkpoint.py --target-ckpt-format torch --target-tensor-parallel-size TP gathers the experts
+    saved over EP 2 x expert TP 2 into full tensors, whole on every TP rank (a torch-format run holds experts at
+    expert TP 1): a torch-format EP 1 run at TP resumes from it as from the original."""
     import contextlib
     import io
     import sys
@@ -109,6 +123,9 @@ def test_converted_to_torch_format_resumes_at_ep1(saved, reference, tmp_path):
     out = str(tmp_path / "torch")
     with contextlib.redirect_stdout(io.StringIO()):
         assert convert_checkpoint.main(["--load", saved, "--save", out, "--ckpt-step", str(HALF),
-                                        "--target-ckpt-format", "torch", "--target-tensor-parallel-size", "1"]) == 0
-    resumed = _run(1, BASE[:-4] + ["--train-iters", str(ITERS), "--ckpt-format", "torch", "--load", out])
+                                        "--target-ckpt-format", "torch", "--target-tensor-parallel-size",
+                                        str(tp)]) == 0
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+    resumed = _run(tp, BASE[:-4] + ["--train-iters", str(ITERS), "--ckpt-format", "torch", "--load", out]
+                   + (layout if tp == 2 else []))
     _close(resumed, reference[HALF:])

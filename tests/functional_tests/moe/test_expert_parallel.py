@@ -62,17 +62,22 @@ def _owned(ddp, p, distributed: bool) -> torch.Tensor:
     return (g.reshape(-1) * keep).view_as(g)
 
 
-def _worker(rank, world, argv):
+def _train_capturing(argv, world, capture):
+    """Train with ``capture(trainer)`` installed; (the run's result, the trainer)."""
     holder = {}
 
     def hook(trainer):
-        _capture_grads(trainer)
+        capture(trainer)
         holder["t"] = trainer
 
-    out = train(argv, world_size=world, trainer_hook=hook)
-    out["grads"] = holder["t"].captured
+    return train(argv, world_size=world, trainer_hook=hook), holder["t"]
+
+
+def _worker(rank, world, argv):
+    out, trainer = _train_capturing(argv, world, _capture_grads)
+    out["grads"] = trainer.captured
     out["ep_rank"] = ps.get_expert_model_parallel_rank()
-    out["sharded"] = holder["t"].optimizer.distributed
+    out["sharded"] = trainer.optimizer.distributed
     return out
 
 
@@ -113,10 +118,10 @@ def reference():
     return _reference([])
 
 
-def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = ()):
+def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = (), worker=_worker):
     ref_hist, ref_grads = reference
     argv = _argv(extra) + ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", dispatcher]
-    results = run_distributed(_worker, world, args=(argv,))
+    results = run_distributed(worker, world, args=(argv,))
     hist = [r for r in results if r["last_stage"]][0]["history"]
     for a, b in zip(ref_hist, hist):
         assert a.keys() == b.keys()
@@ -133,6 +138,7 @@ def _compare(reference, ep: int, world: int, dispatcher: str, extra: tuple = ())
     worst = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
     assert worst < 1e-6, worst
     assert {r["ep_rank"] for r in results} == set(range(ep))
+    return results
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
@@ -149,6 +155,91 @@ def test_ep4_equals_one_process(reference, dispatcher):
 def test_ep2_with_expert_data_parallel_2_equals_one_process(reference):
     """World 4: each expert lives on two ranks (expert DP 2): their gradients reduce over that group."""
     _compare(reference, 2, 4, "allgather")
+
+
+def _capture_fsdp_grads(trainer):
+    """FSDP2: each parameter's reduced gradient before the last optimizer step, gathered from its shards (over
+    DP for dense parameters, over expert DP for experts; every rank gathers in the same order)."""
+    captured = {}
+    step = trainer.optimizer.step
+    first = ps.get_expert_model_parallel_rank() * 4 // ps.get_expert_model_parallel_world_size()
+    tp, tp_rank, etp_rank = (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+                             ps.get_expert_tensor_parallel_rank())
+    layout = trainer.checkpointer.param_layout  # each parameter's (expert-)TP split, read before FSDP2 wrapped it
+
+    def where(name):
+        m = layout[name]
+        sections = len(m["tp_sections"] or [0])
+        if m.get("expert"):
+            return first, m["tp_dim"], sections, etp_rank
+        return None, m["tp_dim"] if tp > 1 else None, sections, tp_rank
+
+    def recording_step(*a, **k):
+        captured.clear()
+        for chunk in trainer.model:
+            for name, p in chunk.module.named_parameters():
+                captured[name] = (where(name), p.grad.full_tensor().detach().clone())
+        return step(*a, **k)
+
+    trainer.optimizer.step = recording_step
+    trainer.captured = captured
+
+
+def _fsdp_worker(rank, world, argv):
+    out, trainer = _train_capturing(argv, world, _capture_fsdp_grads)
+    model = trainer.model[0]
+    experts = [m for n, m in model.module.named_modules() if n.endswith("mlp.experts")]
+    out.update(grads=trainer.captured, ep_rank=ps.get_expert_model_parallel_rank(), sharded=False,
+               expert_mesh={m.fc1_weight.device_mesh.size() for m in experts},
+               dense_mesh=model.module.decoder.layers["0"].mlp.linear_fc1.weight.device_mesh.size())
+    return out
+
+
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,dispatcher,extra,meshes", [
+    (4, "alltoall", (), (2, 4)),
+    (2, "allgather", (), (1, 2)),
+    (4, "allgather", TP2_SP, (1, 2)),  # expert TP 2: expert DP 1
+    (4, "alltoall", (*TP2_SP, "--expert-tensor-parallel-size", "1"), (2, 2)),  # expert DP spans the TP pair
+], ids=["dp4", "dp2", "tp2_sp", "tp2_sp_etp1"])
+def test_ep2_with_fsdp2_equals_one_process(reference, world, dispatcher, extra, meshes):
+    """FSDP2: dense parameters sharded over DP, each layer's experts over expert DP: losses, grad norm and every
+    gradient equal one DDP process holding every expert."""
+    results = _compare(reference, 2, world, dispatcher, ("--use-torch-fsdp2", "--ckpt-format", "torch_dist", *extra),
+                       _fsdp_worker)
+    assert [(r["expert_mesh"], r["dense_mesh"]) for r in results] == [({meshes[0]}, meshes[1])] * world
+
+
+def _fsdp_squinch_worker(rank, world, argv):
+    from megatron_cai.core.distributed.fsdp import local
+
+    holder = {}
+    out = train(argv, world_size=world, trainer_hook=lambda t: holder.setdefault("t", t))
+    chunk = holder["t"].model[0]
+    experts = {n: m for n, m in chunk.module.named_modules() if n.endswith("mlp.experts")}
+    out["experts"] = {n: (type(chunk.comms[n]).__name__, chunk.comms[n].bytes_sent,
+                          sum(local(p).numel() for p in m.parameters())) for n, m in experts.items()}
+    out["edp"] = ps.get_expert_data_parallel_world_size()
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_squinch_reduce_scatters_experts_over_expert_dp():
+    """FSDP2 at EP 2, world 4, --squinch: each layer's experts reduce-scatter over expert DP 2 in Squinch's wire
+    format: per iteration (n - 1) wire rows of their shard's elements (docs/squinch-format.md), n = 2 (over DP 4
+    it would be 3 rows of half as many)."""
+    argv = RUN + ["--expert-model-parallel-size", "2", "--use-torch-fsdp2", "--ckpt-format", "torch_dist",
+                  "--squinch", "--train-iters", "2"]
+    results = run_distributed(_fsdp_squinch_worker, 4, args=(argv,))
+    for r in results:
+        assert r["edp"] == 2 and len(r["experts"]) == 3
+        for kind, sent, shard in r["experts"].values():
+            assert kind == "SquinchReduceScatter"
+            assert shard % 8 == 0  # whole Squinch blocks of 8: no row padding
+            assert sent == 2 * (2 - 1) * 16 * -(-(6 * shard // 8 + 1) // 16), (sent, shard)
 
 
 def _packed_docs(tmp) -> list[str]:

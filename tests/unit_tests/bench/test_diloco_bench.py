@@ -55,6 +55,19 @@ def test_acceptance_ratios_by_hand():
     assert "validation loss is +2.00% against bf16 DP's (2 and 2 seeds" in text
     assert "wall time 0.100x DP's (target <= 0.2: holds)" in text
     assert "bytes per token 0.0200x DP's (target <= 0.01: NOT; the outer payload alone" in text
-    assert "(start-up, per-step logging): 0.0050x)" in text
+    assert "(start-up, exit votes, evaluation): 0.0050x)" in text
     assert "validation loss 0.06 +- 0.028 (paired over 2 seeds)" in text
     assert "(0.667x; the outer payload alone 9.766 vs 39.06, 0.250x)" in text
+
+
+def test_losses_come_from_the_unshaped_runs_of_every_seed_when_the_link_ran_fewer():
+    dp = [_row("dp bf16", "unshaped", s, val_loss=4.0) for s in (1, 2, 3)]
+    dp.append(_row("dp bf16", "10", 1, val_loss=4.0, wall_s=400.0, crossing_bytes=800 * MB))
+    six = [_row("diloco 6", "unshaped", s, val_loss=v) for s, v in ((1, 4.04), (2, 4.12), (3, 4.16))]
+    six.append(_row("diloco 6", "10", 1, val_loss=4.04, wall_s=40.0, crossing_bytes=4 * MB, counted_bytes=4 * MB))
+    sixteen = [_row("diloco 16", "unshaped", s, val_loss=4.0) for s in (1, 2, 3)]
+    sixteen.append(_row("diloco 16", "10", 1, val_loss=4.0, crossing_bytes=8 * MB, counted_bytes=8 * MB))
+    text = "\n".join(B.acceptance(dp + six + sixteen))
+    assert "equals its unshaped run's in 3 of 3" in text
+    assert "validation loss is +2.67% against bf16 DP's (3 and 3 seeds" in text  # (4.04 + 4.12 + 4.16) / 3 / 4
+    assert "validation loss 0.1067 +- 0.061 (paired over 3 seeds)" in text
