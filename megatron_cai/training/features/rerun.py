@@ -3,8 +3,9 @@ that means something here. docs/rerun.md says what runs and how it differs.
 
 Each iteration's results pass through validation calls (megatron-core's ``validate_result``), made once per
 iteration from the step's one read-back, so every rank takes the same decision without a collective:
-"found NaN / Inf in local forward loss calculation" (the ``lm loss``) and "found NaN / Inf in local grad norm"
-(the global gradient norm), all fatal, with ``--check-for-nan-in-loss-and-grad`` (on by default).
+"found NaN / Inf in local forward loss calculation" (the ``lm loss``) and "found NaN / Inf in global grad norm ..."
+(after the data-parallel reduction), all fatal, with ``--check-for-nan-in-loss-and-grad`` (on by default); and,
+with ``--check-for-large-grads``, "found unexpected large grads ..." (not fatal).
 
 - ``--rerun-mode validate_results``: from the process's second iteration on, a rejected result re-runs the
   iteration in place (same micro-batches, the RNG and Squinch error-feedback state restored) and compares the two
@@ -12,7 +13,8 @@ iteration from the step's one read-back, so every rank takes the same decision w
   an earlier checkpoint). Reproducible: a checkpoint of the iteration's start and exit 16, asking the launcher to
   resume on another device; there the iteration runs again, and "Possible persistent error!" or "Correct result"
   ends the run with exit 17 (or, on the same device, exit 16 again). A real non-finite value is not rejected
-  here: it skips the step on every rank (``divergence.py``); results are rejected by error injection.
+  here: it skips the step on every rank (``divergence.py``); results are rejected by error injection and by the
+  large-gradient rule.
 - ``--error-injection-rate N`` / ``--error-injection-type``: each validation call is rejected with probability 1/N,
   from a draw on (seed, iteration, call) that every rank makes alike; the re-runs then see the type's outcome.
 - ``--rerun-mode report_stats`` (megatron-core's ``report_determinism_stats``): every iteration runs twice; the
