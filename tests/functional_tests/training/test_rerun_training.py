@@ -174,3 +174,19 @@ def test_transient_rerun_restores_squinch_feedback_at_dp2():
     run = _train([*flags, "--error-injection-rate", "1"], world=2)
     assert len(_lines(run["out"], "Possible transient error!!")) == 3
     _same_run(run, ref)
+
+
+@pytest.mark.slow
+def test_persistent_error_at_dp2_records_every_rank_and_every_rank_exits(tmp_path):
+    """DP = 2: both ranks exit 16, the state file holds both ranks' devices, and the restart on the same devices
+    (the decision shared by an all-reduce) exits 16 on both."""
+    save = str(tmp_path / "ck")
+    flags = _persistent_flags(save)[len(BASE):]
+    first = run_distributed(_worker, 2, (BASE + flags,))
+    assert [r["exit_code"] for r in first] == [16, 16]
+    with open(os.path.join(save, STATE_FILE)) as f:
+        state = json.load(f)
+    assert len(state["suspicious"]) == 2 and state["suspicious"][0][0] == state["suspicious"][1][0]
+    again = run_distributed(_worker, 2, (BASE + flags,))
+    assert [r["exit_code"] for r in again] == [16, 16]
+    assert _lines(again[-1]["out"], "Got rescheduled on the same GPU")
