@@ -8,9 +8,9 @@ import math
 import re
 
 from ..config import ArgumentError
-from ..divergence import rerun_mode_note
 from ..features.determinism import check_deterministic_flags
 from . import optimizer_and_fp8
+from . import rerun as rerun_flags
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .pipeline_split import virtual_pipeline_size
@@ -72,11 +72,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
         problems.missing("--wandb-project needs the wandb package, which is not installed: "
                          "pip install wandb (or pip install -e '.[wandb]')")
     check_deterministic_flags(args, problems)
-    if args.rerun_mode == "report_stats":
-        problems.add("refused", "--rerun-mode report_stats: re-running iterations to report determinism statistics "
-                                "is not implemented here; --deterministic-mode makes runs identical")
-    elif (note := rerun_mode_note(args.rerun_mode)) is not None:
-        args.megatron_notes.append(note)
+    rerun_flags.check(args, problems)
     if args.manual_gc_interval < 0:
         problems.invalid(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # Megatron's validate_args: a warning

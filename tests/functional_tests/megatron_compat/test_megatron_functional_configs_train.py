@@ -26,6 +26,7 @@ from testlib.train import train
 
 CI = ("gpt3_mcore_te_tp2_pp2", "gpt3_mcore_tp1_pp2_fp16", "gpt3_mcore_te_tp1_pp4_vp1")
 SIZES = {"--num-layers": ["2"], "--hidden-size": ["64"], "--ffn-hidden-size": ["128"], "--num-attention-heads": ["4"],
+         "--num-query-groups": ["2"], "--kv-channels": ["16"],
          "--seq-length": ["64"], "--max-position-embeddings": ["64"], "--micro-batch-size": ["1"],
          "--global-batch-size": ["2"], "--train-iters": ["2"], "--eval-iters": ["1"], "--vocab-size": ["1024"],
          "--tensor-model-parallel-size": ["1"], "--pipeline-model-parallel-size": ["1"],
@@ -89,3 +90,27 @@ def test_functional_config_trains_two_iterations(name, data_root, tmp_path):
     assert last["iteration"] == 2 and len(last["history"]) == 2
     assert all(math.isfinite(h["lm loss"]) for h in last["history"])
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def _rerun_worker(rank: int, world_size: int, argv: list[str]) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = train(argv, world_size=world_size)
+    return {**result, "out": out.getvalue()}
+
+
+@pytest.mark.slow
+def test_rerun_persistent_config_injects_and_exits_16(data_root, tmp_path):
+    """gpt3_mcore_reruns_persistent_1 trained until its injection (--train-iters 40, a size): the lines its
+    AFTER_SCRIPT checks, the checkpoint of the failed iteration's start and exit code 16. With 4 validation calls
+    per iteration here at rate 100, the first injection falls on iteration 32 (a draw on the seed, 1234)."""
+    argv, world = _argv("gpt3_mcore_reruns_persistent_1", data_root, tmp_path)
+    argv = resize(argv, {"--train-iters": ["40"]})
+    (result,) = run_distributed(_rerun_worker, world, (argv,))
+    assert result["exit_code"] == 16 and result["iteration"] == 31
+    for line in ("Result validation enabled", "Injecting error type Persistent error",
+                 "First rerun: unexpected result is reproducible within the tolerance",
+                 "Saving a checkpoint and exiting now. Please resume the job from the checkpoint to rerun the last "
+                 "iteration and establish a diagnostic"):
+        assert line in result["out"], line
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "31"
