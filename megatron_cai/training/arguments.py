@@ -29,6 +29,7 @@ from .config import (
 )
 from .flags import checkpoint_flags, fim, kaiju, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
+from .flags.layout import Layout
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
     add_megatron_features,
@@ -39,7 +40,6 @@ from .flags.megatron_features import (
 from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
 from .flags.rules import check_flags, check_machine, normalize_split, resolve_megatron_flags
-from .layout import Layout
 from .tokenizer import vocab_size_with_padding
 
 # Megatron-LM's --attention-backend names, then ours.

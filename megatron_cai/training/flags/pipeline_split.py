@@ -7,7 +7,7 @@
 - ``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``: the virtual pipeline
   size (uneven first / last stages need the second, as in Megatron-LM);
 - ``--microbatch-group-size-per-virtual-pipeline-stage``: the interleaved schedule's groups of micro-batches
-  (``core/pipeline_parallel/schedules.py``; checked per micro-batch count in ``training/layout.py``).
+  (``core/pipeline_parallel/schedules.py``; checked per micro-batch count in ``training/flags/layout.py``).
 
 The split itself: :mod:`megatron_cai.core.pipeline_parallel.layer_split`. This module adds the flags, derives the
 virtual pipeline size as megatron-core's ``validate_args`` does and checks the split as its ``TransformerConfig``

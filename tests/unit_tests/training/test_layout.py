@@ -1,4 +1,4 @@
-"""What the world size decides (training/layout.py): the interleaved schedule's micro-batch groups are checked at
+"""What the world size decides (training/flags/layout.py): the interleaved schedule's micro-batch groups are checked at
 start-up with megatron-core's rules, for every micro-batch count of the run, and reach the parallel config."""
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..core.parallel_state import ParallelLayoutError, check_layout
-from ..core.pipeline_parallel.schedules import interleaving_problem
-from .config import ArgumentError
-from .flags import pipeline_split
-from .flags.megatron_features import batch_schedule, step_schedule_global_batch
+from ...core.parallel_state import ParallelLayoutError, check_layout
+from ...core.pipeline_parallel.schedules import interleaving_problem
+from ..config import ArgumentError
+from . import pipeline_split
+from .megatron_features import batch_schedule, step_schedule_global_batch
 
 __all__ = ["Layout", "interleaving_problems"]
 
