@@ -34,7 +34,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     ConversionError,
     check_conversion_target,
@@ -48,6 +47,7 @@ from megatron_cai.training.checkpoint import (  # noqa: E402
     trust_from_flags,
 )
 from megatron_cai.training.errors import KNOWN_ERRORS, run_cli  # noqa: E402
+from megatron_cai.training.flags.checkpoint_flags import add_checkpoint_trust_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

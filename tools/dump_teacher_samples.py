@@ -52,7 +52,6 @@ from megatron_cai.core.distillation import (  # noqa: E402
     topk_select,
 )
 from megatron_cai.core.distillation.dataset import sample_order_fingerprint  # noqa: E402
-from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     CheckpointError,
     ConversionError,
@@ -61,6 +60,7 @@ from megatron_cai.training.checkpoint import (  # noqa: E402
     trust_from_flags,
 )
 from megatron_cai.training.features.distill import build_teacher  # noqa: E402
+from megatron_cai.training.flags.checkpoint_flags import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.tokenizer import build_tokenizer  # noqa: E402
 
 

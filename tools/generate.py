@@ -26,13 +26,13 @@ from megatron_cai.inference.generation import (  # noqa: E402
     generation_length,
     load_model,
 )
-from megatron_cai.training.arguments import add_checkpoint_trust_flags  # noqa: E402
 from megatron_cai.training.checkpoint import (  # noqa: E402
     CheckpointError,
     ConversionError,
     checkpoint_trust,
     trust_from_flags,
 )
+from megatron_cai.training.flags.checkpoint_flags import add_checkpoint_trust_flags  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def megatron_parser() -> argparse.ArgumentParser:
+def megatron_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """megatron-core's own parser (``exit_on_error=False``: a bad value raises ``argparse.ArgumentError``)."""
     if not hasattr(typing, "override"):  # megatron-core 0.19.2 targets Python >= 3.12
         typing.override = lambda f: f
     from megatron.training.arguments import add_megatron_arguments
 
-    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=exit_on_error))
 
 
 def compat_row(action: argparse.Action, flag: str) -> str:

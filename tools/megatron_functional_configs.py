@@ -7,6 +7,8 @@ of ``pretrain_gpt.py`` (not ``MODE: inference`` / ``rl``, not the ModelOpt disti
 with this repository's flags, then builds its configuration on one node of 8 ranks, as Megatron-LM's CI runs it, with
 ``--distributed-backend gloo``. A configuration *parses* when the only problems are refusals of the features
 that are separate work here: Mixture-of-Experts, multi-latent attention and hybrid / linear-attention layers.
+A configuration that does not parse is also given to megatron-core's own parser (when it is installed), and the
+output says when that parser rejects the same command line too (e.g. a value the launcher keeps as one word).
 
     python tools/megatron_functional_configs.py --test-cases Megatron-LM/tests/functional_tests/test_cases/gpt
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
 NODE = 8  # Megatron-LM's CI runs these configurations on one node of 8 GPUs
 # the topics whose refusals are separate features (not counted against a configuration)
@@ -49,7 +52,8 @@ def launcher_argv(model_args: dict, env: dict[str, str]) -> list[str]:
         text = str(value)
         for key, val in env.items():
             text = text.replace("${" + key + "}", val).replace("$" + key, val)
-        # the launcher's rules: a list, or a string in [ ], gives its words; any other value is one word
+        # the launcher's rules (tests/functional_tests/shell_test_utils/_run_training.sh): a list, or a string in
+        # [ ], gives its words; any other value is one word (a value with spaces is passed quoted: "2 2")
         if isinstance(value, list):
             out += [str(word) for word in value]
         elif re.fullmatch(r"\[[^]]+\]", text):
@@ -77,6 +81,22 @@ def _separate_problem(category: str, text: str) -> bool:
     if category == "missing" and "package, which is not installed" in text:
         return True
     return separate_feature(text.split(":")[0].split()[0])
+
+
+def megatron_core_error(argv: list[str]) -> str | None:
+    """What megatron-core's own parser says of this command line: its argparse error, or None when it parses (or
+    when megatron-core is not installed). Only the parser: megatron-core's ``validate_args`` needs a GPU world."""
+    try:
+        from megatron_flag_table import megatron_parser
+
+        parser = megatron_parser(exit_on_error=False)
+    except ImportError:
+        return None
+    try:
+        parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        return str(e)
+    return None
 
 
 def problems_of(argv: list[str]) -> list[str]:
@@ -138,19 +158,28 @@ def main() -> None:
         "REPEAT": "1",
     }
     verdicts: dict[str, list[str]] = {}
+    megatron_rejects: dict[str, str] = {}
     for path in sorted(opts.test_cases.glob("*/model_config.yaml")):
         config = yaml.safe_load(path.read_text())
         if is_pretraining(path.parent.name, config):
-            argv = launcher_argv(config["MODEL_ARGS"], env)
-            verdicts[path.parent.name] = problems_of([a if a != "nccl" else "gloo" for a in argv])
+            argv = [a if a != "nccl" else "gloo" for a in launcher_argv(config["MODEL_ARGS"], env)]
+            verdicts[path.parent.name] = problems_of(argv)
+            if verdicts[path.parent.name] and (error := megatron_core_error(argv)):
+                megatron_rejects[path.parent.name] = error
     failing = {n: p for n, p in verdicts.items() if p}
     for name, problems in verdicts.items():
         if problems or opts.verbose:
-            print(f"{name}: {'; '.join(problems) or 'parses'}")
+            theirs = (
+                f" [megatron-core's own parser rejects it too: {megatron_rejects[name]}]"
+                if name in megatron_rejects
+                else ""
+            )
+            print(f"{name}: {'; '.join(problems) or 'parses'}{theirs}")
     reasons = Counter(re.sub(r"^(\w+ --[\w-]+).*", r"\1", p) for ps in failing.values() for p in ps)
     for reason, count in reasons.most_common():
         print(f"  {count:3d}  {reason}")
-    print(f"{len(verdicts) - len(failing)} of {len(verdicts)} parse")
+    also = f"; megatron-core's own parser rejects {len(megatron_rejects)} of the rest too" if megatron_rejects else ""
+    print(f"{len(verdicts) - len(failing)} of {len(verdicts)} parse{also}")
 
 
 if __name__ == "__main__":

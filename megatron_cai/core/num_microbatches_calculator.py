@@ -114,18 +114,27 @@ class NumMicroBatchesCalculator:
 
     def check_ramp(self) -> None:
         """Raise ValueError unless every global batch of the ramp (or step schedule) divides into micro batch x DP."""
-        if self.step_schedule is not None:
-            batches = [batch for _, batch in self.step_schedule]
-        elif self.rampup is not None:
-            batches = list(range(self.rampup.start, self.global_batch_size + 1, self.rampup.increment))
-        else:
+        if self.step_schedule is None and self.rampup is None:
             return
+        batches = self._nominal_batches()
         flag = "--step-batch-size-schedule" if self.step_schedule is not None else "--rampup-batch-size"
         for batch in batches:
             running = (batch // self.unit) * self.unit if self.decrease else batch
             if running % self.unit or running < self.unit:
                 raise ValueError(f"{flag}: global batch size {batch} is not a positive multiple of "
                                  f"micro batch x DP = {self.unit} (or set --decrease-batch-size-if-needed)")
+
+    def microbatch_counts(self) -> set[int]:
+        """Every number of micro-batches per iteration the ramp (or step schedule) runs; assumes :meth:`check_ramp`."""
+        return {batch // self.unit for batch in self._nominal_batches()}  # floored: --decrease-batch-size-if-needed
+
+    def _nominal_batches(self) -> list[int]:
+        """The global batch sizes of the ramp or step schedule (the one global batch without either)."""
+        if self.step_schedule is not None:
+            return [batch for _, batch in self.step_schedule]
+        if self.rampup is not None:
+            return list(range(self.rampup.start, self.global_batch_size + 1, self.rampup.increment))
+        return [self.global_batch_size]
 
     def train_iters(self, train_samples: int) -> int:
         """Iterations for `train_samples` samples: the ramp, then full batches (a partial last one dropped); with

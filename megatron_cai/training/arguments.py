@@ -1,7 +1,8 @@
 """Command-line flags (named as in Megatron-LM wherever Megatron has the concept) and the one pure
 function, :func:`build_config`, that turns the parsed flags into a typed :class:`TrainConfig`.
 
-Adding a flag: ``add_argument`` it in its group below, add a field to the component config that uses
+Adding a flag: ``add_argument`` it in its group below (or its topic's module in ``flags/``: checkpointing,
+pipeline split, FIM, MoE, ...), add a field to the component config that uses
 it (``training/config.py``, ``core/models/gpt/config.py``, ``core/distributed/config.py``,
 ``core/optimizer/config.py``), and one line in that component's ``_..._config`` builder here.
 """
@@ -13,12 +14,10 @@ from ..core.diloco import DilocoConfig
 from ..core.distributed.config import DDPConfig, SquinchConfig
 from ..core.models.gpt.config import GPTConfig
 from ..core.optimizer.config import OptimizerConfig, SchedulerConfig
-from ..core.parallel_state import ParallelLayoutError, check_layout
 from ..core.quantization.qat_config import QATConfig
 from . import divergence
 from .config import (
     ArgumentError,
-    CheckpointConfig,
     DataConfig,
     DistillConfig,
     LoggingConfig,
@@ -28,16 +27,15 @@ from .config import (
     TrainingConfig,
     flag_range_problems,
 )
-from .flags import fim, kaiju, mup, optimizer_and_fp8, pipeline_split
+from .flags import checkpoint_flags, fim, kaiju, mup, optimizer_and_fp8, pipeline_split
 from .flags.diloco import add_diloco_arguments, diloco_config
+from .flags.layout import Layout
 from .flags.megatron_compat import add_compat_arguments, attention_backend_for
 from .flags.megatron_features import (
     add_megatron_features,
     add_megatron_numerics,
-    batch_schedule,
     check_megatron_numerics,
     loss_scale_config,
-    step_schedule_global_batch,
 )
 from .flags.moe import add_moe_arguments, expert_sizes, moe_config
 from .flags.report import FlagProblems, parse_collecting
@@ -265,68 +263,6 @@ def _data(p: argparse.ArgumentParser) -> None:
                         "branches (branch: each tree's loss = the token mean of its flattened branches)")
 
 
-def _checkpoint(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--finetune", action="store_true", help="load weights only; start at iteration 0")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"], default="torch",
-                   help="torch: one file per model-parallel rank (Megatron-LM's torch layout; loads into the "
-                        "same TP/PP layout). torch_dist: torch.distributed.checkpoint, loads into any TP x PP x DP "
-                        "x virtual-PP layout (Megatron-LM's default). torch_dcp and fsdp_dtensor are refused")
-    g.add_argument("--auto-detect-ckpt-format", action="store_true",
-                   help="--load reads whichever format the checkpoint holds (torch_dist .metadata or torch "
-                        "mp_rank_* directories); saves still use --ckpt-format")
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in a background thread while training goes on; the tracker moves "
-                        "once every rank's write has finished and verified (megatron_cai/training/"
-                        "checkpoint/async_save.py)")
-    g.add_argument("--overwrite-checkpoints", action="store_true",
-                   help="let this run save iterations that --save already holds (another run's, or those after "
-                        "--ckpt-step): they are moved aside to iter_N.superseded-<time>, never deleted, and the "
-                        "tracker moves only once the new save is complete")
-    g.add_argument("--save-retain-interval", type=int, default=None,
-                   help="keep only the checkpoints whose iteration is a multiple of this (and the newest); the "
-                        "others of this run are deleted once a newer one is published (Megatron-LM's flag)")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
-                   help="also save every N iterations to the non-persistent directory (only its newest is kept); "
-                        "a resume loads it when it is newer than the persistent one")
-    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"], default=None,
-                   help="global: a normal checkpoint in --non-persistent-global-ckpt-dir (default "
-                        "<save>/non_persistent); local and in_memory are refused here")
-    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
-                   help="where global non-persistent checkpoints go (default <save>/non_persistent)")
-    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
-                   help="Megatron-LM's per-node directory of local non-persistent checkpoints (local is refused "
-                        "here)")
-    g.add_argument("--non-persistent-local-ckpt-algo", choices=["fully_parallel", "atomic"],
-                   default="fully_parallel", help="Megatron-LM's local-checkpoint algorithm (local is refused here)")
-    g.add_argument("--allow-tokenizer-change", action="store_true",
-                   help="resume although the tokenizer's content differs from the one the checkpoint was saved "
-                        "with (by default an error; --finetune allows it too)")
-    add_checkpoint_trust_flags(g)
-
-
-def add_checkpoint_trust_flags(g: argparse._ActionsContainer) -> None:
-    """What a load of a checkpoint accepts (``training/checkpoint/safe_load.py``); the tools that read checkpoints
-    add the same three flags to their own parsers."""
-    g.add_argument("--trust-checkpoint-code", action="store_true",
-                   help="load checkpoint files that are not plain data (torch.load(weights_only=False), DCP's "
-                        "unrestricted reader): they may run code; only for checkpoints from a trusted source")
-    g.add_argument("--allow-unverified-checkpoint", action="store_true",
-                   help="load a checkpoint without a content-hash manifest (or hashed with an algorithm this "
-                        "installation lacks), its files unverified")
-    g.add_argument("--checkpoint-signing-key", default=None, metavar="FILE",
-                   help="a file holding an HMAC key: saves sign their manifest, loads require the signature "
-                        "(docs/checkpoints.md)")
-
-
 def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--eval-interval", type=int, default=None, help="default: no periodic evaluation")
@@ -388,7 +324,7 @@ def _logging(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="megatron-cai GPT pretraining", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for add in (_model, _parallel, _training, _data, _checkpoint, _logging, add_megatron_numerics,
+    for add in (_model, _parallel, _training, _data, checkpoint_flags.add_arguments, _logging, add_megatron_numerics,
                 add_megatron_features, divergence.add_arguments, add_moe_arguments, add_diloco_arguments,
                 kaiju.add_arguments, fim.add_arguments, mup.add_arguments):
         add(p)
@@ -426,53 +362,6 @@ def parse_config(argv: list[str] | None = None, world_size: int | None = None,
 
 
 # ------------------------------------------------------------------------------------------ builder
-class _Layout:
-    """What the world size decides: DP, the global batch, micro-batches per step, VPP and the length."""
-
-    def __init__(self, args: argparse.Namespace, world_size: int) -> None:
-        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-        if world_size < 1:
-            raise ArgumentError(f"the world size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        dp_guess = max(world_size // max(tp * pp * max(cp, 1), 1), 1)
-        self.global_batch_size = (args.global_batch_size or step_schedule_global_batch(args)
-                                  or args.micro_batch_size * dp_guess)
-        problems = pipeline_split.layout_problems(args)
-        try:  # the split module checks the layers per stage and chunk
-            self.data_parallel_size = check_layout(
-                world_size, tp, pp, num_layers=args.num_layers if pipeline_split.pipeline_split(args).even else None,
-                num_attention_heads=args.num_attention_heads, num_query_groups=self.num_query_groups,
-                global_batch_size=self.global_batch_size, micro_batch_size=args.micro_batch_size, cp=cp)
-        except ParallelLayoutError as e:
-            problems.insert(0, str(e))
-        if problems:
-            raise ArgumentError("; ".join(problems))
-        self.num_microbatches = self.global_batch_size // (args.micro_batch_size * self.data_parallel_size)
-        eval_gbs = args.eval_global_batch_size
-        if eval_gbs is not None and (eval_gbs < 1 or eval_gbs % (args.micro_batch_size * self.data_parallel_size)):
-            raise ArgumentError(f"--eval-global-batch-size {eval_gbs} is not a positive multiple of micro batch x DP "
-                                f"= {args.micro_batch_size * self.data_parallel_size}")
-        self.vpp = pipeline_split.virtual_pipeline_size(args)
-        if self.vpp is not None and self.num_microbatches % pp != 0:
-            raise ArgumentError(f"interleaved pipelining needs micro-batches per iteration "
-                                f"({self.num_microbatches}) divisible by pipeline-model-parallel-size {pp}")
-        if (args.train_iters is None) == (args.train_samples is None):
-            raise ArgumentError("set exactly one of --train-iters and --train-samples")
-        if args.train_iters is not None:
-            self.train_iters = args.train_iters
-        else:  # Megatron's update_train_iters: whole global batches only (floor)
-            self.train_iters = args.train_samples // self.global_batch_size
-            if self.train_iters == 0:
-                raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
-                                    f"(--global-batch-size {self.global_batch_size}): nothing to train")
-        self.microbatches = batch_schedule(args, self.global_batch_size, args.micro_batch_size,
-                                          self.data_parallel_size)
-        ramp = self.microbatches.rampup is not None or self.microbatches.step_schedule is not None
-        if ramp and args.train_samples is not None:
-            self.train_iters = self.microbatches.train_iters(args.train_samples)
-
-
 def _qat_config(args: argparse.Namespace) -> QATConfig:
     if args.qat == "none":
         return QATConfig()
@@ -488,7 +377,7 @@ def _qat_config(args: argparse.Namespace) -> QATConfig:
     )
 
 
-def _model_config(args: argparse.Namespace, layout: _Layout, vocab_size: int) -> GPTConfig:
+def _model_config(args: argparse.Namespace, layout: Layout, vocab_size: int) -> GPTConfig:
     tp = args.tensor_model_parallel_size
     return GPTConfig(
         num_layers=args.num_layers,
@@ -541,7 +430,7 @@ def _expert_sizes(args: argparse.Namespace, world_size: int) -> dict:
     return {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
 
 
-def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfig:
+def _parallel_config(args: argparse.Namespace, layout: Layout) -> ParallelConfig:
     return ParallelConfig(
         world_size=layout.world_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -550,6 +439,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
         data_parallel_size=layout.data_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel,
         distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
@@ -561,7 +451,7 @@ def _parallel_config(args: argparse.Namespace, layout: _Layout) -> ParallelConfi
     )
 
 
-def _training_config(args: argparse.Namespace, layout: _Layout) -> TrainingConfig:
+def _training_config(args: argparse.Namespace, layout: Layout) -> TrainingConfig:
     return TrainingConfig(
         micro_batch_size=args.micro_batch_size,
         global_batch_size=layout.global_batch_size,
@@ -621,7 +511,7 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
-def _scheduler_config(args: argparse.Namespace, layout: _Layout) -> SchedulerConfig:
+def _scheduler_config(args: argparse.Namespace, layout: Layout) -> SchedulerConfig:
     """Megatron's get_optimizer_param_scheduler: lengths in samples, from --lr-*-iters x global batch size with
     --train-iters, or from the --lr-*-samples flags with --train-samples."""
     if args.train_samples is not None:
@@ -692,32 +582,6 @@ def _tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
     )
 
 
-def _checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
-    return CheckpointConfig(
-        save=args.save,
-        load=args.load,
-        save_interval=args.save_interval,
-        load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng,
-        save_optim=not args.no_save_optim,
-        finetune=args.finetune,
-        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
-        ckpt_step=args.ckpt_step,
-        ckpt_format=args.ckpt_format,
-        async_save=args.async_save,
-        auto_detect_ckpt_format=args.auto_detect_ckpt_format,
-        overwrite_checkpoints=args.overwrite_checkpoints,
-        allow_tokenizer_change=args.allow_tokenizer_change,
-        trust_checkpoint_code=args.trust_checkpoint_code,
-        allow_unverified_checkpoint=args.allow_unverified_checkpoint,
-        checkpoint_signing_key=args.checkpoint_signing_key,
-        save_retain_interval=args.save_retain_interval,
-        non_persistent_save_interval=args.non_persistent_save_interval,
-        non_persistent_ckpt_type=args.non_persistent_ckpt_type,
-        non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
-    )
-
-
 def _logging_config(args: argparse.Namespace) -> LoggingConfig:
     return LoggingConfig(
         log_interval=args.log_interval,
@@ -779,7 +643,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
     fim.check(args, problems)
     check_megatron_numerics(args, problems)
     try:
-        layout = _Layout(args, world_size)
+        layout = Layout(args, world_size)
         optimizer_and_fp8.check_instances(args, layout.data_parallel_size * args.context_parallel_size, problems)
     except ArgumentError as e:
         problems.record(e)
@@ -795,7 +659,7 @@ def build_config(args: argparse.Namespace, world_size: int, vocab_size: int | No
             scheduler=_scheduler_config(args, layout),
             data=_data_config(args),
             tokenizer=_tokenizer_config(args),
-            checkpoint=_checkpoint_config(args),
+            checkpoint=checkpoint_flags.checkpoint_config(args),
             logging=_logging_config(args),
             distill=_distill_config(args),
             diloco=diloco,

@@ -59,6 +59,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
+    microbatch_group_size_per_vp_stage: int | None = None  # interleaved schedule's micro-batch groups (None: PP)
     sequence_parallel: bool = False           # only effective with TP > 1 (see GPTConfig.sequence_parallel)
     distributed_backend: str | None = None    # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10
@@ -352,7 +353,7 @@ FLAG_RANGES: dict[str, Range] = {
                      "timing_log_level", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                      "mtp_num_layers", "attention_zreg_coeff", "output_zreg_coeff", "lr", "min_lr",
                      "weight_decay", "clip_grad", "lr_warmup_init", "decoupled_lr", "decoupled_min_lr",
-                     "start_weight_decay", "end_weight_decay", "logging_level"], _AT_LEAST_0),
+                     "start_weight_decay", "end_weight_decay", "logging_level", "error_injection_rate"], _AT_LEAST_0),
     **dict.fromkeys(["rotary_base", "norm_epsilon", "init_method_std", "distributed_timeout_minutes", "adam_eps",
                      "qat_clamp_alpha", "qat_static_clamp", "distill_temperature", "exit_duration_in_mins",
                      "loss_scale", "initial_loss_scale", "min_loss_scale", "rope_scaling_factor"], _POSITIVE),

@@ -7,6 +7,9 @@
   last good checkpoint (printed as one ``error:`` line, exit status 2).
 - A save is refused (with a warning) while the last iteration was skipped, or when any parameter or
   Adam state holds a non-finite value, so the tracker stays on the last good checkpoint.
+- ``--rerun-mode`` (Megatron's rerun state machine, ``features/rerun.py``) re-runs iterations whose validated
+  results are rejected (by error injection, or ``--check-for-large-grads``); it leaves real non-finite values to
+  the policy above.
 - ``--check-for-spiky-loss``: a finite loss above ``--spiky-loss-factor`` x the running median of the
   last ``--spiky-loss-window`` finite losses is logged and counted (training goes on).
 """
@@ -24,6 +27,8 @@ from torch.distributed.tensor import DTensor
 from ..core.distributed.contracts import ModelChunk
 from ..core.optimizer.clip_grads import GlobalNormClipping
 from .errors import UserError
+from .features.rerun import RerunConfig
+from .flags import rerun as rerun_flags
 
 
 class DivergenceError(UserError, RuntimeError):
@@ -37,6 +42,7 @@ class DivergenceConfig:
     check_for_spiky_loss: bool = False
     spiky_loss_factor: float = 10.0
     spiky_loss_window: int = 100
+    rerun: RerunConfig = RerunConfig()  # Megatron's rerun state machine (features/rerun.py)
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skipped_iterations < 0:
@@ -52,7 +58,7 @@ class DivergenceConfig:
         return cls(check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
                    max_consecutive_skipped_iterations=args.max_consecutive_skipped_iterations,
                    check_for_spiky_loss=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor,
-                   spiky_loss_window=args.spiky_loss_window)
+                   spiky_loss_window=args.spiky_loss_window, rerun=rerun_flags.rerun_config(args))
 
 
 def add_arguments(parser) -> None:
@@ -69,22 +75,7 @@ def add_arguments(parser) -> None:
                    help="log and count losses above --spiky-loss-factor x the running median")
     g.add_argument("--spiky-loss-factor", type=float, default=10.0)
     g.add_argument("--spiky-loss-window", type=int, default=100, help="finite losses in the running median")
-    g.add_argument("--rerun-mode", choices=RERUN_MODES, default="validate_results",
-                   help="Megatron-LM's rerun state machine, its meaningful subset here: validate_results (the "
-                        "default) and disabled both leave non-finite losses and gradients to "
-                        "--check-for-nan-in-loss-and-grad (the step is skipped on every rank, the run stops after "
-                        "--max-consecutive-skipped-iterations); no iteration is re-run. report_stats is refused")
-
-
-RERUN_MODES = ("disabled", "validate_results", "report_stats")
-
-
-def rerun_mode_note(mode: str) -> str | None:
-    """The start-up line of --rerun-mode, or the refusal (raised by the caller) of report_stats."""
-    if mode == "disabled":
-        return (" > --rerun-mode disabled: no iteration is re-run here in any mode; non-finite losses and gradients "
-                "are still handled by --check-for-nan-in-loss-and-grad")
-    return None
+    rerun_flags.add_arguments(parser)
 
 
 def all_ranks_true(local: bool, device: torch.device) -> bool:

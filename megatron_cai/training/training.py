@@ -47,6 +47,7 @@ from .arguments import rebuild_for_world_size
 from .checkpoint import Checkpointer, iteration_dir, open_run_dirs, same_path, tp_layout, warn_if_short_of_space
 from .config import ArgumentError, TrainConfig, format_config
 from .errors import DataError
+from .features import rerun
 from .features.diloco import DilocoCheckpoint, DilocoSeam
 from .features.distill import setup_distillation
 from .features.moe import MoEMetrics
@@ -66,7 +67,7 @@ from .logging import (
     validation_log_lines,
 )
 from .preemption import exit_signal
-from .step_readback import Deadline, loss_means, read_step
+from .step_readback import Deadline, StepReadback, loss_means, read_step
 from .training_log import (
     IterationStats,
     log_line_timers,
@@ -84,6 +85,7 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     extra: dict = field(default_factory=dict)
+    exit_code: int = 0  # the rerun state machine's verdict (16: resume elsewhere, 17: failed validation)
 
     def to_dict(self) -> dict:
         return {"iteration": self.iteration, "consumed_train_samples": self.consumed_train_samples,
@@ -98,6 +100,7 @@ class StepResult:
     finite: bool              # the optimizer stepped (False: skipped on every rank)
     exit_requested: bool      # some rank received an exit signal (read back with the step, see step_readback)
     time_up: bool = False     # --exit-duration-in-mins passed on rank 0's clock (read back with the step)
+    rerun: rerun.Verdict | None = None  # the rerun state machine stops the job (no optimizer step was taken)
 
 
 def empty_device_cache(device: torch.device) -> None:
@@ -221,6 +224,8 @@ class Trainer:
         self._log_memory("at start-up")
         self.state = TrainState()
         self.divergence = divergence.DivergenceMonitor(run.divergence, self.device)
+        self.rerun, self.rerun_snapshot = rerun.build(run.divergence.rerun, run.seed, self.device,
+                                                      [m.reducer for m in self.model])
         self.deadline = Deadline(None)  # --exit-duration-in-mins: set when train() starts
         ckpt = config.checkpoint
         local = sum(p.numel() for m in chunks for p in m.parameters())
@@ -241,6 +246,7 @@ class Trainer:
                 print_rank_0(f" loaded checkpoint from {loaded} at iteration {self.state.iteration}")
                 self.divergence.last_good_checkpoint = iteration_dir(loaded, self.state.iteration)
                 self.divergence.load_state_dict(counters)
+                rerun.resume(self.rerun, loaded, self.state.iteration)
                 if same_path(ckpt.load, ckpt.save):  # that iteration is saved already: never written again
                     self._saved_iteration = self.state.iteration
             elif not ckpt.finetune:
@@ -261,7 +267,8 @@ class Trainer:
         self.tb = TensorBoard(log.tensorboard_dir, log.tensorboard_queue_size)
         self.wandb = WandbWriter(log, ckpt.save, config.to_dict())
         self.profiler = StepProfiler(log, ps.get_rank())
-        self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp)
+        self.forward_backward = get_forward_backward_func(config.parallel.pipeline_model_parallel_size, vpp,
+                                                          config.parallel.microbatch_group_size_per_vp_stage)
         tp, cp = config.parallel.tensor_model_parallel_size, config.parallel.context_parallel_size
         seq = model_cfg.seq_length // cp  # this rank's tokens of each sequence
         seq = seq // tp if model_cfg.sequence_parallel else seq
@@ -350,29 +357,15 @@ class Trainer:
         """One iteration: forward/backward over the micro-batches, grad sync, clip, update.
 
         Reads the device once (``step_readback.read_step``), after the gradient-norm reduction."""
-        for t in self.timelines:
-            t.step_start()
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self.lse_stats.reset()
         self.microbatches.update(self.state.consumed_train_samples)
         self.num_microbatches = self.microbatches.num_microbatches
         batches = self._next_microbatches(self.train_iter)
-        self.moe.before_schedule(self._loss_scale(), self.num_microbatches)
-        stats = self.moe.add_to_stats(self._run_schedule(batches, forward_only=False), self.num_microbatches)
-        self._mark_timelines("backward end")
-        for m in self.model:
-            m.finish_grad_sync()
-        self._mark_timelines("sync end")
-        level = self.config.training.empty_unused_memory_level
-        if level >= 2:
-            empty_device_cache(self.device)
-        if self.grad_scaler is not None:
-            self.optimizer.scale_grads(self.grad_scaler.inv_scale)
-        read = read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None, self.device,
-                         time_up=self.deadline.passed())
-        finite = math.isfinite(read.grad_norm)
+        read, verdict = self.rerun.run_iteration(  # once, or twice on the same batches (features/rerun.py)
+            self.state.iteration, functools.partial(self._forward_backward, batches), self.rerun.step_checks,
+            self.rerun_snapshot)
+        if verdict is not None:  # Megatron's should_checkpoint_and_exit: no optimizer step
+            return StepResult(read.losses, read.grad_norm, False, read.exit_requested, read.time_up, verdict)
+        finite = math.isfinite(read.grad_norm) and not read.found_inf
         if finite:
             self.optimizer.clip(read.grad_norm, self.config.optimizer.clip_grad)
         # --log-num-zeros-in-grad: zero gradient elements over the distinct parameters (collective, one more read)
@@ -394,10 +387,31 @@ class Trainer:
             for m in self.model:
                 m.reducer.step_skipped()
         self.moe.after_step()
-        if level >= 1:
+        if self.config.training.empty_unused_memory_level >= 1:
             empty_device_cache(self.device)
         self._mark_timelines("step end")
         return StepResult(read.losses, read.grad_norm, finite, read.exit_requested, read.time_up)
+
+    def _forward_backward(self, batches: list[dict]) -> StepReadback:
+        """Forward and backward over the micro-batches, gradient sync, then the step's one read-back."""
+        for t in self.timelines:
+            t.step_start()
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.lse_stats.reset()
+        self.moe.before_schedule(self._loss_scale(), self.num_microbatches)
+        stats = self.moe.add_to_stats(self._run_schedule(batches, forward_only=False), self.num_microbatches)
+        self._mark_timelines("backward end")
+        for m in self.model:
+            m.finish_grad_sync()
+        self._mark_timelines("sync end")
+        if self.config.training.empty_unused_memory_level >= 2:
+            empty_device_cache(self.device)
+        found_inf = (self.optimizer.unscale_and_check(self.grad_scaler.inv_scale)  # before the norm and clipping
+                     if self.grad_scaler is not None else None)
+        return read_step(self.optimizer.local_norm_sq(), stats, exit_signal.received() is not None, self.device,
+                         time_up=self.deadline.passed(), found_inf=found_inf)
 
     def _mark_timelines(self, name: str) -> None:
         for t in self.timelines:
@@ -503,6 +517,10 @@ class Trainer:
             bytes_before = sum(m.grad_comm_bytes for m in self.model)
             lr = self.scheduler.get_lr()  # the rate this iteration's update uses (the history's "lr")
             step = self.train_step()
+            if step.rerun is not None:  # Megatron's rerun verdict: a checkpoint of this iteration's start, exit
+                self._rerun_exit(step.rerun)
+                exited = True
+                break
             losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
             if self.diloco is not None:  # the outer steps due after this inner step (docs/diloco.md)
@@ -594,6 +612,14 @@ class Trainer:
         self.tb.close()
         self.wandb.close()
         return st
+
+    def _rerun_exit(self, verdict: rerun.Verdict) -> None:
+        """Save (the iteration's start, with the rerun state beside it) when the verdict asks, then set the
+        exit code that ``pretrain`` exits with."""
+        if verdict.checkpoint:
+            self.save()
+            rerun.save_state(self.rerun, self.config.checkpoint.save, self.state.iteration, self.device)
+        self.state.exit_code = verdict.exit_code
 
     def _final_evaluation(self, write_to_tensorboard: bool) -> None:
         """megatron-core's end of ``pretrain``: with --eval-iters > 0, evaluate the validation set, then the test
@@ -705,9 +731,9 @@ class Trainer:
         maxes = maxes.to(torch.float64)
         if memory is not None:
             maxes = torch.cat([maxes, memory.as_tensor(self.device)])
-        if ps.get_world_size() > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        if ps.get_island_world_size() > 1:  # with DiLoCo's islands: the island's (its line), nothing over the link
+            dist.all_reduce(sums, group=ps.get_island_group())
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_island_group())
         values = torch.cat([sums.to(torch.float64).flatten(), maxes]).tolist()
         out = {}
         for layer in range(layers):
@@ -763,7 +789,10 @@ def _pretrain(config: TrainConfig, datasets_provider, forward_step_func, tokeniz
                  + f"DP={par.data_parallel_size}; {trainer.config.training.num_microbatches} micro-batches per "
                  f"iteration; device {trainer.device.type}")
     try:
-        return trainer.train()
+        state = trainer.train()
+        if state.exit_code:  # Megatron's sys.exit(exit_code): the launcher restarts on 16
+            raise SystemExit(state.exit_code)
+        return state
     finally:
         if trainer.run_lock is not None:
             trainer.run_lock.release()

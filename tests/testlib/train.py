@@ -31,7 +31,7 @@ def train(argv: list[str], world_size: int = 1, trainer_hook=None) -> dict:
     state = trainer.train()
     return {"history": state.extra["history"], "iteration": state.iteration,
             "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True), "rank": ps.get_rank(),
-            "skipped": state.skipped_iterations}
+            "skipped": state.skipped_iterations, "exit_code": state.exit_code}
 
 
 def last_stage_history(results: list[dict]) -> list[dict]:

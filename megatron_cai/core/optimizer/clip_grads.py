@@ -23,7 +23,8 @@ from .grad_scaler import ConstantGradScaler
 
 
 class GlobalNormClipping(ABC):
-    """``grad_norm``, ``clip_and_check`` and ``scale_grads`` over the gradients an optimizer owns."""
+    """``grad_norm``, ``clip_and_check``, ``scale_grads`` and ``unscale_and_check`` over the gradients an
+    optimizer owns."""
 
     grad_scaler: ConstantGradScaler | None = None  # --fp16's loss scaler, set by the trainer
     # Whether ``state_dict()``'s tensors are private to the caller (an asynchronous save then stages no copy).
@@ -48,6 +49,15 @@ class GlobalNormClipping(ABC):
     @abstractmethod
     def grad_device(self) -> torch.device:
         """Where the gradients live (the norm is summed there)."""
+
+    def scaler_state(self) -> dict:
+        """``{"grad_scaler": ...}`` with --fp16 (saved with the optimizer state, as in Megatron), else ``{}``."""
+        return {} if self.grad_scaler is None else {"grad_scaler": self.grad_scaler.state_dict()}
+
+    def load_scaler_state(self, state: dict) -> None:
+        """Restore :meth:`scaler_state`'s part of a saved optimizer state (a run without --fp16 ignores it)."""
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     def _global_sum(self, tensors: Iterable[torch.Tensor], fn) -> float:
         total = torch.zeros((), dtype=torch.float64, device=self.grad_device())
@@ -90,6 +100,22 @@ class GlobalNormClipping(ABC):
         """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
         for g in self.owned_grads():
             g.mul_(factor)
+
+    @torch.no_grad()
+    def unscale_and_check(self, inv_scale: float) -> torch.Tensor:
+        """--fp16: multiply every owned gradient by ``inv_scale`` and flag a non-finite element among them, in one
+        pass: PyTorch's AMP kernel (the one ``torch.amp.GradScaler`` runs), here on the local tensors (FSDP2: this
+        rank's shards). Covers what the norm does not count (TP-replicated copies, HSDP's other nodes). Returns a
+        device scalar, 1 when found; not reduced, not read (the step's read-back sums it over the world)."""
+        device = self.grad_device()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for g in self.owned_grads():
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+        return found_inf[0]
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale the gradients, whose global norm is the finite ``norm``, to ``max_norm`` (0: no clipping)."""

@@ -20,7 +20,7 @@ class FullyShardedAdamW(GlobalNormClipping):
 
     def __init__(self, chunks: list[FullyShardedChunk], config: OptimizerConfig) -> None:
         self.model_chunks = chunks
-        self.grad_scaler = None  # set by the trainer (--fp16 is refused with FSDP2 at start-up)
+        self.grad_scaler = None  # set by the trainer with --fp16; its state is saved with the optimizer's
         self.config = config
         groups: dict[tuple[bool, str], list[nn.Parameter]] = {}  # (decay, lr kind) -> parameters
         self.counted: list[nn.Parameter] = []

@@ -261,16 +261,13 @@ class DistributedAdamW(GlobalNormClipping):
                 ea_p, eas_p = ea[s:e].view_as(p), eas[s:e].view_as(p)
                 state[names[id(p)]] = {"exp_avg": ea_p.clone() if copy else ea_p,
                                        "exp_avg_sq": eas_p.clone() if copy else eas_p}
-        out = {"step": self.step_count, "param_state": state,
-               "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}}
-        if self.grad_scaler is not None:
-            out["grad_scaler"] = self.grad_scaler.state_dict()
-        return out
+        return {"step": self.step_count, "param_state": state,
+                "hyper": {"betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay},
+                **self.scaler_state()}
 
     def load_state_dict(self, state: dict, param_names: list[dict[int, str]]) -> None:
         self.step_count = state["step"]
-        if self.grad_scaler is not None and "grad_scaler" in state:
-            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self.load_scaler_state(state)
         for ddp, names, chunk_list in zip(self.model_chunks, param_names, self.chunks):
             full_ea = torch.zeros_like(ddp.buffer.param_data)
             full_eas = torch.zeros_like(ddp.buffer.param_data)

@@ -12,6 +12,7 @@ them start reducing gradients.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -126,25 +127,60 @@ def forward_backward_pipelining_without_interleaving(forward_step_func, data_ite
     return losses
 
 
+def schedule_table(num_microbatches: int, num_model_chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """``(micro-batch, model chunk)`` of each virtual micro-batch, in forward order (megatron-core's
+    ``get_schedule_table``): groups of ``group_size`` consecutive micro-batches run through every chunk before the
+    next group starts; the last group takes what is left."""
+    table = []
+    for first in range(0, num_microbatches, group_size):
+        group = range(first, min(first + group_size, num_microbatches))
+        table += [(microbatch, chunk) for chunk in range(num_model_chunks) for microbatch in group]
+    return table
+
+
+def interleaving_problem(num_microbatches: int, pp: int, group_size: int) -> str | None:
+    """Why the interleaved schedule cannot run ``num_microbatches`` in groups of ``group_size`` over ``pp`` stages
+    (megatron-core's two checks and texts); None when it can."""
+    if not pp <= group_size <= num_microbatches:
+        return (f"The number of contiguous micro-batches in a virtual pipeline stage should range in "
+                f"[PP={pp} , M={num_microbatches}]")
+    final_group = num_microbatches % group_size
+    if 0 < final_group < pp:
+        return ("The remainder of M (the total micro-batches) divided by N (number of contiguous micro-batches in a "
+                "virtual pipeline stage) should be 0, or larger than or equal to the pipeline-parallel size, but it "
+                f"is {final_group}. Otherwise, it introduces dependency bubbles in the pipeline and reduces "
+                "throughput.")
+    return None
+
+
+def num_warmup_microbatches(num_microbatches: int, num_model_chunks: int, group_size: int, pp: int, rank: int,
+                            forward_only: bool) -> int:
+    """Forwards before the first backward on pipeline rank ``rank`` (megatron-core's ``get_pp_rank_microbatches``):
+    ``(V - 1)`` groups on every rank, plus two per later stage."""
+    total = num_microbatches * num_model_chunks
+    if forward_only:
+        return total
+    return min((pp - rank - 1) * 2 + (num_model_chunks - 1) * group_size, total)
+
+
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator: list, model: list[ModelChunk],
                                                   num_microbatches: int, tensor_shape=None,
                                                   dtype=torch.float32, forward_only: bool = False,
-                                                  forward_context=None) -> list[dict]:
-    """Interleaved 1F1B over V model chunks per rank (Megatron's schedule). Needs M % PP == 0."""
+                                                  forward_context=None,
+                                                  microbatch_group_size: int | None = None) -> list[dict]:
+    """Interleaved 1F1B over V model chunks per rank (Megatron's schedule): micro-batches run through the chunks in
+    groups of ``microbatch_group_size`` (default: the pipeline size; ``schedule_table``)."""
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     V, M = len(model), num_microbatches
-    if M % pp != 0:
-        raise ValueError(f"interleaved pipeline schedule needs the number of micro-batches ({M}) to be a "
-                         f"multiple of pipeline-model-parallel-size ({pp})")
+    group_size = microbatch_group_size or pp
+    problem = interleaving_problem(M, pp, group_size)
+    if problem:
+        raise ValueError(problem)
+    microbatch_ids, chunk_ids = zip(*schedule_table(M, V, group_size))
     p2p = P2P(tensor_shape, dtype, _device(model[0]), requires_grad=not forward_only)
     total = M * V
-    all_warmup = False
-    if forward_only:
-        num_warmup = total
-    elif M == pp:
-        num_warmup, all_warmup = total, True
-    else:
-        num_warmup = min((pp - rank - 1) * 2 + (V - 1) * pp, total)
+    num_warmup = num_warmup_microbatches(M, V, group_size, pp, rank, forward_only)
+    all_warmup = num_warmup == total
     num_remaining = total - num_warmup
     inputs = [[] for _ in range(V)]
     outputs = [[] for _ in range(V)]
@@ -153,22 +189,41 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     losses: list[dict] = []
 
     def chunk_id(k: int, forward: bool) -> int:
-        c = (k % (pp * V)) // pp
+        c = chunk_ids[k % total]
         return c if forward else V - c - 1
 
     def set_vrank(c: int) -> None:
         ps.set_virtual_pipeline_model_parallel_rank(c)
+
+    def num_released(k: int, c: int) -> int:
+        """Inputs of chunk ``c`` already dropped (after their backward) when virtual micro-batch ``k`` runs."""
+        if forward_only:
+            return chunk_ids[:k].count(c)
+        return chunk_ids[:max(k - num_warmup, 0)].count(V - c - 1)
+
+    def next_recv(k: int, forward: bool) -> tuple[bool, int]:
+        """Whether a tensor arrives after step ``k`` and for which chunk. The leading stage (the first in forward,
+        the last in backward) runs PP - 1 steps ahead of the stage that feeds it."""
+        leading = ps.is_pipeline_first_stage(True) if forward else ps.is_pipeline_last_stage(True)
+        if not leading:
+            return True, chunk_id(k + 1, forward)
+        if k < pp - 1:  # the feeding stage has produced nothing yet
+            return False, 0
+        sender = chunk_id(k - (pp - 1), forward)
+        if sender == (V - 1 if forward else 0):  # its last chunk feeds no one
+            return False, 0
+        return True, sender + 1 if forward else sender - 1
 
     def fwd_helper(k: int):
         c = chunk_id(k, True)
         set_vrank(c)
         if ps.is_pipeline_first_stage() and len(inputs[c]) == len(outputs[c]):
             inputs[c].append(None)
-        out = forward_step(forward_step_func, data_iterator[c], model[c], inputs[c][-1], M, losses,
-                           forward_context)
+        inp = inputs[c][microbatch_ids[k] - num_released(k, c)]
+        out = forward_step(forward_step_func, data_iterator[c], model[c], inp, M, losses, forward_context)
         outputs[c].append(out)
         if forward_only:
-            inputs[c].pop()
+            inputs[c].pop(0)
             outputs[c].pop()
         return out
 
@@ -184,11 +239,11 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     set_vrank(0)
     inputs[0].append(None if ps.is_pipeline_first_stage() else p2p.recv_forward())
     for k in range(num_warmup):
-        out = fwd_helper(k)
-        next_c = chunk_id(k + 1, True)
-        recv_prev = not (ps.is_pipeline_first_stage(ignore_virtual=True) and next_c == 0) and k != total - 1
+        out = fwd_helper(k)  # leaves the virtual rank at this step's chunk
         if ps.is_pipeline_last_stage():
             out = None
+        recv_prev, next_c = next_recv(k, True)
+        recv_prev = recv_prev and k != total - 1
         if k == num_warmup - 1 and not forward_only and not all_warmup:
             recv_next = not ps.is_pipeline_last_stage(ignore_virtual=True)
             inp, og = p2p.communicate(send_next=out, recv_prev=recv_prev, recv_next=recv_next)
@@ -209,24 +264,9 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
         set_vrank(chunk_id(i, False))
         if ps.is_pipeline_first_stage():
             in_grad = None
-        recv_prev = True
-        if ps.is_pipeline_first_stage(ignore_virtual=True):
-            next_fc = chunk_id(fk - (pp - 1), True)
-            if next_fc == V - 1:
-                recv_prev = False
-            next_fc += 1
-        else:
-            next_fc = chunk_id(fk + 1, True)
-        recv_next = True
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
-            next_bc = chunk_id(i - (pp - 1), False)
-            if next_bc == 0:
-                recv_next = False
-            next_bc -= 1
-        else:
-            next_bc = chunk_id(i + 1, False)
-        if i == num_remaining - 1:
-            recv_prev = False
+        recv_prev, next_fc = next_recv(fk, True)
+        recv_next, next_bc = next_recv(i, False)
+        recv_prev = recv_prev and i != num_remaining - 1
         inp, og = p2p.communicate(send_next=out, send_prev=in_grad, recv_prev=recv_prev, recv_next=recv_next)
         if recv_prev:
             inputs[next_fc].append(inp)
@@ -234,16 +274,14 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
             out_grads[next_bc].append(og)
 
     if not forward_only:
-        if all_warmup:
-            og = p2p.recv_backward() if not ps.is_pipeline_last_stage(ignore_virtual=True) else None
-            if og is not None:
-                out_grads[V - 1].append(og)
+        if all_warmup and not ps.is_pipeline_last_stage(ignore_virtual=True):
+            out_grads[V - 1].append(p2p.recv_backward())
         for k in range(num_remaining, total):
             in_grad = bwd_helper(k)
             if ps.is_pipeline_first_stage():
                 in_grad = None
-            next_bc = chunk_id(k + 1, False)
-            recv_next = not (ps.is_pipeline_last_stage(ignore_virtual=True) and next_bc == V - 1) and k != total - 1
+            recv_next, next_bc = next_recv(k, False)
+            recv_next = recv_next and k != total - 1
             _, og = p2p.communicate(send_prev=in_grad, recv_next=recv_next)
             if recv_next:
                 out_grads[next_bc].append(og)
@@ -251,10 +289,14 @@ def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterat
     return losses
 
 
-def get_forward_backward_func(pp_size: int, vpp_size: int | None = None) -> Callable:
+def get_forward_backward_func(pp_size: int, vpp_size: int | None = None,
+                              microbatch_group_size: int | None = None) -> Callable:
+    """The schedule of this layout; ``microbatch_group_size``: the interleaved schedule's
+    ``--microbatch-group-size-per-virtual-pipeline-stage`` (None: the pipeline size)."""
     if pp_size > 1:
         if vpp_size and vpp_size > 1:
-            return forward_backward_pipelining_with_interleaving
+            return functools.partial(forward_backward_pipelining_with_interleaving,
+                                     microbatch_group_size=microbatch_group_size)
         return forward_backward_pipelining_without_interleaving
     return forward_backward_no_pipelining
 

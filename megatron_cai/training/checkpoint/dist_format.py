@@ -135,7 +135,7 @@ def optimizer_state(model_chunks, optimizer) -> dict:
                 param_state[n] = {"exp_avg": zeros, "exp_avg_sq": zeros}
     group = opt.param_groups[0]
     hyper = {"betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": optimizer_weight_decay(opt)}
-    return {"step": step, "param_state": param_state, "hyper": hyper}
+    return {"step": step, "param_state": param_state, "hyper": hyper, **optimizer.scaler_state()}
 
 
 def optimizer_weight_decay(opt) -> float:
@@ -407,6 +407,7 @@ def apply_optimizer(model_chunks, optimizer, state: dict) -> None:
         return
     from torch.optim.optimizer import _get_scalar_dtype
 
+    optimizer.load_scaler_state(state)
     opt = optimizer.optimizer
     for m in model_chunks:
         for n, p in m.module.named_parameters():

@@ -5,7 +5,9 @@
 - ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``: the embedding / the
   loss counts as one layer of the split;
 - ``--num-layers-per-virtual-pipeline-stage`` or ``--num-virtual-stages-per-pipeline-rank``: the virtual pipeline
-  size (uneven first / last stages need the second, as in Megatron-LM).
+  size (uneven first / last stages need the second, as in Megatron-LM);
+- ``--microbatch-group-size-per-virtual-pipeline-stage``: the interleaved schedule's groups of micro-batches
+  (``core/pipeline_parallel/schedules.py``; checked per micro-batch count in ``training/flags/layout.py``).
 
 The split itself: :mod:`megatron_cai.core.pipeline_parallel.layer_split`. This module adds the flags, derives the
 virtual pipeline size as megatron-core's ``validate_args`` does and checks the split as its ``TransformerConfig``
@@ -29,6 +31,13 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="virtual pipeline chunks per pipeline rank (interleaved schedule); the alternative to "
         "--num-layers-per-virtual-pipeline-stage, and the one uneven first / last stages take",
+    )
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved schedule: consecutive micro-batches that run through a virtual pipeline stage before the "
+        "next stage's (between the pipeline size and the micro-batches per iteration; default: the pipeline size)",
     )
     g.add_argument(
         "--decoder-first-pipeline-num-layers",

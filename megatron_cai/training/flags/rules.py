@@ -8,9 +8,9 @@ import math
 import re
 
 from ..config import ArgumentError
-from ..divergence import rerun_mode_note
 from ..features.determinism import check_deterministic_flags
 from . import mup, optimizer_and_fp8
+from . import rerun as rerun_flags
 from .megatron_compat import attention_backend_for, check_compat, mapped_messages
 from .megatron_features import resolve_megatron_features
 from .pipeline_split import virtual_pipeline_size
@@ -72,11 +72,7 @@ def resolve_megatron_flags(flags: argparse.Namespace, problems: FlagProblems | N
         problems.missing("--wandb-project needs the wandb package, which is not installed: "
                          "pip install wandb (or pip install -e '.[wandb]')")
     check_deterministic_flags(args, problems)
-    if args.rerun_mode == "report_stats":
-        problems.add("refused", "--rerun-mode report_stats: re-running iterations to report determinism statistics "
-                                "is not implemented here; --deterministic-mode makes runs identical")
-    elif (note := rerun_mode_note(args.rerun_mode)) is not None:
-        args.megatron_notes.append(note)
+    rerun_flags.check(args, problems)
     if args.manual_gc_interval < 0:
         problems.invalid(f"--manual-gc-interval {args.manual_gc_interval}: must be >= 0")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # Megatron's validate_args: a warning
@@ -171,9 +167,6 @@ def check_flags(args: argparse.Namespace, vocab_size: int | None, problems: Flag
     if args.check_weight_hash_across_dp_replicas_interval is not None and args.use_torch_fsdp2:
         problems.conflict("--check-weight-hash-across-dp-replicas-interval does not run with --use-torch-fsdp2: its "
                           "data-parallel ranks hold shards, not replicas (megatron-core's rule for Megatron-FSDP)")
-    if args.use_torch_fsdp2 and args.fp16:
-        problems.conflict("--fp16 with --use-torch-fsdp2 is not supported (no loss scaler over FSDP2 shards); "
-                          "use --bf16")
     if args.use_torch_fsdp2 and args.save and args.ckpt_format != "torch_dist":
         problems.conflict("--use-torch-fsdp2 saves only --ckpt-format torch_dist: FSDP2 parameters are DTensor "
                           f"shards; the per-rank torch format is refused (got --ckpt-format {args.ckpt_format})")

@@ -225,7 +225,6 @@ TABLE = FlagTable(
             "--hybrid-context-parallel",
             "hybrid (dynamic) context parallelism is not implemented here; --context-parallel-size is",
         ),
-        CompatFlag("--microbatch-group-size-per-virtual-pipeline-stage", _NOT_YET, None, int, None),
         CompatFlag("--mtp-standalone", _MTP),
         CompatFlag("--mtp-num-layers", _MTP, None, int, None),
         CompatFlag("--mtp-loss-scaling-factor", _MTP, None, float, 0.1),

@@ -28,7 +28,6 @@ _INPROCESS = (
     "and --load (resume is bit-exact)"
 )
 _FT = "NVIDIA's fault-tolerance package is not used here; restart with torchrun --max-restarts and --load"
-_RERUN_EXTRA = "part of Megatron's rerun machinery that is not implemented here (see --rerun-mode)"
 _MSC = "the Multi-Storage Client (object storage) is not supported here; use local or mounted paths"
 _SFT = "supervised fine-tuning datasets are not implemented here (pretraining data only)"
 _FAULT_INJ = "the fault injector is not implemented here"
@@ -329,15 +328,6 @@ TABLE = FlagTable(
         CompatFlag("--enable-ft-package", _FT),
         CompatFlag("--calc-ft-timeouts", _FT),
         CompatFlag("--ft-num-warmup-iters", _FT, None, int, 5),
-        CompatFlag("--error-injection-rate", _RERUN_EXTRA, None, int, 0),
-        CompatFlag(
-            "--error-injection-type",
-            _RERUN_EXTRA,
-            None,
-            str,
-            "transient_error",
-            ("correct_result", "transient_error", "persistent_error"),
-        ),
         CompatFlag("--enable-msc", _MSC),
         CompatFlag("--sft", _SFT, allowed=("nemotron-h-aligned",)),
         CompatFlag(

@@ -7,7 +7,6 @@ from __future__ import annotations
 from .table import CompatFlag, FlagTable
 
 _DEPRECATED = "deprecated in Megatron-LM, which rejects it too"
-_RERUN_EXTRA = "part of Megatron's rerun machinery that is not implemented here (see --rerun-mode)"
 _TE_COMM = "a Transformer Engine userbuffer overlap knob for TP communication; the same math runs here"
 _FUSION = "a kernel-fusion / launch switch of Megatron's CUDA kernels; the same math runs here either way"
 _OFFLOAD = "an activation / optimizer memory-offloading knob; tensors stay on the device here, with the same math"
@@ -34,7 +33,6 @@ TABLE = FlagTable(
         CompatFlag(
             "--disable-manual-gc-eval", "with --manual-gc, collections run between steps only, never inside evaluation"
         ),
-        CompatFlag("--result-rejected-tracker-filename", _RERUN_EXTRA, None, str, None),
         CompatFlag("--tp-comm-overlap-cfg", _TE_COMM, None, str, None),
         CompatFlag("--no-masked-softmax-fusion", _FUSION),
         CompatFlag("--no-bias-gelu-fusion", _FUSION),
@@ -125,9 +123,6 @@ TABLE = FlagTable(
         ),
         CompatFlag("--iterations-to-skip", "skipping iterations is not implemented here", "+", int, []),
         CompatFlag("--batch-size", _DEPRECATED, None, int, None),
-        CompatFlag(
-            "--check-for-large-grads", "the large-gradient check of Megatron's rerun machinery is not implemented here"
-        ),
         CompatFlag("--checkpoint-activations", _DEPRECATED),
         CompatFlag("--dump-param-to-param-group-map", "a parameter-group map file is not read here", None, str, None),
         CompatFlag(
