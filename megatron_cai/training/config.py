@@ -363,6 +363,8 @@ FLAG_RANGES: dict[str, Range] = {
     **dict.fromkeys(["diloco_islands", "diloco_fragments", "diloco_outer_bits"], _AT_LEAST_1),
     **dict.fromkeys(["diloco_inner_steps", "diloco_overlap_steps"], _AT_LEAST_0),
     "diloco_outer_lr": _POSITIVE, "diloco_outer_momentum": _DROPOUT, "diloco_local_weight": _FRACTION,
+    "mup_base_hidden_size": _AT_LEAST_1, "mup_attn_scale_power": _AT_LEAST_0,  # training/flags/mup.py
+    **dict.fromkeys(["mup_base_head_dim", "mup_embedding_mult", "mup_output_mult"], _POSITIVE),
     "rotary_percent": Range(0, 1, lo_open=True),
     "spiky_loss_factor": Range(1, lo_open=True),
 }

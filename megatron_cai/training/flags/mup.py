@@ -34,10 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace, problems: FlagProblems) -> None:
-    if args.mup_base_hidden_size is not None and args.mup_base_hidden_size <= 0:
-        problems.invalid(f"--mup-base-hidden-size {args.mup_base_hidden_size}: must be positive")
-    if args.mup_base_head_dim is not None and args.mup_base_head_dim <= 0:
-        problems.invalid(f"--mup-base-head-dim {args.mup_base_head_dim}: must be positive")
+    """The cross-flag rules (the values' ranges are config.FLAG_RANGES')."""
     if args.use_mup and args.multi_latent_attention:
         problems.conflict("--use-mup with --multi-latent-attention is not implemented here (MuP applies to "
                           "standard self-attention)")

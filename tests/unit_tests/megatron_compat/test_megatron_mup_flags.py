@@ -30,8 +30,8 @@ def test_flags_build_the_model_optimizer_and_scheduler_configs():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--mup-base-hidden-size", "0"], "--mup-base-hidden-size 0: must be positive"),
-    (["--mup-base-head-dim", "-1"], "--mup-base-head-dim -1.0: must be positive"),
+    (["--mup-base-hidden-size", "0"], "--mup-base-hidden-size 0: out of range, must be finite and >= 1"),
+    (["--mup-base-head-dim", "-1"], "--mup-base-head-dim -1.0: out of range, must be finite and > 0"),
     (["--num-experts", "4"], "--use-mup with --num-experts"),
     (["--multi-latent-attention", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "8"],
      "--use-mup with --multi-latent-attention"),
