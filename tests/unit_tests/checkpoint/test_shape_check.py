@@ -1,0 +1,128 @@
+"""``shape_check``: the saved-vs-live comparison every load path uses, in one process.
+
+The independent expectation is torch's own ``load_state_dict``: the parameters it refuses (size mismatch, missing,
+unexpected) are exactly the ones :func:`shape_problems` / :func:`unexpected` name, with the same shapes.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from megatron_cai.core.models.gpt.config import GPTConfig
+from megatron_cai.core.models.gpt.model import GPTModel
+from megatron_cai.inference.generation import ensure_single_process
+from megatron_cai.training.checkpoint import CheckpointError, CheckpointShapeError, check_shapes
+from megatron_cai.training.checkpoint.shape_check import likely_flag, shape_problems, unexpected
+from megatron_cai.training.errors import UserError
+
+SMALL = dict(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=64, padded_vocab_size=64, seq_length=16,
+             activation="relu2")
+
+
+def _model(**kw) -> GPTModel:
+    ensure_single_process()
+    return GPTModel(GPTConfig(**{**SMALL, **kw}))
+
+
+def _shapes(model: GPTModel) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _torch_refuses(saved: GPTModel, live: GPTModel) -> tuple[dict, set, set]:
+    """What torch's strict load_state_dict reports: {name: (saved, live)} size mismatches, missing, unexpected."""
+    with pytest.raises(RuntimeError) as e:
+        live.load_state_dict(saved.state_dict())
+    text = str(e.value)
+    sizes = {m[0]: (tuple(map(int, re.findall(r"\d+", m[1]))), tuple(map(int, re.findall(r"\d+", m[2]))))
+             for m in re.findall(r"size mismatch for (\S+): copying a param with shape torch.Size\(\[([\d, ]*)\]\) "
+                                 r"from checkpoint, the shape in current model is torch.Size\(\[([\d, ]*)\]\)", text)}
+    def keys(kind):
+        m = re.search(kind + r" key\(s\) in state_dict: (.*?)\.\s*$", text, re.M)
+        return set(re.findall(r'"([^"]+)"', m.group(1))) if m else set()
+    return sizes, keys("Missing"), keys("Unexpected")
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": 64}, {"padded_vocab_size": 128}, {"ffn_hidden_size": 96},
+                                    {"num_query_groups": 1}, {"num_layers": 3}, {"num_layers": 1}])
+def test_problems_are_what_torch_refuses(change):
+    saved_model, live = _model(), _model(**change)
+    sizes, missing, extra = _torch_refuses(saved_model, live)
+    assert sizes or missing or extra
+    saved, here = _shapes(saved_model), _shapes(live)
+    problems = shape_problems(saved, here)
+    assert {p.name: (p.saved, p.here) for p in problems if p.saved and p.here} == sizes
+    assert {p.name for p in problems if p.saved is None} == missing
+    assert {p.name for p in unexpected(saved, saved, set(here))} == extra
+
+
+def test_vocab_rows_may_differ_only_where_allowed():
+    saved, here = {"emb": (64, 32), "w": (64, 32)}, {"emb": (128, 32), "w": (128, 32)}
+    problems = shape_problems(saved, here, rows_may_differ=lambda n: n == "emb")
+    assert [(p.name, p.saved, p.here) for p in problems] == [("w", (64, 32), (128, 32))]
+    assert shape_problems({"emb": (64, 16)}, {"emb": (128, 32)}, rows_may_differ=lambda n: True)  # columns: never
+
+
+def test_one_error_names_file_parameter_shapes_and_flag():
+    saved_model, live = _model(), _model(hidden_size=64)
+    hint = likely_flag(saved_model.config, live.config)
+    with pytest.raises(CheckpointShapeError) as e:
+        check_shapes("/ck/iter_0000002/mp_rank_00/model_optim_rng.pt", _shapes(saved_model), _shapes(live),
+                     hint=hint)
+    line = str(e.value)
+    assert isinstance(e.value, (CheckpointError, UserError)) and "\n" not in line
+    first = next(iter(_shapes(live)))  # the first of this run's tensors differs (every one depends on hidden)
+    assert ("/ck/iter_0000002/mp_rank_00/model_optim_rng.pt" in line and repr(first) in line
+            and str(_shapes(saved_model)[first]) in line and str(_shapes(live)[first]) in line)
+    assert "--hidden-size differs: 32 in the checkpoint, 64 in this run" in line
+
+
+def test_missing_comes_before_unexpected_and_unexpected_needs_saved_params():
+    saved, here = {"a": (2,), "old": (3,)}, {"a": (2,), "new": (4,)}
+    with pytest.raises(CheckpointShapeError, match=r"this run's 'new' \(shape \(4,\)\) is not in the checkpoint"):
+        check_shapes("d", saved, here, saved_params=["old"])
+    with pytest.raises(CheckpointShapeError, match=r"holds 'old' \(shape \(3,\)\), which this run lacks"):
+        check_shapes("d", saved, {"a": (2,)}, saved_params=["old"])
+    check_shapes("d", saved, {"a": (2,)})  # a saved buffer no parameter takes (e.g. QAT's): not an error
+
+
+@pytest.mark.parametrize("field,value,flag", [("num_layers", 3, "--num-layers"),
+                                              ("ffn_hidden_size", 96, "--ffn-hidden-size"),
+                                              ("num_query_groups", 1, "--num-query-groups"),
+                                              ("padded_vocab_size", 128, "--make-vocab-size-divisible-by")])
+def test_likely_flag_names_the_field_that_differs(field, value, flag):
+    saved, here = GPTConfig(**SMALL), GPTConfig(**{**SMALL, field: value})
+    text = likely_flag(saved, here)
+    assert flag in text and f"{getattr(saved, field)!r} in the checkpoint, {value!r} in this run" in text
+    assert likely_flag(saved, GPTConfig(**SMALL)) == "" and likely_flag(None, here) == ""
+
+
+def test_no_problem_no_error():
+    shapes = _shapes(_model())
+    check_shapes("d", shapes, shapes, saved_params=shapes)
+    check_shapes("d", {k: torch.Size(v) for k, v in shapes.items()}, shapes)  # torch.Size against tuples
+
+
+def _two_ranks(rank: int, world_size: int) -> tuple[str | None, str | None]:
+    """Rank 1's file has a mismatch, rank 0's none; then a global checkpoint whose parameters the ranks split."""
+    found = []
+    mine = {"w": (2, 3)} if rank == 0 else {"v": (4,)}
+    saved = {"w": (2, 3)} if rank == 0 else {"v": (5,)}
+    for saved_shapes, saved_params in ((saved, ()), ({"w": (2, 3), "v": (4,)}, ["w", "v"])):
+        try:
+            check_shapes(f"file{rank}", saved_shapes, mine, saved_params=saved_params)
+            found.append(None)
+        except CheckpointShapeError as e:
+            found.append(str(e))
+    return tuple(found)
+
+
+@pytest.mark.slow  # spawns two processes
+def test_every_rank_raises_the_first_finding_and_names_are_compared_over_ranks():
+    from testlib.distributed import run_distributed
+
+    results = run_distributed(_two_ranks, world_size=2)
+    line = "checkpoint file1 does not fit this run's model: 'v' has shape (5,) in the checkpoint but (4,) in this run"
+    assert [r[0] for r in results] == [line, line]  # rank 0 found nothing itself, and raises rank 1's finding
+    assert [r[1] for r in results] == [None, None]  # 'v' is rank 1's: not "unexpected" on rank 0
