@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ...core.models.gpt.config import GPTConfig
+from ..errors import RankLocalError
 from .file_io import CheckpointError
 
 Shape = tuple[int, ...]
@@ -36,6 +37,10 @@ FLAG_OF = {"padded_vocab_size": "the padded vocabulary (--make-vocab-size-divisi
 
 class CheckpointShapeError(CheckpointError):
     """A saved tensor does not fit the live one it would be copied into (or one side lacks it)."""
+
+
+class RankLocalShapeError(CheckpointShapeError, RankLocalError):
+    """The same, found by a load only some ranks make (an online teacher): reported with the rank."""
 
 
 @dataclass(frozen=True)

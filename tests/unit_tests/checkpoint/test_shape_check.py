@@ -126,3 +126,20 @@ def test_every_rank_raises_the_first_finding_and_names_are_compared_over_ranks()
     line = "checkpoint file1 does not fit this run's model: 'v' has shape (5,) in the checkpoint but (4,) in this run"
     assert [r[0] for r in results] == [line, line]  # rank 0 found nothing itself, and raises rank 1's finding
     assert [r[1] for r in results] == [None, None]  # 'v' is rank 1's: not "unexpected" on rank 0
+
+
+def test_teacher_that_does_not_fit_is_one_rank_local_error():
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint, RankLocalShapeError
+    from megatron_cai.training.errors import RankLocalError
+    from megatron_cai.training.features.distill import build_teacher
+
+    teacher = _model()
+    weights = dict(teacher.state_dict())
+    build_teacher(CanonicalCheckpoint(teacher.config, model=weights), padded_vocab_size=64)  # fits: loads
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    weights[name] = torch.zeros(96, 32)  # saved with another --ffn-hidden-size than its own config says
+    with pytest.raises(RankLocalShapeError) as e:
+        build_teacher(CanonicalCheckpoint(teacher.config, model=weights), padded_vocab_size=64, where="--t T")
+    assert isinstance(e.value, RankLocalError)
+    assert str(e.value) == (f"checkpoint --t T does not fit this run's model: {name!r} has shape (96, 32) in the "
+                            f"checkpoint but (128, 32) in this run")
