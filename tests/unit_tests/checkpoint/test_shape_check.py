@@ -143,3 +143,26 @@ def test_teacher_that_does_not_fit_is_one_rank_local_error():
     assert isinstance(e.value, RankLocalError)
     assert str(e.value) == (f"checkpoint --t T does not fit this run's model: {name!r} has shape (96, 32) in the "
                             f"checkpoint but (128, 32) in this run")
+
+
+def test_diloco_island_state_that_does_not_fit_is_one_rank_local_error():
+    from types import SimpleNamespace
+
+    from megatron_cai.training.errors import RankLocalError
+    from megatron_cai.training.features.diloco import DilocoSeam, DilocoStateError
+
+    module = torch.nn.Linear(3, 2)  # an island's one chunk: weight (2, 3) and bias (2,) in a flat buffer of 8
+    chunk = SimpleNamespace(module=module, buffer=SimpleNamespace(param_data=torch.zeros(8),
+                                                                  params=list(module.parameters())))
+    seam = SimpleNamespace(model_chunks=[chunk])
+    moments = {"weight": {"exp_avg": torch.zeros(2, 3)}, "bias": {"exp_avg": torch.zeros(2)}}
+    DilocoSeam._check_island_state_fits(seam, {"island": 1, "weights": [torch.zeros(8)],
+                                               "inner_optimizer": {"param_state": moments}})  # fits
+    moments["weight"]["exp_avg"] = torch.zeros(4, 3)
+    with pytest.raises(DilocoStateError) as e:
+        DilocoSeam._check_island_state_fits(seam, {"island": 1, "weights": [torch.zeros(14)],
+                                                   "inner_optimizer": {"param_state": moments}})
+    assert isinstance(e.value, RankLocalError)
+    assert "DiLoCo state of island 1" in str(e.value)
+    assert "'flat weights of model chunk 0' has shape (14,) in the checkpoint but (8,) in this run (and 1 more)" \
+        in str(e.value)
