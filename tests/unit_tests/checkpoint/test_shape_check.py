@@ -166,3 +166,15 @@ def test_diloco_island_state_that_does_not_fit_is_one_rank_local_error():
     assert "DiLoCo state of island 1" in str(e.value)
     assert "'flat weights of model chunk 0' has shape (14,) in the checkpoint but (8,) in this run (and 1 more)" \
         in str(e.value)
+
+
+def test_generation_model_that_does_not_fit_is_one_error():
+    from megatron_cai.inference.generation import model_from_canonical
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint
+
+    weights = dict(_model().state_dict())
+    model_from_canonical(CanonicalCheckpoint(_model().config, model=weights))  # fits: loads
+    weights["decoder.layers.2.mlp.linear_fc2.weight"] = torch.zeros(32, 128)  # a layer its config does not have
+    with pytest.raises(CheckpointShapeError, match=r"checkpoint ck/dir does not fit this run's model: the checkpoint "
+                                                   r"holds 'decoder.layers.2.mlp.linear_fc2.weight' \(shape \(32, 128\)\)"):
+        model_from_canonical(CanonicalCheckpoint(_model().config, model=weights), where="ck/dir")
