@@ -175,6 +175,7 @@ def test_generation_model_that_does_not_fit_is_one_error():
     weights = dict(_model().state_dict())
     model_from_canonical(CanonicalCheckpoint(_model().config, model=weights))  # fits: loads
     weights["decoder.layers.2.mlp.linear_fc2.weight"] = torch.zeros(32, 128)  # a layer its config does not have
-    with pytest.raises(CheckpointShapeError, match=r"checkpoint ck/dir does not fit this run's model: the checkpoint "
-                                                   r"holds 'decoder.layers.2.mlp.linear_fc2.weight' \(shape \(32, 128\)\)"):
+    expected = (r"checkpoint ck/dir does not fit this run's model: the checkpoint holds "
+                r"'decoder.layers.2.mlp.linear_fc2.weight' \(shape \(32, 128\)\)")
+    with pytest.raises(CheckpointShapeError, match=expected):
         model_from_canonical(CanonicalCheckpoint(_model().config, model=weights), where="ck/dir")
