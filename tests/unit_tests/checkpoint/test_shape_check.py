@@ -179,3 +179,27 @@ def test_generation_model_that_does_not_fit_is_one_error():
                 r"'decoder.layers.2.mlp.linear_fc2.weight' \(shape \(32, 128\)\)")
     with pytest.raises(CheckpointShapeError, match=expected):
         model_from_canonical(CanonicalCheckpoint(_model().config, model=weights), where="ck/dir")
+
+
+def test_torch_format_checks_the_adam_moments_too():
+    from types import SimpleNamespace
+
+    from megatron_cai.training.checkpoint.torch_format import check_weights_fit
+
+    model = _model()
+    chunks = [SimpleNamespace(module=model)]
+    moments = {n: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+               for n, p in model.named_parameters()}
+    payload = {"model": {"model0": model.state_dict()}, "optimizer": {"param_state": moments},
+               "tp_layout": dict.fromkeys(moments)}
+    meta = {"model_config": model.config.to_dict()}
+    check_weights_fit("f.pt", payload, chunks, model.config, meta, with_optim=True)  # fits
+    name = "decoder.layers.0.mlp.linear_fc2.weight"
+    moments[name]["exp_avg"] = torch.zeros(3)
+    check_weights_fit("f.pt", payload, chunks, model.config, meta, with_optim=False)  # not loaded: not compared
+    with pytest.raises(CheckpointShapeError, match=rf"'optimizer.state.exp_avg.{name}' has shape \(3,\) in the "
+                                                   rf"checkpoint but \(32, 128\) in this run"):
+        check_weights_fit("f.pt", payload, chunks, model.config, meta, with_optim=True)
+    del moments[name]
+    with pytest.raises(CheckpointShapeError, match=rf"this run's 'optimizer.state.exp_avg.{name}' \(shape"):
+        check_weights_fit("f.pt", payload, chunks, model.config, meta, with_optim=True)
