@@ -6,8 +6,9 @@ Every load path (``torch`` per-rank files, ``torch_dist``, the optimizer state, 
 the checkpoint holds and this run lacks, or one whose shape differs is a :class:`CheckpointShapeError`: one line
 naming the checkpoint file or directory, the first such parameter with both shapes (and how many more), and the
 flag that most likely differs, read from the checkpoint's saved model configuration (:func:`likely_flag`).
-Collective loads agree first (every rank calls :func:`check_shapes`): every rank raises the first rank's finding,
-which rank 0 prints, so a mismatch on some pipeline stages only neither hangs the others nor prints twice.
+Collective loads agree first (every rank of a model-parallel group calls :func:`check_shapes`): every rank raises
+the first rank's finding, which rank 0 prints, so a mismatch on some pipeline stages only neither hangs the others
+nor prints twice.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ...core import parallel_state as ps
 from ...core.models.gpt.config import GPTConfig
 from ..errors import RankLocalError
 from .file_io import CheckpointError
@@ -102,11 +104,18 @@ def describe(where: str, problems: list[ShapeProblem], hint: str = "") -> str:
 
 
 def _gather(obj: object, collective: bool) -> list:
-    """Every rank's ``obj`` (collective when ``collective`` and distributed), else ``[obj]``."""
-    if not (collective and dist.is_initialized() and dist.get_world_size() > 1):
+    """Every rank's ``obj`` over this rank's model-parallel (TP x PP) group when ``collective``, else ``[obj]``.
+
+    That group holds every distinct file and parameter of a checkpoint; its DP x CP replicas read the same and
+    find the same, so every rank reaches the same verdict (rank 0's group included) without the ranks that do not
+    load at all (a tool or a test loading on one rank of a DP group) ever being waited for."""
+    if not (collective and dist.is_initialized() and ps.model_parallel_is_initialized()):
         return [obj]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
+    group = ps.get_model_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return [obj]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
     return everyone
 
 
@@ -118,7 +127,8 @@ def check_shapes(where: str, saved: Mapping[str, Iterable[int]], here: Mapping[s
 
     ``saved_params``: the saved names some live tensor must take (else "which this run lacks"); with ``collective``
     they are compared with every rank's names (a global checkpoint: torch_dist), and every rank must call this and
-    raises the first rank's finding. ``where`` names this rank's file or the directory."""
+    raises the first finding of its model-parallel group (:func:`_gather`). ``where`` names this rank's file or the
+    directory."""
     problems = shape_problems(saved, here, rows_may_differ=rows_may_differ)
     everyone = _gather((describe(where, problems, hint) if problems else None, sorted(here)), collective)
     message = next((m for m, _ in everyone if m is not None), None)

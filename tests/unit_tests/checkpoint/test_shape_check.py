@@ -104,8 +104,12 @@ def test_no_problem_no_error():
     check_shapes("d", {k: torch.Size(v) for k, v in shapes.items()}, shapes)  # torch.Size against tuples
 
 
-def _two_ranks(rank: int, world_size: int) -> tuple[str | None, str | None]:
-    """Rank 1's file has a mismatch, rank 0's none; then a global checkpoint whose parameters the ranks split."""
+def _two_ranks(rank: int, world_size: int) -> tuple[str | None, ...]:
+    """PP = 2: rank 1's file has a mismatch, rank 0's none; then a global checkpoint whose parameters the ranks
+    split. DP = 2: rank 1 alone loads (no one to wait for)."""
+    from megatron_cai.core import parallel_state as ps
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     found = []
     mine = {"w": (2, 3)} if rank == 0 else {"v": (4,)}
     saved = {"w": (2, 3)} if rank == 0 else {"v": (5,)}
@@ -113,6 +117,13 @@ def _two_ranks(rank: int, world_size: int) -> tuple[str | None, str | None]:
         try:
             check_shapes(f"file{rank}", saved_shapes, mine, saved_params=saved_params)
             found.append(None)
+        except CheckpointShapeError as e:
+            found.append(str(e))
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()  # DP = 2: each rank is its own model-parallel group
+    if rank == 1:
+        try:
+            check_shapes("alone", {"v": (5,)}, {"v": (4,)})
         except CheckpointShapeError as e:
             found.append(str(e))
     return tuple(found)
@@ -126,6 +137,7 @@ def test_every_rank_raises_the_first_finding_and_names_are_compared_over_ranks()
     line = "checkpoint file1 does not fit this run's model: 'v' has shape (5,) in the checkpoint but (4,) in this run"
     assert [r[0] for r in results] == [line, line]  # rank 0 found nothing itself, and raises rank 1's finding
     assert [r[1] for r in results] == [None, None]  # 'v' is rank 1's: not "unexpected" on rank 0
+    assert "checkpoint alone does not fit" in results[1][2] and len(results[0]) == 2  # no hang
 
 
 def test_teacher_that_does_not_fit_is_one_rank_local_error():
