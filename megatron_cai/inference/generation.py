@@ -21,7 +21,7 @@ from ..core.models.gpt.config import GPTConfig
 from ..core.models.gpt.model import GPTModel
 from ..core.transformer.int8_kv_cache import make_kv_cache
 from ..core.transformer.self_attention import KVCache
-from ..training.checkpoint import CanonicalCheckpoint, load_any_canonical
+from ..training.checkpoint import CanonicalCheckpoint, check_shapes, load_any_canonical
 
 
 @dataclass
@@ -207,16 +207,18 @@ def inference_config(config: GPTConfig) -> GPTConfig:
     return cfg
 
 
-def model_from_canonical(ck: CanonicalCheckpoint, device: str | torch.device = "cpu") -> GPTModel:
-    """A TP = 1, PP = 1 GPTModel holding the canonical weights (vocabulary rows as saved)."""
+def model_from_canonical(ck: CanonicalCheckpoint, device: str | torch.device = "cpu",
+                         where: str = "(canonical)") -> GPTModel:
+    """A TP = 1, PP = 1 GPTModel holding the canonical weights (vocabulary rows as saved); a tensor that does not
+    fit is one error naming ``where`` (the checkpoint directory), the tensor and both shapes."""
     ensure_single_process()
     cfg = inference_config(ck.config)
     rows = ck.model["embedding.word_embeddings.weight"].shape[0]
     cfg.padded_vocab_size = rows
     model = GPTModel(cfg)  # attaches the QAT quantizers when cfg.qat is enabled
-    missing, unexpected = model.load_state_dict(ck.model, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    check_shapes(where, {k: v.shape for k, v in ck.model.items()}, {k: v.shape for k, v in model.state_dict().items()},
+                 saved_params=ck.model, collective=False)
+    model.load_state_dict(ck.model)
     return model.to(device).eval()
 
 
@@ -225,7 +227,7 @@ def load_model(root: str, step: int | None = None, device: str | torch.device = 
     """Load a checkpoint of either format and any layout as one single-process model (weights only), its
     files checked against their content hashes first."""
     ck = load_any_canonical(root, step, load_optimizer=False)
-    return model_from_canonical(ck, device), ck
+    return model_from_canonical(ck, device, where=root), ck
 
 
 def checkpoint_tokenizer(ck: CanonicalCheckpoint, tokenizer_model: str | None = None,

@@ -62,6 +62,7 @@ from ..training.checkpoint import (
     ConversionError,
     Layout,
     SafeFileSystemReader,
+    check_shapes,
     checkpoint_trust,
     current_trust,
     fit_vocab_rows,
@@ -556,11 +557,9 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     mck = read_megatron_checkpoint(root, step, trust_pickle=trust_pickle)
     config = config_from_megatron_args(mck.args)
     model = from_megatron_state_dict(config, mck.shards)
-    expected = _our_names(config)
-    missing, extra = sorted(expected - set(model)), sorted(set(model) - expected)
-    if missing or extra:
-        raise ConversionError(f"{root}: the Megatron-LM weights do not match the architecture in its args: "
-                              f"missing {missing[:4]}, unexpected {extra[:4]}")
+    check_shapes(root, {k: v.shape for k, v in model.items()}, _our_shapes(config), saved_params=model,
+                 hint="; the Megatron-LM weights do not match the architecture in its args", collective=False,
+                 error=ConversionError)
     divisible = int(_get(mck.args, "make_vocab_size_divisible_by", 128) or 128)
     from .hf import param_layout, pretrain_flags
 
@@ -591,13 +590,14 @@ def import_from_megatron(root: str, save: str, *, tp: int | None = None, pp: int
     return out
 
 
-def _our_names(config: GPTConfig) -> set[str]:
-    """The parameters, and the MoE routers' expert bias (a buffer megatron-core keeps too)."""
+def _our_shapes(config: GPTConfig) -> dict[str, torch.Size]:
+    """The parameters' full shapes, and the MoE routers' expert bias (a buffer megatron-core keeps too)."""
     from .hf import param_layout
 
     with torch.device("meta"):
-        buffers = GPTModel(config).state_dict()
-    return set(param_layout(config)) | {n for n in buffers if n.endswith(".mlp.router.expert_bias")}
+        state = GPTModel(config).state_dict()
+    names = set(param_layout(config)) | {n for n in state if n.endswith(".mlp.router.expert_bias")}
+    return {n: state[n].shape for n in names}
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -7,6 +7,7 @@ Behind it, modules named for what they hold:
 - ``dcp_pieces``: the TP/DP pieces of each global tensor that DCP writes and reads;
 - ``async_save``: ``--async-save``, the background writer and its staging buffers;
 - ``metadata``: ``metadata.json``, format detection, the checks a resume makes;
+- ``shape_check``: saved tensors against the live ones they load into, one error naming what does not fit;
 - ``run_dirs``: ``iter_XXXXXXX`` directories, publishing a save, the guards against overwriting a run;
 - ``retention``: ``--save-retain-interval`` and non-persistent saves, what a published save lets go;
 - ``run_lock``: one job per ``--save`` (rank 0's ``fcntl`` lock, held for the job's life);
@@ -74,6 +75,7 @@ from .safe_load import (
     set_trust,
     trust_from_flags,
 )
+from .shape_check import CheckpointShapeError, RankLocalShapeError, check_shapes
 from .torch_format import load_torch_checkpoint, param_names, rank_dir_name, same_stage_layers
 
 __all__ = [
@@ -81,7 +83,7 @@ __all__ = [
     "CheckpointError", "CheckpointIOError", "Checkpointer", "ConversionError", "Layout", "check_conversion_target",
     "check_run_dirs", "detect_format", "dist_to_torch", "fit_vocab_rows", "iteration_dir", "load_canonical",
     "load_torch", "load_torch_checkpoint", "rank_dir_name", "read_dcp_metadata", "read_metadata", "read_tracker",
-    "same_stage_layers",
+    "same_stage_layers", "CheckpointShapeError", "RankLocalShapeError", "check_shapes",
     "refuse_megatron_lm_checkpoint", "reshard_checkpoint", "resolve_load_format", "save_resharded", "save_torch",
     "target_layout", "torch_to_dist", "tp_layout", "write_json", "write_text", "open_run_dirs", "verify_checkpoint",
     "warn_if_short_of_space", "load_any_canonical", "RunLock", "MANIFEST", "verify_iteration",

@@ -60,6 +60,7 @@ from ..errors import safe_print
 from .dcp_pieces import (
     DCP_METADATA,
     OUTPUT_WEIGHT,
+    VOCAB_PARAMS,
     dcp_load,
     dcp_save,
     load_pieces,
@@ -73,13 +74,15 @@ from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
     TORCH_DIST,
-    check_version_and_architecture,
+    check_architecture,
+    check_version,
     copy_tokenizer_files,
     read_metadata,
     report_config_changes,
     run_metadata,
 )
 from .run_dirs import barrier, begin_save, iteration_dir, publish
+from .shape_check import check_shapes, likely_flag, saved_config
 
 FORMAT = TORCH_DIST
 EXP_AVG = "optimizer.state.exp_avg."
@@ -271,7 +274,7 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     """Restore a torch_dist checkpoint into this run's layout (collective); returns the saved counters."""
     path = iteration_dir(root, iteration)
     meta = read_metadata(root, iteration)
-    check_version_and_architecture(meta, config, path)
+    check_version(meta, path)
     if train_config is not None and ps.get_rank() == 0:
         report_config_changes(meta, train_config, root)
     saved = read_dcp_metadata(path).state_dict_metadata
@@ -279,12 +282,12 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
     with_optim = load_optim and not finetune and any(k.startswith(EXP_AVG) for k in saved)
     if load_optim and not finetune and not with_optim and ps.get_rank() == 0:
         safe_print(f" checkpoint {path} holds no optimizer state (saved with --no-save-optim): Adam starts afresh")
+    check_dist_fit(path, saved, meta, params, buffers, config, param_layout, with_optim)
+    check_architecture(meta, config, path)
     tg = _Targets({}, {}, {}, {})
     sd: dict[str, Any] = {}
     for name, t in params.items():
         src = source_name(name, config)
-        if src not in saved:
-            raise CheckpointError(f"torch_dist checkpoint {path} lacks parameter {src!r}")
         shape, meta_p = saved[src].size, param_layout[name]
         tp_rank, tp, ep = split_of(meta_p)
         local, row0 = local_part(t)  # under FSDP2: this rank's DP shard only, read as such
@@ -294,8 +297,6 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
             key = prefix + src
             if key in sd:  # one rank holds both tied copies: read once, copy after
                 continue
-            if key not in saved:
-                raise CheckpointError(f"torch_dist checkpoint {path} lacks {key!r}")
             sd[key] = load_pieces(out[name], meta_p, shape, tp_rank, tp, src, row0, ep)
     for name, b in buffers.items():
         if name in saved:
@@ -322,6 +323,23 @@ def load_dist_checkpoint(root: str, iteration: int, model_chunks, optimizer, sch
         scheduler.load_state_dict(common["opt_param_scheduler"])
     _restore_rank_state(sd.get(key), meta, path, load_rng, reducers, model_chunks)
     return {k: v for k, v in common.items() if k not in ("optimizer", "opt_param_scheduler")}
+
+
+def check_dist_fit(path: str, saved: dict, meta: dict, params: dict, buffers: dict, config: GPTConfig,
+                   param_layout: dict, with_optim: bool) -> None:
+    """Collective: every global shape of the checkpoint fits this run's (the vocabulary tables' rows may differ:
+    they are re-padded), or one :class:`.shape_check.CheckpointShapeError` on every rank."""
+    here = {}
+    for name in params:
+        src, full = source_name(name, config), tuple(param_layout[name]["full_shape"])
+        here[src] = full
+        if with_optim:
+            here[EXP_AVG + src] = here[EXP_AVG_SQ + src] = full
+    here.update({n: b.shape for n, b in buffers.items() if n in saved})
+    shapes = {k: v.size for k, v in saved.items() if not isinstance(v, BytesStorageMetadata)}
+    check_shapes(path, shapes, here, hint=likely_flag(saved_config(meta), config),
+                 rows_may_differ=lambda n: n.endswith(VOCAB_PARAMS),
+                 saved_params=[n for n in meta.get("param_layout") or {} if n in shapes])
 
 
 def _copy_shared_tied(sd: dict, tg: _Targets, config: GPTConfig) -> None:

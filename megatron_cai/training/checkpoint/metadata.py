@@ -102,12 +102,17 @@ def read_metadata(root: str, iteration: int) -> dict:
     return meta
 
 
-def check_version_and_architecture(meta: dict, config: GPTConfig, where: str) -> None:
-    """A format version this code reads and the same architecture, or an error saying what differs."""
+def check_version(meta: dict, where: str) -> None:
+    """A format version this code reads, or an error naming it."""
     version = meta.get("checkpoint_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {where} has checkpoint_version {version!r}; this version of megatron-cai "
                               f"reads versions up to {FORMAT_VERSION}")
+
+
+def check_architecture(meta: dict, config: GPTConfig, where: str) -> None:
+    """The same architecture (after the shapes were compared: this catches what keeps every shape, e.g. the
+    activation of a relu2 vs gelu model), or an error naming the fields that differ."""
     diff = config.architecture_diff(GPTConfig.from_dict(meta["model_config"]))
     if diff:
         raise CheckpointError(f"checkpoint {where} has a different model configuration: " + "; ".join(diff))
@@ -117,7 +122,7 @@ def report_config_changes(meta: dict, train_config: TrainConfig, root: str, log=
     """Compare the checkpoint's saved TrainConfig with this run's, field by field, and log what differs.
 
     Returns the differences ``[(field, checkpoint value, this run's value)]`` (architecture mismatches are
-    refused earlier, by :func:`check_version_and_architecture`)."""
+    refused by :func:`check_architecture`)."""
     saved = meta.get("train_config")
     if saved is None:
         log(f" checkpoint {root} predates saved training configurations: only its model configuration "

@@ -36,7 +36,8 @@ from .file_io import CheckpointError, FileHash, save_torch, write_json
 from .integrity import gather_records
 from .metadata import (
     FORMAT_VERSION,
-    check_version_and_architecture,
+    check_architecture,
+    check_version,
     copy_tokenizer_files,
     read_metadata,
     report_config_changes,
@@ -45,6 +46,7 @@ from .metadata import (
 )
 from .run_dirs import TRACKER, IterationPaths, barrier, begin_save, iteration_dir, publish, read_tracker
 from .safe_load import load_torch
+from .shape_check import check_shapes, likely_flag, saved_config
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
@@ -173,8 +175,9 @@ def same_stage_layers(meta: dict, config: GPTConfig, pp: int, vpp: int | None) -
 
 
 def check_compatible(meta: dict, config: GPTConfig, root: str) -> None:
-    """Same TP/PP/VPP layout and the same architecture, or a clear error saying what differs."""
-    check_version_and_architecture(meta, config, root)
+    """A version this code reads and the same TP/PP/VPP layout, or a clear error saying what differs (the
+    architecture is compared after the weights' shapes: :func:`check_weights_fit`)."""
+    check_version(meta, root)
     here = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size())
     there = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"],
@@ -213,18 +216,13 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
                                       ps.get_pipeline_model_parallel_world_size()))
     path = os.path.join(rdir, "model_optim_rng.pt")
     payload = load_torch(path)  # a missing, truncated or foreign file is an error naming it and the rank
-    merged = {}
-    for sd in payload["model"].values():
-        merged.update(sd)
+    check_weights_fit(path, payload, model_chunks, config, meta, with_optim=load_optim and not finetune)
+    check_architecture(meta, config, root)
+    merged = {k: v for sd in payload["model"].values() for k, v in sd.items()}
     for m in model_chunks:
         module = m.module
         own = module.state_dict()
-        params = {n for n, _ in module.named_parameters()}
-        missing = [k for k in own if k not in merged]
-        missing_params = [k for k in missing if k in params]
-        if missing_params:
-            raise CheckpointError(f"{path} lacks parameters {missing_params[:5]}"
-                                  f"{'...' if len(missing_params) > 5 else ''}")
+        missing = [k for k in own if k not in merged]  # buffers only (check_weights_fit)
         if missing:  # buffers this run adds (e.g. QAT calibration of a bf16 checkpoint): keep their values
             print(f" checkpoint {path} has no {missing[:3]}{'...' if len(missing) > 3 else ''}: keeping "
                   "this run's initial values for these buffers", flush=True)
@@ -255,6 +253,26 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
     counters = {k: v for k, v in payload.items()
                 if k not in ("model", "optimizer", "opt_param_scheduler", "rng_state", "tp_layout", "model_config")}
     return counters
+
+
+OPTIM_PREFIX = "optimizer.state.exp_avg."  # the Adam moments' names in shape errors (torch_dist's, the same)
+
+
+def check_weights_fit(path: str, payload: dict, model_chunks, config: GPTConfig, meta: dict, *,
+                      with_optim: bool) -> None:
+    """Collective: every saved weight (and, ``with_optim``, Adam moment) of this rank's file ``path`` fits the
+    live tensor it is loaded into, or one :class:`.shape_check.CheckpointShapeError` on every rank."""
+    saved = {k: v.shape for sd in payload["model"].values() for k, v in sd.items()}
+    here = {}
+    for m in model_chunks:
+        params = dict(m.module.named_parameters())
+        here.update({k: v.shape for k, v in m.module.state_dict().items() if k in params or k in saved})
+    optim = payload.get("optimizer") if with_optim else None
+    if optim is not None:
+        saved.update({OPTIM_PREFIX + k: st["exp_avg"].shape for k, st in optim["param_state"].items()})
+        here.update({OPTIM_PREFIX + n: p.shape for m in model_chunks for n, p in m.module.named_parameters()})
+    check_shapes(path, saved, here, hint=likely_flag(saved_config(meta), config),
+                 saved_params=payload.get("tp_layout") or ())
 
 
 def reducer_file_name(dp_rank: int) -> str:

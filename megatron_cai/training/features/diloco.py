@@ -23,7 +23,7 @@ from ...core import parallel_state as ps
 from ...core.diloco import DilocoConfig, DilocoOuter, FlatWeights, IslandGroups, IslandLostError, OuterStats
 from ...core.diloco.start import start_from_island_0
 from ...core.distributed.ddp import DistributedDataParallel
-from ..checkpoint import param_names
+from ..checkpoint import check_shapes, param_names
 from ..errors import RankLocalError
 
 
@@ -160,6 +160,20 @@ class DilocoSeam:
             state["rng"] = device_mod.get_rng_state()
         return state
 
+    def _check_island_state_fits(self, state: dict) -> None:
+        """The island's saved flat weights and inner Adam moments against this run's (one error, this rank's)."""
+        def flat(weights) -> dict:
+            return {f"flat weights of model chunk {i}": tuple(w.shape) for i, w in enumerate(weights)}
+
+        names = param_names(self.model_chunks)
+        saved = {**flat(state["weights"]), **{f"inner exp_avg of {n}": st["exp_avg"].shape
+                                               for n, st in state["inner_optimizer"]["param_state"].items()}}
+        here = {**flat(m.buffer.param_data for m in self.model_chunks),
+                **{f"inner exp_avg of {names[i][id(p)]}": p.shape
+                   for i, m in enumerate(self.model_chunks) for p in m.buffer.params}}
+        check_shapes(f"(DiLoCo state of island {state['island']}, rank {ps.get_rank()})", saved, here,
+                     collective=False, error=DilocoStateError)
+
     def _load_island_state(self, state: dict) -> None:
         """An island's own weights, inner optimizer state and RNG (saved with more than one island)."""
         if "weights" not in state:
@@ -167,6 +181,7 @@ class DilocoSeam:
         if state["island"] != ps.get_island_rank():
             raise DilocoStateError(f"DiLoCo state of island {state['island']} offered to island "
                                    f"{ps.get_island_rank()}")
+        self._check_island_state_fits(state)
         for m, w in zip(self.model_chunks, state["weights"]):
             m.buffer.param_data.copy_(w.to(m.buffer.param_data.device))
         self.optimizer.load_state_dict(state["inner_optimizer"], param_names(self.model_chunks))

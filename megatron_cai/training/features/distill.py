@@ -59,7 +59,7 @@ _PADDING_LOGIT = -1e9  # student logits of padded vocab rows: exp() underflows t
 
 # ------------------------------------------------------------------------------------------- teacher
 def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "cpu",
-                  attention_backend: str | None = None) -> GPTModel:
+                  attention_backend: str | None = None, where: str = "(the teacher)") -> GPTModel:
     """A whole (all layers) GPTModel from a canonical checkpoint, sharded over this process's TP group.
 
     ``ck`` is a :class:`~megatron_cai.training.checkpoint.CanonicalCheckpoint` (any saved
@@ -67,7 +67,7 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
     off; the model is in eval mode with ``requires_grad=False``. The global RNG state is left untouched.
     """
     from ...core.models.gpt.model import WORD_EMBEDDINGS
-    from ..checkpoint import OUTPUT_WEIGHT, fit_vocab_rows
+    from ..checkpoint import OUTPUT_WEIGHT, RankLocalShapeError, check_shapes, fit_vocab_rows
 
     cfg = GPTConfig.from_dict(ck.config.to_dict())
     cfg.padded_vocab_size = padded_vocab_size
@@ -81,19 +81,19 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
         model = GPTModel(cfg, pre_process=True, post_process=True)  # attaches QAT quantizers (cfg.qat)
     params = dict(model.named_parameters())
     state = {}
-    for name, own in model.state_dict().items():
+    for name in model.state_dict():
         if name not in ck.model:
-            raise ValueError(f"teacher checkpoint lacks {name!r} (it has {len(ck.model)} tensors)")
+            continue  # check_shapes names it
         full = ck.model[name]
         if name in (WORD_EMBEDDINGS, OUTPUT_WEIGHT):
             full = fit_vocab_rows(full, padded_vocab_size)
         p = params.get(name)
         if p is not None and getattr(p, "tp_dim", None) is not None and tp > 1:
             full = shard_tensor(full, p.tp_dim, tp_rank, tp, getattr(p, "tp_sections", None))
-        if tuple(full.shape) != tuple(own.shape):
-            raise ValueError(f"teacher tensor {name!r} has shape {tuple(full.shape)}, the model expects "
-                             f"{tuple(own.shape)}")
         state[name] = full
+    # some ranks only load a teacher (the last pipeline stage): a rank-local error, no collective
+    check_shapes(where, {k: v.shape for k, v in state.items()}, {k: v.shape for k, v in model.state_dict().items()},
+                 collective=False, error=RankLocalShapeError)
     model.load_state_dict(state)
     model.to(device).eval()
     for p in model.parameters():
@@ -110,7 +110,7 @@ def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int 
         raise ValueError(f"--distill-teacher-load {path}: the teacher's vocabulary has {ck.config.vocab_size} "
                          f"tokens, the student's {student.vocab_size}: they must share the tokenizer")
     return build_teacher(ck, padded_vocab_size=student.padded_vocab_size, device=device,
-                         attention_backend=student.attention_backend)
+                         attention_backend=student.attention_backend, where=f"--distill-teacher-load {path}")
 
 
 # -------------------------------------------------------------------------------------------- losses
