@@ -278,7 +278,7 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
 
 
 @pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "diloco", "distill", "distill_seeds",
-                                  "dp_comm", "fp16_training", "kaiju", "step_overhead",
+                                  "dp_comm", "fp16_training", "kaiju", "moe", "step_overhead",
                                   "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
                                   "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
 def test_committed_reports_are_what_the_bench_makes_of_its_json(name, tmp_path):
