@@ -208,12 +208,16 @@ class DilocoOuter:
 
     # --------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        """Anchors, outer momentum, error feedback, in-flight results (waited for) and counters."""
+        """Anchors, outer momentum, error feedback, in-flight results (waited for) and counters.
+
+        The in-flight all-reduces are waited for first: they update the error feedback and the counters in their
+        thread, so reading those before would save whatever that thread had reached (a resume then differs)."""
+        pending = {f: (at, fut.result().cpu().clone()) for f, (at, fut) in self.pending.items()}
         return {
             "anchors": [f.anchor.detach().cpu().clone() for f in self.fragments],
             "outer_optimizers": [f.optimizer.state_dict() for f in self.fragments],
             "feedback": self.feedback.state_dict(),
-            "pending": {f: (at, fut.result().cpu().clone()) for f, (at, fut) in self.pending.items()},
+            "pending": pending,
             "stats": dict(vars(self.stats)),
             "schedule": {"inner_steps": self.config.inner_steps, "fragments": self.config.fragments,
                          "overlap_steps": self.config.overlap_steps,

@@ -215,7 +215,11 @@ def load_torch_checkpoint(root: str, model_chunks, optimizer, scheduler, config:
                         rank_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
                                       ps.get_pipeline_model_parallel_world_size()))
     path = os.path.join(rdir, "model_optim_rng.pt")
-    payload = load_torch(path)  # a missing, truncated or foreign file is an error naming it and the rank
+    try:
+        payload = load_torch(path)  # a missing, truncated or foreign file is an error naming it and the rank
+    except CheckpointError:
+        check_architecture(meta, config, root)  # a model that could not use the file anyway: say that first
+        raise
     check_weights_fit(path, payload, model_chunks, config, meta, with_optim=load_optim and not finetune)
     check_architecture(meta, config, root)
     merged = {k: v for sd in payload["model"].values() for k, v in sd.items()}
