@@ -97,7 +97,7 @@ class GlobalNormClipping(ABC):
 
     @torch.no_grad()
     def scale_grads(self, factor: float) -> None:
-        """Multiply the owned gradients by `factor` (fp16: undo the loss scale before the norm and clipping)."""
+        """Multiply the owned gradients by `factor` (clipping; --fp16's unscaling is :meth:`unscale_and_check`)."""
         for g in self.owned_grads():
             g.mul_(factor)
 
@@ -106,7 +106,8 @@ class GlobalNormClipping(ABC):
         """--fp16: multiply every owned gradient by ``inv_scale`` and flag a non-finite element among them, in one
         pass: PyTorch's AMP kernel (the one ``torch.amp.GradScaler`` runs), here on the local tensors (FSDP2: this
         rank's shards). Covers what the norm does not count (TP-replicated copies, HSDP's other nodes). Returns a
-        device scalar, 1 when found; not reduced, not read (the step's read-back sums it over the world)."""
+        device scalar, 1 when found; not reduced, not read (the step's read-back sums it over the world, or over the
+        island with DiLoCo)."""
         device = self.grad_device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
