@@ -524,7 +524,7 @@ class Trainer:
             losses, grad_norm, finite = step.losses, step.grad_norm, step.finite
             st.iteration += 1
             if self.diloco is not None:  # the outer steps due after this inner step (docs/diloco.md)
-                self.diloco.after_step(st.iteration)
+                self.diloco.after_step(st.iteration, last=st.iteration == run.train_iters)
             batch = self.microbatches.running_global_batch_size
             st.consumed_train_samples += batch
             self.profiler.after_step(st.iteration)

@@ -12,7 +12,8 @@ class DilocoConfig:
 
     Fragment ``f`` (0 .. fragments - 1) sends its pseudo-gradient after inner steps ``t`` with
     ``t % inner_steps == offset(f)`` and applies the outer update ``overlap_steps`` inner steps later; the
-    island's weights of that fragment become ``local_weight * local + (1 - local_weight) * outer``.
+    island's weights of that fragment become ``local_weight * local + (1 - local_weight) * outer``. After the
+    last training iteration (``final_average``) every island's weights become the islands' mean.
     """
 
     islands: int = 1              # --diloco-islands
@@ -24,6 +25,7 @@ class DilocoConfig:
     overlap_steps: int = 0        # --diloco-overlap-steps tau: inner steps the outer all-reduce overlaps
     local_weight: float = 0.0     # --diloco-local-weight alpha: mixing at apply time (0: take the outer weights)
     error_feedback: bool = True   # --no-diloco-error-feedback turns it off (6 and 16 bits)
+    final_average: bool = True    # --no-diloco-final-average: the islands keep their own weights at the end
 
     @property
     def enabled(self) -> bool:

@@ -14,6 +14,11 @@ owns one slice (1 / (DP x CP)) of every fragment, averages only that slice with 
 the other islands (the ``outer`` group), steps its slice of the anchor and momentum, and all-gathers the new
 anchor inside the island. The slow link carries each element once per island.
 
+After the last training iteration, :meth:`DilocoOuter.average_islands` makes the islands one model: the updates
+in flight land, then every fragment takes one more outer step with learning rate 1 and no momentum, so that
+every island's weights become the islands' mean (through the same wire format and error feedback). DiLoCo's
+model is the islands' consensus, not one island's last local steps.
+
 The background all-reduce runs on one worker thread (collectives on the ``outer`` group only, in schedule
 order on every rank), so it overlaps the inner steps; its wall time is the link-busy time. A failed
 collective stops the run with :class:`IslandLostError` naming the island that stopped answering.
@@ -60,6 +65,7 @@ class OuterStats:
     link_busy_s: float = 0.0
     wait_s: float = 0.0
     skipped: int = 0
+    final_averages: int = 0
 
 
 class FlatWeights:
@@ -201,6 +207,24 @@ class DilocoOuter:
         others = [i for i in range(self.groups.islands) if i != self.groups.island]
         return f"island {others[0]} stopped answering" if len(others) == 1 else \
             f"one of islands {', '.join(map(str, others))} stopped answering"
+
+    def average_islands(self) -> None:
+        """The end of training: the updates in flight land, then every island's weights become the islands'
+        mean (one outer step per fragment with learning rate 1 and no momentum; the momentum is kept)."""
+        start = time.perf_counter()
+        for f in sorted(self.pending):
+            self._apply(self.fragments[f])
+        for frag in self.fragments:
+            mean = self._average(frag.pseudo_gradient(self.weights), frag.index)
+            if not bool(torch.isfinite(mean).all()):  # every rank sees the same mean: every rank keeps its own
+                self.stats.skipped += 1
+                self.feedback.reset()
+                continue
+            with torch.no_grad():
+                frag.anchor.sub_(mean)
+            self.weights.write(frag.lo, frag.hi, self._gather_anchor(frag))
+        self.stats.final_averages += 1
+        self.stats.wait_s += time.perf_counter() - start
 
     def close(self) -> None:
         if self._worker is not None:

@@ -6,7 +6,7 @@ The Trainer calls::
     state = DilocoCheckpoint.for_config(config.diloco)    # None when DiLoCo is off; a per-rank checkpoint member
     ... checkpointer.load(reducers + [state]) ...
     seam = DilocoSeam.build(config.diloco, model_chunks, optimizer, state)   # on the loaded weights
-    seam.after_step(iteration)            # after the inner optimizer step
+    seam.after_step(iteration, last)      # after the inner optimizer step (last: the run's last iteration)
     seam.log_line(iteration)              # the outer steps since the last line, for the log, or None
 
 The checkpoint member holds the outer state (anchors, outer momentum, error feedback, in-flight results, the
@@ -128,21 +128,27 @@ class DilocoSeam:
         """The seam of ``checkpoint`` (``DilocoCheckpoint.for_config``, loaded or not); None when DiLoCo is off."""
         return cls(config, model_chunks, optimizer, checkpoint) if checkpoint is not None else None
 
-    def after_step(self, iteration: int) -> None:
+    def after_step(self, iteration: int, last: bool = False) -> None:
+        """The outer steps due after inner step ``iteration``; after the run's ``last`` one, the islands'
+        weights become their mean (``--no-diloco-final-average``: not), before the last evaluation and save."""
         self.optimizer.finish_param_sync()  # --overlap-param-gather: the weights are whole before they are read
         with naming_lost_islands():
             self.outer.after_inner_step(iteration)
+            if last and self.config.final_average and self.outer.groups.islands > 1:
+                self.outer.average_islands()
 
     def log_line(self, iteration: int) -> str | None:
         """Outer steps, bytes and link-busy time since the last line; None when no outer step landed since."""
         now, last = self.outer.stats, self._logged
-        if now.outer_steps + now.skipped == last.outer_steps + last.skipped:
+        if (now.outer_steps + now.skipped + now.final_averages
+                == last.outer_steps + last.skipped + last.final_averages):
             return None
         steps, sent = now.outer_steps - last.outer_steps, now.bytes_sent - last.bytes_sent
         line = (f" diloco outer | iteration {iteration} | island {self.outer.groups.island} of "
                 f"{self.outer.groups.islands} | outer steps {now.outer_steps} (+{steps}) | bytes sent {sent} | "
                 f"per outer step {sent // max(steps, 1)} | link busy {now.link_busy_s - last.link_busy_s:.3f} s | "
-                f"inner loop waited {now.wait_s - last.wait_s:.3f} s | skipped {now.skipped}")
+                f"inner loop waited {now.wait_s - last.wait_s:.3f} s | skipped {now.skipped}"
+                + (" | islands averaged (end of training)" if now.final_averages > last.final_averages else ""))
         self._logged = OuterStats(**vars(now))
         return line
 

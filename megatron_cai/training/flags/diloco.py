@@ -34,6 +34,9 @@ def add_diloco_arguments(p: argparse.ArgumentParser) -> None:
                         "lands (with overlap, keeps part of the local progress)")
     g.add_argument("--no-diloco-error-feedback", dest="diloco_error_feedback", action="store_false", default=True,
                    help="no error feedback on the 6- and 16-bit outer all-reduce")
+    g.add_argument("--no-diloco-final-average", dest="diloco_final_average", action="store_false", default=True,
+                   help="after the last training iteration, keep each island's own weights (default: every island's "
+                        "weights become the islands' mean before the last evaluation and save)")
 
 
 def diloco_config(args: argparse.Namespace, world_size: int, problems: FlagProblems) -> DilocoConfig:
@@ -42,7 +45,7 @@ def diloco_config(args: argparse.Namespace, world_size: int, problems: FlagProbl
                        outer_lr=args.diloco_outer_lr, outer_momentum=args.diloco_outer_momentum,
                        outer_bits=args.diloco_outer_bits, fragments=args.diloco_fragments,
                        overlap_steps=args.diloco_overlap_steps, local_weight=args.diloco_local_weight,
-                       error_feedback=args.diloco_error_feedback)
+                       error_feedback=args.diloco_error_feedback, final_average=args.diloco_final_average)
     found = cfg.problems()
     shard = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     if cfg.islands > 1 and world_size % (cfg.islands * shard):

@@ -72,8 +72,11 @@ def mean_over_islands(deltas: list[torch.Tensor], bits: int, state: dict, key) -
 
 
 def diloco(w0: torch.Tensor, islands: int, steps: int, *, H: int, K: int = 1, tau: int = 0, lr: float = 0.7,
-           mu: float = 0.9, bits: int = 32, alpha: float = 0.0, slices: int = 1) -> list[torch.Tensor]:
-    """Every island's final weights. ``slices``: DP x CP ranks per island, each averaging its own slice."""
+           mu: float = 0.9, bits: int = 32, alpha: float = 0.0, slices: int = 1,
+           final_average: bool = False) -> list[torch.Tensor]:
+    """Every island's final weights. ``slices``: DP x CP ranks per island, each averaging its own slice.
+    ``final_average``: at the end the updates in flight land, then each fragment's anchor moves by the islands'
+    mean pseudo-gradient (learning rate 1, no momentum) and every island takes it."""
     n = w0.numel()
     local = [w0.clone() for _ in range(islands)]
     anchor = w0.clone()
@@ -113,4 +116,11 @@ def diloco(w0: torch.Tensor, islands: int, steps: int, *, H: int, K: int = 1, ta
                 pending[f] = (t + tau, average(f))
                 if tau == 0:
                     apply(f, pending.pop(f)[1])
+    if final_average:
+        for f in sorted(pending):
+            apply(f, pending.pop(f)[1])
+        for f, (lo, hi) in enumerate(frags):
+            anchor[lo:hi] = anchor[lo:hi] - average(f)
+            for i in range(islands):
+                local[i][lo:hi] = anchor[lo:hi]
     return local
