@@ -47,10 +47,10 @@ def _killed_worker(rank, world_size, argv, kill_at):
     def hook(trainer):
         after_step = trainer.diloco.after_step
 
-        def dying(iteration):
+        def dying(iteration, last=False):
             if iteration == kill_at:
                 raise _Killed
-            after_step(iteration)
+            after_step(iteration, last)
 
         trainer.diloco.after_step = dying
 
@@ -65,7 +65,7 @@ def test_resume_after_a_kill_mid_outer_step_is_bit_exact(tmp_path):
     """2 islands x 1 rank, Squinch outer steps, K = 2 fragments overlapped by one inner step: fragment 0 is sent
     after iteration 6 and lands after 7. The first run saves at 6 with that all-reduce in flight and is killed at
     7, before it lands; the resumed run equals the uninterrupted one bit for bit (both islands' weights,
-    losses, counters)."""
+    losses, counters). The run ends with the final average: both islands hold the islands' mean."""
     whole = run_distributed(_worker, 2, (ARGS + ISLANDS,))
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", "6"]
     assert run_distributed(_killed_worker, 2, (ARGS + ISLANDS + save, 7)) == [7, 7]
@@ -74,10 +74,15 @@ def test_resume_after_a_kill_mid_outer_step_is_bit_exact(tmp_path):
     assert resumed[1]["losses"] == whole[1]["losses"][6:]
     for w, r in zip(whole, resumed):
         assert torch.equal(w["weights"], r["weights"])
-    assert not torch.equal(whole[0]["weights"], whole[1]["weights"])  # the islands differ between outer steps
+    assert torch.equal(whole[0]["weights"], whole[1]["weights"])  # the final average: one model
     # 12 inner steps, each fragment every 4: fragment 0 after 2, 6, 10 (landing at 3, 7, 11), fragment 1 after 4,
-    # 8, 12 (the last one still in flight at the end)
-    assert whole[0]["diloco"]["outer_steps"] == 5
+    # 8, 12 (the last one lands in the final average, which then averages both fragments once more)
+    assert whole[0]["diloco"]["outer_steps"] == 6
+    assert whole[0]["diloco"]["final_averages"] == 1
+    own = run_distributed(_worker, 2, (ARGS + ISLANDS + ["--no-diloco-final-average"],))
+    assert own[0]["losses"] == whole[0]["losses"]
+    assert not torch.equal(own[0]["weights"], own[1]["weights"])  # without it, the islands differ at the end
+    assert own[0]["diloco"]["outer_steps"] == 5 and own[0]["diloco"]["final_averages"] == 0
     timings = ("link_busy_s", "wait_s")
     assert {k: v for k, v in resumed[0]["diloco"].items() if k not in timings} == \
         {k: v for k, v in whole[0]["diloco"].items() if k not in timings}
