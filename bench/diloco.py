@@ -85,17 +85,38 @@ def _veth_bytes() -> int | None:
     return total
 
 
-def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str]) -> dict:
-    """One training run of ``name`` over a link of ``rate`` Mbit/s (None: unshaped): its figures."""
+def _argv(flags: list[str], seed: int, opts, data: tuple[str, str]) -> list[str]:
     prefix, tokenizer = data
-    link.setup_link(rate)
-    argv = ["pretrain_gpt.py", *(QUICK_MODEL if opts.quick else MODEL), *flags, "--data-path", prefix,
+    return ["pretrain_gpt.py", *(QUICK_MODEL if opts.quick else MODEL), *flags, "--data-path", prefix,
             "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tokenizer, "--split", "949,50,1",
             "--lr", str(opts.lr), "--min-lr", str(opts.lr / 10), "--lr-decay-style", "cosine", "--seed", str(seed),
             "--lr-warmup-iters", str(opts.warmup_iters),
             "--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval", str(opts.iters),
             "--eval-iters", str(opts.eval_iters), "--hidden-dropout", "0", "--attention-dropout", "0",
             "--position-embedding-type", "rope", "--num-workers", "0"]
+
+
+def warm_start(seed: int, opts, data: tuple[str, str]) -> list[str]:
+    """``--warm-start-iters W``: the flags that load the checkpoint every configuration of ``seed`` starts from,
+    W iterations of synchronous fp32 DP on the run's own schedule (unshaped; trained once per seed and settings,
+    kept in the cache). [] when W is 0 (every configuration from scratch)."""
+    if not opts.warm_start_iters:
+        return []
+    settings = f"{'quick' if opts.quick else 'full'}_s{seed}_w{opts.warm_start_iters}_of{opts.iters}_lr{opts.lr:g}" \
+               f"_wu{opts.warmup_iters}"
+    path = os.path.join(opts.cache_dir, f"warm_start_{settings}")
+    if not os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        link.setup_link(None)
+        link.spawn_ranks([*_argv([], seed, opts, data), "--save", path, "--ckpt-format", "torch",
+                          "--exit-interval", str(opts.warm_start_iters)], per_ns=2)
+    return ["--load", path, "--ckpt-format", "torch"]
+
+
+def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str]) -> dict:
+    """One training run of ``name`` over a link of ``rate`` Mbit/s (None: unshaped): its figures, over the
+    iterations after the warm start (all of them without one)."""
+    argv = _argv([*flags, *warm_start(seed, opts, data)], seed, opts, data)
+    link.setup_link(rate)
     before = _veth_bytes()
     log = link.spawn_ranks(argv, per_ns=2)[-1]
     after = _veth_bytes()
@@ -103,7 +124,7 @@ def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str
     outer = [(int(b), float(w)) for b, w in OUTER_RE.findall(log)]
     comm = [int(b) for b in link.BYTES_RE.findall(log)]
     val = VAL_RE.findall(log)
-    tokens = opts.iters * (8 if opts.quick else 16) * (32 if opts.quick else 128)
+    tokens = (opts.iters - opts.warm_start_iters) * (8 if opts.quick else 16) * (32 if opts.quick else 128)
     if outer:  # every outer byte of every rank crosses the link (the outer group pairs the islands' ranks)
         counted = 4 * sum(b for b, _ in outer)
     else:  # a ring over 4 ranks on 2 hosts: 2 of its 4 edges cross, each carrying one rank's bytes
@@ -382,6 +403,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-seeds", type=int, default=None,
                    help="every configuration over a shaped link at the first N seeds only (the losses are the "
                         "unshaped runs'; the report checks that they equal the shaped ones where both ran)")
+    p.add_argument("--warm-start-iters", type=int, default=0,
+                   help="every configuration starts from one checkpoint per seed: this many iterations of synchronous "
+                        "fp32 DP on the run's schedule (as DiLoCo's paper starts from a pretrained model); the "
+                        "figures count the iterations after it (0: from scratch)")
     p.add_argument("--no-netns", action="store_true", help="every rank on the loopback, unshaped")
     p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
@@ -396,10 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     measured = [] if opts.projection_only else measure(opts, results)
     for r in measured:
         r["predicted_s"] = predict(r, measured, opts)
-    payload = {"options": {k: getattr(opts, k) for k in ("iters", "inner_steps", "fragments", "overlap",
-                                                         "outer_lr", "outer_momentum", "warmup_iters", "seeds", "rates",
-                                                         "quick", "dp_link_seeds",
-                                                         "link_seeds", "link_configs")},
+    kept = ("iters", "inner_steps", "fragments", "overlap", "outer_lr", "outer_momentum", "warmup_iters",
+            "warm_start_iters", "seeds", "rates", "quick", "dp_link_seeds", "link_seeds", "link_configs")
+    payload = {"options": {k: getattr(opts, k) for k in kept},
                "measured": measured, "projection": projection(MODELS[:1] if opts.quick else MODELS)}
     results.write(payload, render, plot if measured else None)
 
