@@ -22,7 +22,13 @@ squinch_cluster_projection.py's model: 4M tokens per island per inner step, bf16
 pseudo-gradients, the least H that keeps compute utilisation >= 90% (K = 1 and K = 4 fragments, overlap up to
 the next fragment's send), utilisation at H = 20 and 100, and synchronous DP's across the same link.
 
+Every configuration of a seed starts from one checkpoint of --warm-start-iters synchronous DP iterations (as
+DiLoCo's paper starts from a pretrained model) and the figures are the iterations after it; with
+--warm-start-iters 0 every configuration trains from scratch (bench/results/diloco_scratch.md).
+
     python bench/diloco.py                  # needs root (namespaces, tc); long: run it on a quiet machine
+    python bench/diloco.py --warm-start-iters 0 --configs "dp bf16" "diloco 6" --link-configs \
+        --out bench/results/diloco_scratch  # the same from scratch, losses only
     python bench/diloco.py --projection-only  # part 3 only: seconds
     python bench/diloco.py --quick --no-netns  # every part at toy size on the loopback, one rate (CI)
 """
@@ -46,6 +52,7 @@ from megatron_cai.core.diloco.outer_model import (
     wire_bytes,
 )
 
+CORPUS_MB = 16.0  # the whole standard library (about 11 MB, 4M tokens): 600 iterations stay inside one epoch
 ERROR_BOUND = 0.20  # the model's stated error on measured rows (part 2)
 ISLAND_GPUS = 64
 WAN_ALPHA_S = 0.025  # one message's latency between islands
@@ -137,6 +144,16 @@ def run(name: str, flags: list[str], rate, seed: int, opts, data: tuple[str, str
             "outer_bytes_per_rank": [b for b, _ in outer]}
 
 
+def link_rows(entries: list[str]) -> dict[str, set]:
+    """``--link-configs`` entries, ``NAME`` (every rate) or ``NAME@R1,R2`` (those Mbit/s only): name -> rates
+    (None: every rate)."""
+    out: dict[str, set] = {}
+    for entry in entries:
+        name, _, rates = entry.partition("@")
+        out.setdefault(name, set()).update({float(r) for r in rates.split(",")} if rates else {None})
+    return out
+
+
 def link_seeds(opts, name: str) -> int | None:
     """Over how many of the first seeds ``name`` runs over a shaped link (None: all)."""
     return opts.dp_link_seeds if name.startswith("dp") and opts.dp_link_seeds is not None else opts.link_seeds
@@ -144,16 +161,16 @@ def link_seeds(opts, name: str) -> int | None:
 
 def measure(opts, results: H.Results) -> list[dict]:
     data = demo_corpus(opts.cache_dir, **({"vocab": QUICK["vocab"], "max_mb": QUICK["corpus_mb"]} if opts.quick
-                                          else {"vocab": 2048, "max_mb": 4.0}))
+                                          else {"vocab": 2048, "max_mb": CORPUS_MB}))
     rows = []
     configs = configurations(opts)
     names = opts.configs or list(configs)
-    over_link = opts.link_configs if opts.link_configs is not None else names
+    over_link = link_rows(opts.link_configs if opts.link_configs is not None else names)
     try:
         for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
             for seed in opts.seeds:
                 for name in names:
-                    if rate is not None and name not in over_link:
+                    if rate is not None and not over_link.get(name, set()) & {None, rate}:
                         continue
                     if rate is not None and seed not in opts.seeds[:link_seeds(opts, name)]:
                         continue  # the losses do not depend on the link: the unshaped run has them (see acceptance)
@@ -301,7 +318,11 @@ def render(res: dict) -> str:
         o = res["options"]
         mu = o.get("outer_momentum", 0.9)
         momentum = f"Nesterov momentum {mu}" if mu else "no outer momentum"
-        lines += [f"2 islands x 2 ranks; {o['iters']} iterations; DiLoCo H = {o['inner_steps']}, K = {o['fragments']}, "
+        warm = o.get("warm_start_iters", 0)
+        start = (f"every configuration of a seed starts from one checkpoint of {warm} synchronous fp32 DP iterations "
+                 f"and trains the {o['iters'] - warm} after it (the figures are theirs)" if warm else "from scratch")
+        lines += [f"2 islands x 2 ranks; {o['iters']} iterations, {start}; DiLoCo H = {o['inner_steps']}, "
+                  f"K = {o['fragments']}, "
                   f"tau = {o['overlap']}, outer lr {o['outer_lr']}, {momentum}; {o.get('warmup_iters', 0)} warm-up "
                   f"iterations (every configuration); seeds {o['seeds']}; bytes measured "
                   f"on: {rows[0]['measured_on']}. Model error bound {ERROR_BOUND:.0%}.", "",
@@ -383,12 +404,12 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = H.parser(__doc__, "diloco")
-    H.add(p, iters=400, lr=2e-3, seeds=[1, 2, 3], eval_iters=8)
+    H.add(p, iters=600, lr=2e-3, seeds=[1, 2, 3], eval_iters=8)
     p.add_argument("--rates", type=float, nargs="+", default=[10, 30, 100], help="slow-link rates, Mbit/s")
     p.add_argument("--configs", nargs="*", default=None, help="a subset of the configurations")
     p.add_argument("--link-configs", nargs="*", default=None,
-                   help="the configurations run over the shaped links too (default: all of --configs; the others "
-                        "run unshaped only)")
+                   help="the configurations run over the shaped links too, NAME or NAME@R1,R2 (at those "
+                        "Mbit/s only; default: all of --configs at every rate; the others run unshaped only)")
     p.add_argument("--inner-steps", type=int, default=30)
     p.add_argument("--fragments", type=int, default=5)
     p.add_argument("--overlap", type=int, default=4)
@@ -403,14 +424,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--link-seeds", type=int, default=None,
                    help="every configuration over a shaped link at the first N seeds only (the losses are the "
                         "unshaped runs'; the report checks that they equal the shaped ones where both ran)")
-    p.add_argument("--warm-start-iters", type=int, default=0,
+    p.add_argument("--warm-start-iters", type=int, default=300,
                    help="every configuration starts from one checkpoint per seed: this many iterations of synchronous "
                         "fp32 DP on the run's schedule (as DiLoCo's paper starts from a pretrained model); the "
                         "figures count the iterations after it (0: from scratch)")
     p.add_argument("--no-netns", action="store_true", help="every rank on the loopback, unshaped")
     p.add_argument("--projection-only", action="store_true", help="part 3 only (no runs)")
     opts = H.parse(p, argv, quick=dict(iters=4, seeds=[1], eval_iters=1, rates=[100], inner_steps=2, fragments=2,
-                                       overlap=1, configs=["dp bf16", "diloco 6"]))
+                                       overlap=1, configs=["dp bf16", "diloco 6"], warm_start_iters=2))
     if opts.warmup_iters is None:
         opts.warmup_iters = opts.iters // 10
     link.use_namespaces(not opts.no_netns)
