@@ -77,9 +77,18 @@ def configurations(opts) -> dict[str, list[str]]:
     diloco = ["--diloco-islands", "2", "--diloco-inner-steps", str(opts.inner_steps), "--diloco-fragments",
               str(opts.fragments), "--diloco-overlap-steps", str(opts.overlap), "--diloco-outer-lr",
               str(opts.outer_lr), "--diloco-outer-momentum", str(opts.outer_momentum)]
+    every_step = ["--diloco-islands", "2", "--diloco-inner-steps", "1", "--diloco-outer-bits", "32",
+                  "--diloco-outer-lr", "1", "--diloco-outer-momentum", "0"]
     return {"dp fp32": [], "dp bf16": ["--grad-reduce-in-bf16"],
             "dp squinch": ["--squinch", "--squinch-hierarchical", "--ranks-per-node", "2"],
-            "diloco 6": diloco + ["--diloco-outer-bits", "6"], "diloco 16": diloco + ["--diloco-outer-bits", "16"]}
+            "diloco 6": diloco + ["--diloco-outer-bits", "6"], "diloco 16": diloco + ["--diloco-outer-bits", "16"],
+            LOCAL_ADAM: every_step}
+
+
+# The islands average their weights after every inner step, in fp32 (DiLoCo with H = 1, outer lr 1): what
+# separates DiLoCo from DP before any outer loop or compression: each island's Adam steps on its half of the
+# batch. Its loss is reported; over a link it would be as slow as fp32 DP, so it runs unshaped unless named.
+LOCAL_ADAM = "islands avg every step"
 
 
 def _veth_bytes() -> int | None:
@@ -109,8 +118,8 @@ def warm_start(seed: int, opts, data: tuple[str, str]) -> list[str]:
     kept in the cache). [] when W is 0 (every configuration from scratch)."""
     if not opts.warm_start_iters:
         return []
-    settings = f"{'quick' if opts.quick else 'full'}_s{seed}_w{opts.warm_start_iters}_of{opts.iters}_lr{opts.lr:g}" \
-               f"_wu{opts.warmup_iters}"
+    data_key = "quick" if opts.quick else f"full{CORPUS_MB:g}mb"
+    settings = f"{data_key}_s{seed}_w{opts.warm_start_iters}_of{opts.iters}_lr{opts.lr:g}_wu{opts.warmup_iters}"
     path = os.path.join(opts.cache_dir, f"warm_start_{settings}")
     if not os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt")):
         link.setup_link(None)
@@ -165,7 +174,8 @@ def measure(opts, results: H.Results) -> list[dict]:
     rows = []
     configs = configurations(opts)
     names = opts.configs or list(configs)
-    over_link = link_rows(opts.link_configs if opts.link_configs is not None else names)
+    over_link = link_rows(opts.link_configs if opts.link_configs is not None else
+                          [n for n in names if n != LOCAL_ADAM])
     try:
         for rate in ([] if opts.quick else [None]) + list(opts.rates):  # --quick: no unshaped reference
             for seed in opts.seeds:
@@ -275,6 +285,7 @@ def acceptance(rows: list[dict]) -> list[str]:
         return [r["val_loss"] for r in rows if r["name"] == name and r["rate"] == "unshaped"]
 
     dp_loss = unshaped_losses("dp bf16")
+    out += loss_against_dp(rows)
     for rate in dict.fromkeys(r["rate"] for r in rows if r["rate"] != "unshaped"):
         def at(name: str) -> list[dict]:
             return [r for r in rows if r["name"] == name and r["rate"] == rate]  # noqa: B023
@@ -308,6 +319,30 @@ def acceptance(rows: list[dict]) -> list[str]:
             out.append(f"- {rate} Mbit/s, 6-bit minus bf16 pseudo-gradients: validation loss {_mean_sd(d)} (paired "
                        f"over {len(d)} seeds), slow-link bytes per token {b6:.4g} vs {b16:.4g} ({b6 / b16:.3f}x; "
                        f"the outer payload alone {p6:.4g} vs {p16:.4g}, {p6 / p16:.3f}x).")
+    return out + [""]
+
+
+def loss_against_dp(rows: list[dict]) -> list[str]:
+    """Every configuration's validation loss against bf16 DP's at equal tokens, over the unshaped runs (every
+    seed): the difference of the means, and the per-seed differences' mean and spread."""
+    def by_seed(name: str) -> dict[int, float]:
+        return {r["seed"]: r["val_loss"] for r in rows if r["name"] == name and r["rate"] == "unshaped"}
+
+    dp = by_seed("dp bf16")
+    if not dp:
+        return []
+    out = ["", "Validation loss against bf16 DP's at equal tokens (unshaped runs; the relative difference of the "
+           "means, then the per-seed relative differences):"]
+    for name in dict.fromkeys(r["name"] for r in rows if r["name"] != "dp bf16"):
+        mine = by_seed(name)
+        paired = [mine[s] / dp[s] - 1 for s in mine if s in dp]
+        if not paired:
+            continue
+        gap = _mean(list(mine.values())) / _mean(list(dp.values())) - 1
+        spread = f"{_mean(paired):+.2%} +- {statistics.stdev(paired):.2%}" if len(paired) > 1 else f"{paired[0]:+.2%}"
+        note = (" (averaging after every step in fp32, no outer optimizer: the part of the gap that the islands' Adam "
+                "steps on half the batch make)") if name == LOCAL_ADAM else ""
+        out.append(f"- {name}: {gap:+.2%} (per seed {spread}, {len(paired)} seeds){note}")
     return out + [""]
 
 

@@ -71,3 +71,17 @@ def test_losses_come_from_the_unshaped_runs_of_every_seed_when_the_link_ran_fewe
     assert "equals its unshaped run's in 3 of 3" in text
     assert "validation loss is +2.67% against bf16 DP's (3 and 3 seeds" in text  # (4.04 + 4.12 + 4.16) / 3 / 4
     assert "validation loss 0.1067 +- 0.061 (paired over 3 seeds)" in text
+
+
+def test_every_configuration_is_compared_with_dp_per_seed():
+    dp = [_row("dp bf16", "unshaped", s, val_loss=v) for s, v in ((1, 4.0), (2, 5.0))]
+    local = [_row(B.LOCAL_ADAM, "unshaped", s, val_loss=v) for s, v in ((1, 4.2), (2, 5.0))]
+    over_link = [_row(B.LOCAL_ADAM, "10", 1, val_loss=9.0)]  # a shaped row is not a loss row
+    lines = B.loss_against_dp(dp + local + over_link)
+    # means 4.6 vs 4.5: +2.22%; per seed +5% and 0%: mean +2.50%, sd 3.54%
+    assert lines[2].startswith(f"- {B.LOCAL_ADAM}: +2.22% (per seed +2.50% +- 3.54%, 2 seeds)")
+    assert B.loss_against_dp(local) == []  # nothing to compare with
+
+
+def test_link_configs_name_their_rates():
+    assert B.link_rows(["dp fp32@30,100", "diloco 6"]) == {"dp fp32": {30.0, 100.0}, "diloco 6": {None}}
