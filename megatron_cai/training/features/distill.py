@@ -103,11 +103,11 @@ def build_teacher(ck, *, padded_vocab_size: int, device: torch.device | str = "c
 
 def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int | None = None) -> GPTModel:
     """Load the checkpoint at ``path`` (any TP/PP layout) as an online teacher for ``student``."""
-    from ..checkpoint import load_canonical
+    from ..checkpoint import RankLocalShapeError, load_canonical
 
     ck = load_canonical(path, step, load_optimizer=False)
-    if ck.config.vocab_size != student.vocab_size:
-        raise ValueError(f"--distill-teacher-load {path}: the teacher's vocabulary has {ck.config.vocab_size} "
+    if ck.config.vocab_size != student.vocab_size:  # only the ranks that hold a teacher load it: rank-local
+        raise RankLocalShapeError(f"--distill-teacher-load {path}: the teacher's vocabulary has {ck.config.vocab_size} "
                          f"tokens, the student's {student.vocab_size}: they must share the tokenizer")
     return build_teacher(ck, padded_vocab_size=student.padded_vocab_size, device=device,
                          attention_backend=student.attention_backend, where=f"--distill-teacher-load {path}")

@@ -5,6 +5,7 @@ unexpected) are exactly the ones :func:`shape_problems` / :func:`unexpected` nam
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -155,6 +156,22 @@ def test_teacher_that_does_not_fit_is_one_rank_local_error():
     assert isinstance(e.value, RankLocalError)
     assert str(e.value) == (f"checkpoint --t T does not fit this run's model: {name!r} has shape (96, 32) in the "
                             f"checkpoint but (128, 32) in this run")
+
+
+def test_teacher_of_another_vocabulary_is_one_rank_local_error(monkeypatch):
+    from megatron_cai.training import checkpoint
+    from megatron_cai.training.checkpoint import CanonicalCheckpoint, RankLocalShapeError
+    from megatron_cai.training.features.distill import load_teacher
+
+    teacher = _model()
+    saved = CanonicalCheckpoint(teacher.config, model=dict(teacher.state_dict()))
+    monkeypatch.setattr(checkpoint, "load_canonical", lambda path, step, load_optimizer: saved)
+    assert load_teacher("T", teacher.config, torch.device("cpu")) is not None  # the same vocabulary loads
+    student = dataclasses.replace(teacher.config, vocab_size=teacher.config.vocab_size - 1)
+    with pytest.raises(RankLocalShapeError) as e:
+        load_teacher("T", student, torch.device("cpu"))
+    assert str(e.value) == (f"--distill-teacher-load T: the teacher's vocabulary has {teacher.config.vocab_size} "
+                            f"tokens, the student's {student.vocab_size}: they must share the tokenizer")
 
 
 def test_diloco_island_state_that_does_not_fit_is_one_rank_local_error():
