@@ -127,6 +127,9 @@ def test_diloco_rows_and_projection(run):
     assert set(rows) == {"dp bf16", "diloco 6"}
     dp, dl = rows["dp bf16"], rows["diloco 6"]
     assert dl["tokens"] == dp["tokens"] and dl["val_loss"] is not None and dp["val_loss"] is not None
+    # both start from the one warm-start checkpoint: only the iterations after it are logged and counted
+    after = res["options"]["iters"] - res["options"]["warm_start_iters"]
+    assert res["options"]["warm_start_iters"] > 0 and len(dp["losses"]) == len(dl["losses"]) == after
     # H = 2, Squinch against bf16 every step: fewer bytes per token by about 2 x 16 / 6
     assert dl["crossing_bytes"] < dp["crossing_bytes"] / 4
     assert 0 <= dl["wait_s"] <= dl["wall_s"] and dl["predicted_s"] > 0
