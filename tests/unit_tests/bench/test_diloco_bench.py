@@ -54,10 +54,15 @@ def test_acceptance_ratios_by_hand():
     assert "equals its unshaped run's in 1 of 1" in text
     assert "validation loss is +2.00% against bf16 DP's (2 and 2 seeds" in text
     assert "wall time 0.100x DP's (target <= 0.2: holds)" in text
-    assert "bytes per token 0.0200x DP's (target <= 0.01: NOT; the outer payload alone" in text
-    assert "(start-up, exit votes, evaluation): 0.0050x)" in text
+    assert "bytes per token 0.0200x DP's (target <= 0.01: NOT); the outer payload alone" in text
+    assert "(start-up, exit votes, evaluation): 0.0050x." in text
     assert "validation loss 0.06 +- 0.028 (paired over 2 seeds)" in text
     assert "(0.667x; the outer payload alone 9.766 vs 39.06, 0.250x)" in text
+    # the targets are the 10 Mbit/s link's: another link's line states the figures only
+    at_30 = "\n".join(B.acceptance([{**r, "rate": "30"} if r["rate"] == "10" else r for r in dp + six + sixteen]))
+    assert "- 30 Mbit/s: Squinch-DiLoCo's validation loss is +2.00% against bf16 DP's (2 and 2 seeds), its wall " \
+           "time 0.100x DP's, its slow-link bytes per token 0.0200x DP's; the outer payload" in at_30
+    assert "target" not in at_30
 
 
 def test_losses_come_from_the_unshaped_runs_of_every_seed_when_the_link_ran_fewer():
