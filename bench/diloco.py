@@ -69,7 +69,7 @@ OUTER_RE = re.compile(r"diloco outer .*?bytes sent (\d+) .*?inner loop waited ([
 
 # ------------------------------------------------------------------------------------------ part 1
 # Options a finished row does not depend on (a row's key names its configuration, rate and seed): a run with
-# another subset of them takes the rows an earlier one finished.
+# another subset of them resumes from the rows an interrupted one finished (a finished run removes its rows file).
 ROW_INDEPENDENT = ("out", "from_json", "configs", "link_configs", "rates", "seeds", "dp_link_seeds", "link_seeds",
                    "projection_only")
 
