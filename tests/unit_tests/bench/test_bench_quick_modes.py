@@ -130,8 +130,9 @@ def test_diloco_rows_and_projection(run):
     # both start from the one warm-start checkpoint: only the iterations after it are logged and counted
     after = res["options"]["iters"] - res["options"]["warm_start_iters"]
     assert res["options"]["warm_start_iters"] > 0 and len(dp["losses"]) == len(dl["losses"]) == after
-    # H = 2, Squinch against bf16 every step: fewer bytes per token by about 2 x 16 / 6
-    assert dl["crossing_bytes"] < dp["crossing_bytes"] / 4
+    # the 2 iterations: one outer round (H = 2) and the final average, each the model once in 6 bits over the
+    # 2-rank outer group, against 2 bf16 steps over the 4-rank ring (1.5 x the bytes per element): about 1/4
+    assert dl["crossing_bytes"] < dp["crossing_bytes"] / 3
     assert 0 <= dl["wait_s"] <= dl["wall_s"] and dl["predicted_s"] > 0
     for r in res["projection"]:  # fewer bits never need a larger H nor a faster link
         assert r["6"]["min_h_k4"] <= r["16"]["min_h_k4"] <= r["32"]["min_h_k4"]
@@ -280,13 +281,17 @@ NOT_FROM_JSON = {"train_throughput": lambda p: isinstance(p, list),  # rows only
                  "attention": lambda p: "repeats" not in p["config"]}
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "diloco", "distill", "distill_seeds",
+SCRIPT_OF = {"diloco_scratch": "diloco"}  # reports that another configuration of a bench made (--out)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "clamp_drift", "context_parallel", "diloco", "diloco_scratch",
+                                  "distill", "distill_seeds",
                                   "dp_comm", "fp16_training", "kaiju", "moe", "step_overhead",
                                   "fsdp_memory", "qat_clamp", "qat_training", "squinch_cluster_projection",
                                   "squinch_codec", "squinch_convergence", "zreg_bf16", "zreg_tree_training"])
 def test_committed_reports_are_what_the_bench_makes_of_its_json(name, tmp_path):
     shutil.copy(os.path.join(RESULTS, name + ".json"), tmp_path / (name + ".json"))
-    module = load_module(f"bench/{name}.py")  # by path: bench/gpu/ has same-named scripts
+    module = load_module(f"bench/{SCRIPT_OF.get(name, name)}.py")  # by path: bench/gpu/ has same-named scripts
     module.main(["--from-json", "--out", str(tmp_path / name)])
     assert (tmp_path / (name + ".md")).read_text() == open(os.path.join(RESULTS, name + ".md")).read()
 
