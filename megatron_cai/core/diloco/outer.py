@@ -180,9 +180,7 @@ class DilocoOuter:
     def _apply(self, frag: Fragment) -> None:
         _, future = self.pending.pop(frag.index)
         mean = future.result()
-        if not bool(torch.isfinite(mean).all()):  # every rank sees the same mean: every rank skips
-            self.stats.skipped += 1
-            self.feedback.reset()
+        if self._skipped(mean):
             mean = torch.zeros_like(mean)
         else:
             frag.anchor.grad = mean
@@ -194,6 +192,15 @@ class DilocoOuter:
         if w:
             full = w * self.weights.read(frag.lo, frag.hi) + (1 - w) * full
         self.weights.write(frag.lo, frag.hi, full)
+
+    def _skipped(self, mean: torch.Tensor) -> bool:
+        """A non-finite mean pseudo-gradient: counted, the residuals zeroed. Every rank sees the same mean, so
+        every rank skips alike."""
+        if bool(torch.isfinite(mean).all()):
+            return False
+        self.stats.skipped += 1
+        self.feedback.reset()
+        return True
 
     def _gather_anchor(self, frag: Fragment) -> torch.Tensor:
         g = self.groups
@@ -216,9 +223,7 @@ class DilocoOuter:
             self._apply(self.fragments[f])
         for frag in self.fragments:
             mean = self._average(frag.pseudo_gradient(self.weights), frag.index)
-            if not bool(torch.isfinite(mean).all()):  # every rank sees the same mean: every rank keeps its own
-                self.stats.skipped += 1
-                self.feedback.reset()
+            if self._skipped(mean):  # every island keeps its own weights of this fragment
                 continue
             with torch.no_grad():
                 frag.anchor.sub_(mean)

@@ -107,8 +107,9 @@ def load_teacher(path: str, student: GPTConfig, device: torch.device, step: int 
 
     ck = load_canonical(path, step, load_optimizer=False)
     if ck.config.vocab_size != student.vocab_size:  # only the ranks that hold a teacher load it: rank-local
-        raise RankLocalShapeError(f"--distill-teacher-load {path}: the teacher's vocabulary has {ck.config.vocab_size} "
-                         f"tokens, the student's {student.vocab_size}: they must share the tokenizer")
+        raise RankLocalShapeError(f"--distill-teacher-load {path}: the teacher's vocabulary has "
+                                  f"{ck.config.vocab_size} tokens, the student's {student.vocab_size}: they must "
+                                  f"share the tokenizer")
     return build_teacher(ck, padded_vocab_size=student.padded_vocab_size, device=device,
                          attention_backend=student.attention_backend, where=f"--distill-teacher-load {path}")
 
